@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine; a second run reuses what the first fetched.
+#   - redis-server (Debian package), Java 17 and Maven when missing
+#   - the Kafka broker's jars from Maven Central, into a cache outside the repo
+#     (skipped when KAFKA_HOME points at an unpacked Kafka distribution)
+#   - a virtual environment in .venv with streamtrain and its test extras;
+#     torch from ../shared/wheels when that folder has it, else from the registry
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache=${STREAMTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/streamtrain}
+kafka_version=$(sed -n 's/^KAFKA_VERSION = "\(.*\)"$/\1/p' "$root/streamtrain/launcher/kafka.py")
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+apt_updated=0
+apt_install() {
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  if [ "$apt_updated" -eq 0 ]; then
+    $sudo apt-get update -qq
+    apt_updated=1
+  fi
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
+}
+
+# --- system packages -----------------------------------------------------------
+if ! command -v redis-server >/dev/null; then
+  log "installing redis-server"
+  apt_install redis-server
+  # Debian's package starts a system-wide server; we only ever use our own.
+  (command -v systemctl >/dev/null && systemctl disable --now redis-server >/dev/null 2>&1) || true
+fi
+if [ -z "${KAFKA_HOME:-}" ]; then
+  command -v java >/dev/null || { log "installing Java 17"; apt_install openjdk-17-jre-headless; }
+fi
+
+# --- Kafka jars ---------------------------------------------------------------
+if [ -n "${KAFKA_HOME:-}" ]; then
+  ls "$KAFKA_HOME"/libs/kafka_2.13-*.jar >/dev/null 2>&1 \
+    || { log "KAFKA_HOME=$KAFKA_HOME has no libs/kafka_2.13-*.jar"; exit 1; }
+  log "using Kafka from KAFKA_HOME=$KAFKA_HOME"
+else
+  libs="$cache/kafka-$kafka_version/libs"
+  if ! ls "$libs"/kafka_2.13-"$kafka_version".jar >/dev/null 2>&1; then
+    command -v mvn >/dev/null || { log "installing Maven"; apt_install maven; }
+    log "fetching Kafka $kafka_version jars into $libs"
+    tmp="$libs.partial"
+    rm -rf "$tmp"
+    mvn -q -B -Dstyle.color=never -f "$root/scripts/kafka/pom.xml" -Dkafka.version="$kafka_version" \
+      dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$tmp"
+    rm -rf "$libs" && mv "$tmp" "$libs"
+  fi
+fi
+
+# --- Python environment ---------------------------------------------------------
+venv="$root/.venv"
+py=${PYTHON:-python3}
+if [ ! -x "$venv/bin/python" ]; then
+  "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || { log "Python 3.11 or newer is needed (found $("$py" --version 2>&1))"; exit 1; }
+  log "creating $venv"
+  "$py" -m venv "$venv"
+fi
+wheels="$root/../shared/wheels"
+stamp="$venv/.streamtrain-deps"
+want=$( (cat "$root/pyproject.toml"; ls "$wheels" 2>/dev/null || true) | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+  torch_wheel=$(ls "$wheels"/torch-*.whl 2>/dev/null | head -n1 || true)
+  if [ -n "$torch_wheel" ]; then
+    log "installing torch from $torch_wheel"
+    "${pip[@]}" "$torch_wheel"
+  fi
+  log "installing streamtrain and its dependencies"
+  "${pip[@]}" -e "$root[test]"
+  echo "$want" > "$stamp"
+fi
+log "ready"

@@ -1,0 +1,73 @@
+"""The ``streamtrain`` command: one subcommand per service.
+
+Each subcommand lives in its own module, which provides
+``add_arguments(parser)`` and ``run(args) -> int``; it is imported only when
+chosen, so ``streamtrain --help`` stays fast and a service pulls in only what it
+uses (torch is not imported by the coordinator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from .settings import SettingsError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("streamtrain.up", "bring everything up locally and train from a stream"),
+}
+"""Subcommand -> (module, one-line description)."""
+
+
+def load_command(name: str) -> ModuleType:
+    """Import the module of subcommand ``name``.
+
+    Raises:
+        KeyError: ``name`` is not a streamtrain subcommand.
+    """
+    module, _ = COMMANDS[name]
+    return importlib.import_module(module)
+
+
+def build_parser(name: str) -> argparse.ArgumentParser:
+    """The full argument parser of subcommand ``name``."""
+    parser = argparse.ArgumentParser(prog=f"streamtrain {name}", description=COMMANDS[name][1])
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
+    load_command(name).add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``streamtrain`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(
+        prog="streamtrain",
+        description="Distributed training from Kafka streams with a Redis parameter server.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {k:<12} {v[1]}" for k, v in COMMANDS.items()))
+    top.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND",
+                     help="one of: " + ", ".join(sorted(COMMANDS)))
+    top.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    ns = top.parse_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
+    parser = build_parser(ns.command)
+    args = parser.parse_args(argv[1:])
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "DEBUG":
+        logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python is chatty at INFO
+    try:
+        return int(load_command(ns.command).run(args) or 0)
+    except SettingsError as exc:
+        parser.error(str(exc))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Redis key names of one training job: the one place that spells them.
+
+Every key of a job carries the job name in a hash tag (``{job}``), so a job's
+keys share one Redis Cluster slot and Lua scripts may touch several of them.
+The coordinator writes the membership keys; the parameter plane reads them to
+fence stale trainers; both go through this class.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def validate_job(job: str) -> str:
+    """Return ``job`` if it is a valid job name, else raise ValueError naming it."""
+    if not isinstance(job, str) or not _JOB_RE.match(job):
+        raise ValueError(f"invalid job name {job!r}: use 1-64 letters, digits, '_', '.', '-' "
+                         "starting with a letter or digit")
+    return job
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """Key names for job ``job``. Hash fields are documented per key."""
+
+    job: str
+
+    def __post_init__(self) -> None:
+        validate_job(self.job)
+
+    def key(self, *parts: str | int) -> str:
+        """``st:{job}:part1:part2...`` for keys not named below."""
+        return ":".join([f"st:{{{self.job}}}", *map(str, parts)])
+
+    # -- parameter plane ---------------------------------------------------
+    @property
+    def meta(self) -> str:
+        """Model metadata: names, shapes, dtypes, shard layout, optimizer."""
+        return self.key("meta")
+
+    def shard(self, index: int) -> str:
+        """Bytes of parameter shard ``index``."""
+        return self.key("shard", index)
+
+    @property
+    def versions(self) -> str:
+        """Hash: shard index -> version."""
+        return self.key("versions")
+
+    @property
+    def update_log(self) -> str:
+        """Stream of pushed updates (compressed gradients with their offsets)."""
+        return self.key("log")
+
+    @property
+    def offsets(self) -> str:
+        """Hash: Kafka partition -> next offset to consume (committed with the gradient)."""
+        return self.key("offsets")
+
+    @property
+    def clocks(self) -> str:
+        """Hash: member id -> clock of its last pushed update (SSP/BSP)."""
+        return self.key("clocks")
+
+    # -- control plane -----------------------------------------------------
+    @property
+    def generation(self) -> str:
+        """Integer membership generation, bumped on every membership change."""
+        return self.key("generation")
+
+    @property
+    def members(self) -> str:
+        """Hash: member id -> JSON of its registration and last heartbeat."""
+        return self.key("members")
+
+    @property
+    def assignment(self) -> str:
+        """Hash: Kafka partition -> ``"<member id>|<generation>"`` that owns it.
+
+        The parameter plane's atomic push refuses offsets for a partition
+        whose owner or generation differs from the pushing trainer's (fencing).
+        """
+        return self.key("assignment")
+
+    @property
+    def config(self) -> str:
+        """Hash: job configuration (consistency model, staleness, lr, codec, ...)."""
+        return self.key("config")

@@ -1,0 +1,25 @@
+"""Start and stop the real servers streamtrain needs, on loopback.
+
+Used by the tests' session fixtures, the benchmarks and ``streamtrain up``.
+"""
+
+from .kafka import KAFKA_VERSION, KafkaBroker, cache_dir, kafka_libs_dir
+from .process import LaunchError, ManagedProcess, ServerState, free_port, pid_alive, wait_until
+from .redis import RedisServer
+
+__all__ = [
+    # servers
+    "KafkaBroker",
+    "RedisServer",
+    "ManagedProcess",
+    "ServerState",
+    # errors
+    "LaunchError",
+    # helpers
+    "KAFKA_VERSION",
+    "cache_dir",
+    "free_port",
+    "kafka_libs_dir",
+    "pid_alive",
+    "wait_until",
+]

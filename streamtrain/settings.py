@@ -1,0 +1,126 @@
+"""Typed settings: one frozen dataclass per service, filled from CLI flags and environment.
+
+Each field is declared with :func:`setting`, which records its environment
+variable, bounds and a one-line help. :func:`add_arguments` turns the fields
+into ``--flag-name`` options and :func:`from_args` builds the dataclass with the
+precedence *flag > environment > default*, validating every value with a
+``ValueError`` that names the field and the bad value.
+
+Example::
+
+    @dataclass(frozen=True)
+    class RedisSettings:
+        url: str = setting("redis://127.0.0.1:6379/0", env="STREAMTRAIN_REDIS_URL",
+                           help="Redis holding the parameters")
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the flag, its variable and the value."""
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def setting(default: Any, *, env: str | None, help: str, min: float | None = None,  # noqa: A002
+            max: float | None = None, choices: Sequence[Any] | None = None) -> Any:
+    """Declare a settings field with its environment variable, bounds and help."""
+    return dataclasses.field(default=default, metadata={
+        "env": env, "help": help, "min": min, "max": max,
+        "choices": tuple(choices) if choices is not None else None})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _convert(field: str, kind: Any, raw: Any) -> Any:
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise SettingsError(f"{field}: expected a boolean (true/false), got {raw!r}")
+    if kind in (int, float):
+        try:
+            return kind(raw)
+        except (TypeError, ValueError):
+            raise SettingsError(f"{field}: expected {kind.__name__}, got {raw!r}") from None
+    return str(raw) if kind is str else raw
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """Field name -> its scalar type, with ``X | None`` unwrapped to ``X``."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        out[name] = hint
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one ``--flag`` per field of the settings dataclass ``cls``."""
+    kinds = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        env = meta.get("env")
+        help_text = meta.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        suffix = f" [env {env}; default {default!r}]" if env else f" [default {default!r}]"
+        kind = kinds[f.name]
+        if kind is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, default=None,
+                                action=argparse.BooleanOptionalAction, help=help_text + suffix)
+        else:
+            parser.add_argument(_flag(f.name), dest=f.name, default=None,
+                                choices=meta.get("choices"), type=str if kind is str else None,
+                                metavar=f.name.upper(), help=help_text + suffix)
+
+
+def from_args(cls: type[T], args: argparse.Namespace | Mapping[str, Any] | None = None,
+              environ: Mapping[str, str] | None = None) -> T:
+    """Build ``cls`` from flags (``args``), then environment, then defaults.
+
+    Raises:
+        SettingsError: a value has the wrong type, is out of bounds or not among
+            the choices; the message names the field (and its variable).
+    """
+    env_map = os.environ if environ is None else environ
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    kinds = _field_types(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        env = meta.get("env")
+        label = f"{_flag(f.name)}" + (f" / {env}" if env else "")
+        raw = given.get(f.name)
+        if raw is None and env and env in env_map:
+            raw = env_map[env]
+        if raw is None:
+            continue
+        value = _convert(label, kinds[f.name], raw)
+        lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
+        if lo is not None and value < lo:
+            raise SettingsError(f"{label}: must be >= {lo}, got {value!r}")
+        if hi is not None and value > hi:
+            raise SettingsError(f"{label}: must be <= {hi}, got {value!r}")
+        if choices is not None and value not in choices:
+            raise SettingsError(f"{label}: must be one of {', '.join(map(str, choices))}; got {value!r}")
+        values[f.name] = value
+    return cls(**values)
