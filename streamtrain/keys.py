@@ -65,6 +65,18 @@ class JobKeys:
         """Hash: member id -> clock of its last pushed update (SSP/BSP)."""
         return self.key("clocks")
 
+    @property
+    def applied_clocks(self) -> str:
+        """Hash: member id -> highest clock of its updates already applied to the parameters."""
+        return self.key("applied_clocks")
+
+    @property
+    def applied_samples(self) -> str:
+        """Stream: one entry per applied update naming the samples it covered
+        (producer id, first sequence number, count) and its offset ranges, so the
+        accounting can be checked record by record."""
+        return self.key("applied_samples")
+
     # -- control plane -----------------------------------------------------
     @property
     def generation(self) -> str:
@@ -87,5 +99,9 @@ class JobKeys:
 
     @property
     def config(self) -> str:
-        """Hash: job configuration (consistency model, staleness, lr, codec, ...)."""
+        """Hash: job configuration, written by the coordinator, read by trainers and servers.
+
+        Fields: ``consistency`` (bsp|ssp|asp), ``staleness`` (int), ``codec``,
+        ``optimizer``, ``lr``, ``topic``, ``partitions``, ``paused`` (0|1).
+        """
         return self.key("config")
