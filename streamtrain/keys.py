@@ -105,3 +105,9 @@ class JobKeys:
         ``optimizer``, ``lr``, ``topic``, ``partitions``, ``paused`` (0|1).
         """
         return self.key("config")
+
+    @property
+    def departed(self) -> str:
+        """Hash: member id -> JSON ``{"reason": "expired"|"left", "generation", "at_ms"}`` of
+        members that are gone, so a late heartbeat gets "gone, register anew" (ids are never reused)."""
+        return self.key("departed")
