@@ -1,0 +1,162 @@
+"""The coordinator's aiohttp application: state, lifecycle and the lease checker.
+
+:func:`create_app` builds the application; its ``cleanup_ctx`` connects Redis,
+writes the job configuration if absent, renews every stored lease (a
+restarted coordinator does not kill trainers that could not reach it), starts
+the lease checker and the Kafka probe, and closes all of them on shutdown.
+Handlers live in :mod:`coordinator.routes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from .kafka_probe import KafkaProbe
+from .membership import (Action, CheckLeases, Membership, MemberDrained, MemberExpired,
+                         MemberJoined, MemberLeft, Rebalanced, RenewLeases)
+from .metrics import Metrics
+from .settings import CoordinatorSettings
+from .state import JobConfig, Store
+
+logger = logging.getLogger(__name__)
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds since the epoch (leases survive a coordinator restart)."""
+    return time.time_ns() // 1_000_000
+
+
+@dataclass
+class Runtime:
+    """What the handlers share: settings, store, probe, metrics."""
+
+    settings: CoordinatorSettings
+    redis: aioredis.Redis
+    store: Store
+    metrics: Metrics
+    probe: KafkaProbe
+    executor: ThreadPoolExecutor
+
+    async def kafka(self, fn, *args):  # type: ignore[no-untyped-def]
+        """Run a blocking probe call in the Kafka thread, bounded by the Kafka timeout."""
+        loop = asyncio.get_running_loop()
+        timeout = self.settings.kafka_timeout_ms / 1000 * 3
+        return await asyncio.wait_for(loop.run_in_executor(self.executor, fn, *args), timeout)
+
+
+SETTINGS = web.AppKey("settings", CoordinatorSettings)
+"""The app's :class:`CoordinatorSettings`."""
+RUNTIME = web.AppKey("runtime", Runtime)
+"""The app's :class:`Runtime` (set while the app runs)."""
+LEASE_CHECKER = web.AppKey("lease_checker", asyncio.Task)
+"""The lease checker task."""
+
+
+def log_actions(actions: list[Action]) -> None:
+    """Log each membership action as one structured line (member id and generation first)."""
+    for a in actions:
+        if isinstance(a, MemberExpired):
+            logger.warning("member_expired member_id=%s generation=%d lease_expires_ms=%d "
+                           "detected_ms=%d", a.member_id, a.generation, a.lease_expires_ms,
+                           a.detected_ms)
+        elif isinstance(a, MemberJoined):
+            logger.info("member_joined member_id=%s generation=%d", a.member_id, a.generation)
+        elif isinstance(a, MemberLeft):
+            logger.info("member_left member_id=%s generation=%d", a.member_id, a.generation)
+        elif isinstance(a, MemberDrained):
+            logger.info("member_drained member_id=%s generation=%d", a.member_id, a.generation)
+        elif isinstance(a, Rebalanced):
+            logger.info("rebalanced generation=%d moved=%s", a.generation,
+                        ",".join(f"{p}:{src}->{dst}" for p, src, dst in a.moved) or "-")
+
+
+async def apply_event(rt: Runtime, event) -> tuple[Membership, list[Action]]:  # type: ignore[no-untyped-def]
+    """Apply a membership event in Redis, logging its actions first, then count them."""
+    state, actions = await rt.store.apply(event, before_commit=log_actions)
+    if actions:
+        rt.metrics.observe_actions(actions, now_ms())
+    rt.metrics.observe_state(state)
+    return state, actions
+
+
+async def check_leases_once(rt: Runtime) -> list[Action]:
+    """Remove every member whose lease has expired, reassigning its partitions (one CAS)."""
+    _, actions = await apply_event(rt, CheckLeases(now_ms=now_ms()))
+    return actions
+
+
+async def lease_checker(rt: Runtime) -> None:
+    """Run :func:`check_leases_once` every quarter lease until cancelled; errors are logged, not fatal."""
+    interval = rt.settings.check_interval_s
+    while True:
+        try:
+            await check_leases_once(rt)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("lease check of job %s failed; retrying in %.2fs",
+                             rt.settings.job, interval)
+        await asyncio.sleep(interval)
+
+
+def initial_config(settings: CoordinatorSettings) -> JobConfig:
+    """The job configuration a fresh job starts with."""
+    return JobConfig(consistency=settings.consistency, staleness=settings.staleness,
+                     codec=settings.codec, optimizer=settings.optimizer, lr=settings.lr,
+                     topic=settings.topic, partitions=settings.partitions, paused=False)
+
+
+async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    redis = aioredis.Redis.from_url(settings.redis_url)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coordinator-kafka")
+    probe = KafkaProbe(settings.kafka_bootstrap, settings.kafka_timeout_ms)
+    try:
+        store = Store(redis, settings.job)
+        config = await store.ensure_config(initial_config(settings))
+        rt = Runtime(settings=settings, redis=redis, store=store, metrics=Metrics(), probe=probe,
+                     executor=executor)
+        state, _ = await apply_event(rt, RenewLeases(now_ms=now_ms(), lease_ms=settings.lease_ms))
+        logger.info("coordinator of job %s up: generation=%d members=%d partitions=%d "
+                    "consistency=%s", settings.job, state.generation, len(state.members),
+                    config.partitions, config.consistency)
+        app[RUNTIME] = rt
+        app[LEASE_CHECKER] = asyncio.create_task(lease_checker(rt), name="lease-checker")
+        yield
+    finally:
+        task = app.get(LEASE_CHECKER)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await redis.aclose()
+        await asyncio.get_running_loop().run_in_executor(executor, probe.close)
+        executor.shutdown(wait=True)
+
+
+def create_app(settings: CoordinatorSettings) -> web.Application:
+    """The coordinator application for ``settings``.
+
+    Raises:
+        ValueError: the admin or job token is empty.
+    """
+    from .routes import error_middleware, setup_routes
+
+    if not settings.admin_token or not settings.job_token:
+        raise ValueError("the coordinator needs both --admin-token (STREAMTRAIN_ADMIN_TOKEN) and "
+                         "--job-token (STREAMTRAIN_JOB_TOKEN)")
+    app = web.Application(client_max_size=settings.max_request_bytes,
+                          middlewares=[error_middleware])
+    app[SETTINGS] = settings
+    app.cleanup_ctx.append(_runtime_ctx)
+    setup_routes(app)
+    return app

@@ -1,0 +1,160 @@
+"""The async client trainers use to talk to the coordinator.
+
+Example::
+
+    async with CoordinatorClient("http://coord:8700", job_token) as client:
+        reg = await client.register({"device": "cuda", "threads": 8, "memory_mb": 16000})
+        while training:
+            a = await client.heartbeat({"records_per_s": 1200.0, "loss": 0.4, "clock": 17})
+            # consume a.partitions; push with a.generation; stop when a.state != "active"
+            await asyncio.sleep(reg.heartbeat_interval_ms / 1000)
+        await client.leave()          # after committing the last batch
+
+A :class:`~coordinator.errors.MemberGoneError` (410) or
+:class:`~coordinator.errors.UnknownMemberError` (404) from :meth:`heartbeat`
+means the lease is lost: the trainer drops its partitions and registers anew.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from .errors import (AuthError, BadRequestError, CoordinatorError, CoordinatorUnavailableError,
+                     MemberGoneError, UnknownMemberError)
+from .state import JobConfig
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The coordinator's answer to a heartbeat (and part of a registration)."""
+
+    member_id: str
+    """This trainer's id."""
+    generation: int
+    """Membership generation: the fencing token every push carries."""
+    partitions: tuple[int, ...]
+    """Partitions this trainer owns now (sorted)."""
+    state: str
+    """``active`` (train), ``draining`` (commit and leave) or ``paused`` (stop consuming)."""
+    config: JobConfig
+    """The job configuration now."""
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Assignment:
+        """Parse a register or heartbeat reply."""
+        return cls(member_id=d["member_id"], generation=int(d["generation"]),
+                   partitions=tuple(int(p) for p in d["partitions"]), state=d["state"],
+                   config=JobConfig(**d["config"]))
+
+
+@dataclass(frozen=True)
+class Registration:
+    """The coordinator's answer to a registration."""
+
+    assignment: Assignment
+    """Id, generation, partitions, state and config at registration."""
+    lease_ms: int
+    """The lease; heartbeat well within it."""
+    heartbeat_interval_ms: int
+    """How often to heartbeat."""
+
+    @property
+    def member_id(self) -> str:
+        """This trainer's id."""
+        return self.assignment.member_id
+
+    @property
+    def generation(self) -> int:
+        """Generation at registration."""
+        return self.assignment.generation
+
+    @property
+    def partitions(self) -> tuple[int, ...]:
+        """Partitions owned at registration."""
+        return self.assignment.partitions
+
+
+_ERRORS: dict[int, type[CoordinatorError]] = {400: BadRequestError, 401: AuthError,
+                                              404: UnknownMemberError, 410: MemberGoneError}
+
+
+class CoordinatorClient:
+    """HTTP client of one trainer: register, heartbeat, leave."""
+
+    def __init__(self, base_url: str, job_token: str, *, timeout_s: float = 5.0,
+                 session: aiohttp.ClientSession | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {job_token}"}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session = session
+        self._own_session = session is None
+        self.member_id: str | None = None
+        """Id of the current registration (None before :meth:`register` and after :meth:`leave`)."""
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session if this client made it."""
+        if self._session is not None and self._own_session:
+            await self._session.close()
+        self._session = None
+
+    async def _post(self, path: str, body: Mapping[str, Any] | None) -> dict[str, Any]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._own_session = True
+        try:
+            async with self._session.post(self.base_url + path, json=body,
+                                          headers=self._headers) as resp:
+                data = await resp.json(content_type=None)
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise CoordinatorUnavailableError(f"coordinator at {self.base_url} unreachable: "
+                                              f"{exc!r}") from exc
+        if status >= 400:
+            message = (data or {}).get("error", {}).get("message", f"HTTP {status}")
+            raise _ERRORS.get(status, CoordinatorUnavailableError)(message)
+        return data
+
+    def _member_path(self, action: str) -> str:
+        if self.member_id is None:
+            raise UnknownMemberError("not registered: call register() first")
+        return f"/v1/members/{self.member_id}/{action}"
+
+    async def register(self, capabilities: Mapping[str, Any]) -> Registration:
+        """Register with ``capabilities`` (device, threads, memory_mb, hostname, ...).
+
+        Raises:
+            BadRequestError, AuthError, CoordinatorUnavailableError.
+        """
+        d = await self._post("/v1/members", {"capabilities": dict(capabilities)})
+        reg = Registration(assignment=Assignment.from_json(d), lease_ms=int(d["lease_ms"]),
+                           heartbeat_interval_ms=int(d["heartbeat_interval_ms"]))
+        self.member_id = reg.member_id
+        return reg
+
+    async def heartbeat(self, stats: Mapping[str, Any] | None = None) -> Assignment:
+        """Renew the lease, report ``stats``; return the current assignment.
+
+        Raises:
+            MemberGoneError / UnknownMemberError: the lease is lost; register anew.
+            BadRequestError, AuthError, CoordinatorUnavailableError.
+        """
+        d = await self._post(self._member_path("heartbeat"), {"stats": dict(stats or {})})
+        return Assignment.from_json(d)
+
+    async def leave(self) -> int:
+        """Leave gracefully (after committing); return the generation that removed us."""
+        d = await self._post(self._member_path("leave"), None)
+        self.member_id = None
+        return int(d["generation"])

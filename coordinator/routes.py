@@ -1,0 +1,321 @@
+"""HTTP handlers of the coordinator; every error is JSON ``{"error": {"code", "message"}}``.
+
+Trainer calls carry ``Authorization: Bearer <job token>``, admin calls the
+admin token (compared with :func:`hmac.compare_digest`). Bodies are validated
+strictly (:mod:`coordinator.validation`) before anything is written, so a
+refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import uuid
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from .app import RUNTIME, Runtime, apply_event, now_ms
+from .assign import capability_weight
+from .errors import ConflictError, MemberGoneError, UnknownMemberError
+from .membership import Drain, Heartbeat, Leave, Membership, Register
+from .state import JobConfig
+from .status import members_view, partitions_view, summary
+from .validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field, InvalidBody, parse_json
+
+logger = logging.getLogger(__name__)
+
+routes = web.RouteTableDef()
+_HOST_RE = re.compile(r"[^A-Za-z0-9.-]+")
+_EMPTY: dict[str, Field] = {}
+
+
+class ApiError(Exception):
+    """An HTTP error answered as JSON ``{"error": {"code", "message"}}``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def response(self) -> web.Response:
+        """The JSON error response."""
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return web.json_response({"error": {"code": self.code, "message": self.message}},
+                                 status=self.status, headers=headers)
+
+
+_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+          410: "gone"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Answer every error as JSON; an over-size body becomes a 400 naming the limit."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPRequestEntityTooLarge:
+        return ApiError(400, "body_too_large",
+                        f"request body too large: the limit is "
+                        f"{request.app[RUNTIME].settings.max_request_bytes} bytes").response()
+    except web.HTTPException as exc:
+        if exc.status_code < 400:
+            raise
+        return ApiError(exc.status_code, _CODES.get(exc.status_code, "error"),
+                        f"{exc.reason}: {request.method} {request.path}").response()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("%s %s failed", request.method, request.path)
+        return ApiError(500, "internal", "internal error; see the coordinator log").response()
+
+
+def _rt(request: web.Request) -> Runtime:
+    return request.app[RUNTIME]
+
+
+def _auth(request: web.Request, token: str, kind: str) -> None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise ApiError(401, "unauthorized", f"missing bearer {kind} token (Authorization: Bearer ...)")
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise ApiError(401, "unauthorized", f"wrong {kind} token")
+
+
+async def _body(request: web.Request, schema: dict[str, Field], *,
+                allow_empty: bool = False) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        return parse_json(raw, schema, allow_empty=allow_empty)
+    except InvalidBody as exc:
+        raise ApiError(400, "invalid_body", str(exc)) from None
+
+
+async def _apply(rt: Runtime, event: Any) -> Membership:
+    try:
+        state, _ = await apply_event(rt, event)
+    except UnknownMemberError as exc:
+        raise ApiError(404, "unknown_member", f"{exc}; register with POST /v1/members") from None
+    except MemberGoneError as exc:
+        raise ApiError(410, "member_gone", str(exc)) from None
+    except ConflictError as exc:
+        raise ApiError(503, "conflict", str(exc)) from None
+    return state
+
+
+def _reply(rt: Runtime, state: Membership, member_id: str, config: JobConfig) -> dict[str, Any]:
+    member = state.members[member_id]
+    return {"member_id": member_id, "generation": state.generation,
+            "partitions": state.partitions_of(member_id),
+            "state": "paused" if config.paused else member.state.value,
+            "lease_ms": rt.settings.lease_ms,
+            "heartbeat_interval_ms": rt.settings.heartbeat_interval_ms,
+            "config": config.as_json()}
+
+
+def new_member_id(hostname: str | None) -> str:
+    """A fresh member id ``<hostname>-<uuid8>`` (never reused)."""
+    host = _HOST_RE.sub("-", hostname or "").strip("-.")[:48] or "member"
+    return f"{host}-{uuid.uuid4().hex[:8]}"
+
+
+# -- trainer calls ------------------------------------------------------------
+
+@routes.post("/v1/members")
+async def register(request: web.Request) -> web.Response:
+    """Register a trainer; reply with its member id, generation, partitions and config."""
+    rt = _rt(request)
+    _auth(request, rt.settings.job_token, "job")
+    caps = (await _body(request, REGISTER))["capabilities"]
+    weight = capability_weight(caps["device"], caps.get("threads", 1))
+    member_id = new_member_id(caps.get("hostname"))
+    state = await _apply(rt, Register(member_id=member_id, capabilities=caps, weight=weight,
+                                      now_ms=now_ms(), lease_ms=rt.settings.lease_ms))
+    return web.json_response(_reply(rt, state, member_id, await rt.store.config()), status=201)
+
+
+@routes.post("/v1/members/{member_id}/heartbeat")
+async def heartbeat(request: web.Request) -> web.Response:
+    """Renew a member's lease, record its stats; reply with its current assignment."""
+    rt = _rt(request)
+    _auth(request, rt.settings.job_token, "job")
+    member_id = request.match_info["member_id"]
+    stats = (await _body(request, HEARTBEAT, allow_empty=True)).get("stats", {})
+    state = await _apply(rt, Heartbeat(member_id=member_id, stats=stats, now_ms=now_ms(),
+                                       lease_ms=rt.settings.lease_ms))
+    rt.metrics.observe_heartbeat(state.members[member_id], stats)
+    return web.json_response(_reply(rt, state, member_id, await rt.store.config()))
+
+
+@routes.post("/v1/members/{member_id}/leave")
+async def leave(request: web.Request) -> web.Response:
+    """Leave gracefully (after committing): partitions move now and the generation bumps."""
+    rt = _rt(request)
+    _auth(request, rt.settings.job_token, "job")
+    await _body(request, _EMPTY, allow_empty=True)
+    member_id = request.match_info["member_id"]
+    state = await _apply(rt, Leave(member_id=member_id, now_ms=now_ms()))
+    return web.json_response({"member_id": member_id, "generation": state.generation})
+
+
+# -- admin calls --------------------------------------------------------------
+
+@routes.post("/v1/admin/members/{member_id}/drain")
+async def drain(request: web.Request) -> web.Response:
+    """Drain a member: its partitions move now; its heartbeats say ``draining``."""
+    rt = _rt(request)
+    _auth(request, rt.settings.admin_token, "admin")
+    await _body(request, _EMPTY, allow_empty=True)
+    member_id = request.match_info["member_id"]
+    state = await _apply(rt, Drain(member_id=member_id, now_ms=now_ms()))
+    return web.json_response({"member_id": member_id, "generation": state.generation,
+                              "state": state.members[member_id].state.value})
+
+
+async def _set_paused(request: web.Request, paused: bool) -> web.Response:
+    rt = _rt(request)
+    _auth(request, rt.settings.admin_token, "admin")
+    await _body(request, _EMPTY, allow_empty=True)
+    config = await rt.store.update_config(paused=paused)
+    logger.info("job %s %s", rt.settings.job, "paused" if paused else "resumed")
+    return web.json_response(config.as_json())
+
+
+@routes.post("/v1/admin/pause")
+async def pause(request: web.Request) -> web.Response:
+    """Pause the job: heartbeats answer ``paused`` and trainers stop consuming."""
+    return await _set_paused(request, True)
+
+
+@routes.post("/v1/admin/resume")
+async def resume(request: web.Request) -> web.Response:
+    """Resume a paused job."""
+    return await _set_paused(request, False)
+
+
+@routes.patch("/v1/admin/config")
+async def change_config(request: web.Request) -> web.Response:
+    """Change the consistency model, staleness bound or learning rate."""
+    rt = _rt(request)
+    _auth(request, rt.settings.admin_token, "admin")
+    changes = await _body(request, CONFIG_CHANGE)
+    if not changes:
+        raise ApiError(400, "invalid_body",
+                       f"body: name at least one of {', '.join(sorted(CONFIG_CHANGE))}")
+    if "lr" in changes:
+        changes["lr"] = float(changes["lr"])
+    config = await rt.store.update_config(**changes)
+    return web.json_response(config.as_json())
+
+
+# -- read-only views ----------------------------------------------------------
+
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process serves HTTP."""
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/readyz")
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: Redis and Kafka both reachable (503 naming the one that is not)."""
+    rt = _rt(request)
+    checks: dict[str, str] = {}
+    try:
+        await asyncio.wait_for(rt.redis.ping(), rt.settings.kafka_timeout_ms / 1000)
+        checks["redis"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - any failure means not ready
+        checks["redis"] = f"unreachable: {exc!r}"
+    try:
+        await rt.kafka(rt.probe.ping)
+        checks["kafka"] = "ok"
+    except Exception as exc:  # noqa: BLE001
+        checks["kafka"] = f"unreachable: {exc!r}"
+    ready = all(v == "ok" for v in checks.values())
+    return web.json_response({"status": "ready" if ready else "not ready", "checks": checks},
+                             status=200 if ready else 503)
+
+
+async def _partitions(rt: Runtime, state: Membership, config: JobConfig) -> list[dict[str, Any]]:
+    keys = rt.store.keys
+    raw_assignment = await rt.redis.hgetall(keys.assignment)
+    committed = {k.decode(): int(v) for k, v in (await rt.redis.hgetall(keys.offsets)).items()}
+    try:
+        offsets = await rt.kafka(rt.probe.offsets, config.topic, config.partitions)
+    except Exception as exc:  # noqa: BLE001 - status degrades without Kafka
+        logger.warning("end offsets of %s unavailable: %r", config.topic, exc)
+        offsets = None
+    return partitions_view(state, raw_assignment, committed, offsets)
+
+
+@routes.get("/v1/members")
+async def members(request: web.Request) -> web.Response:
+    """Live members with their capabilities, partitions, lease and last stats."""
+    rt = _rt(request)
+    state = await rt.store.load()
+    return web.json_response({"generation": state.generation,
+                              "members": members_view(state, now_ms())})
+
+
+@routes.get("/v1/partitions")
+async def partitions(request: web.Request) -> web.Response:
+    """Every partition with owner, committed offset, end offset and lag."""
+    rt = _rt(request)
+    config = await rt.store.config()
+    state = await rt.store.load()
+    return web.json_response({"generation": state.generation,
+                              "partitions": await _partitions(rt, state, config)})
+
+
+@routes.get("/v1/status")
+async def status(request: web.Request) -> web.Response:
+    """Everything at once: config, members, partitions, versions, staleness, throughput, loss."""
+    rt = _rt(request)
+    keys = rt.store.keys
+    config = await rt.store.config()
+    state = await rt.store.load()
+    parts = await _partitions(rt, state, config)
+    versions = await rt.redis.hgetall(keys.versions)
+    clocks = await rt.redis.hgetall(keys.clocks)
+    applied = await rt.redis.hgetall(keys.applied_clocks)
+    body = {"job": rt.settings.job, "generation": state.generation, "config": config.as_json(),
+            "members": members_view(state, now_ms()), "partitions": parts,
+            "lag": sum(p["lag"] for p in parts if p["lag"] is not None),
+            **summary(state, config, versions, clocks, applied)}
+    return web.json_response(body)
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition (refreshes the membership gauges first)."""
+    rt = _rt(request)
+    rt.metrics.observe_state(await rt.store.load())
+    return web.Response(body=rt.metrics.render(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+@routes.get("/v1/openapi.yaml")
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI document of this API."""
+    text = resources.files(__package__).joinpath("openapi.yaml").read_text("utf-8")
+    return web.Response(text=text, content_type="application/yaml")
+
+
+@routes.get("/")
+async def index(request: web.Request) -> web.Response:
+    """The status page (refreshes itself from ``/v1/status``)."""
+    text = resources.files(__package__).joinpath("static/index.html").read_text("utf-8")
+    return web.Response(text=text, content_type="text/html")
+
+
+def setup_routes(app: web.Application) -> None:
+    """Add every route of the API to ``app``."""
+    app.add_routes(routes)

@@ -1,0 +1,63 @@
+"""Settings of the coordinator service: one frozen dataclass, filled from flags and environment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamtrain.settings import setting
+
+CONSISTENCY_MODELS = ("bsp", "ssp", "asp")
+"""Consistency models a job may run under (bulk-synchronous, stale-synchronous, asynchronous)."""
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """Configuration of ``streamtrain coordinator``.
+
+    The job fields (``topic`` .. ``lr``) seed ``JobKeys.config`` when a job is
+    first started; on a restart the configuration already stored in Redis wins.
+    """
+
+    job: str = setting("default", env="STREAMTRAIN_JOB", help="name of the training job")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", env="STREAMTRAIN_REDIS_URL",
+                             help="Redis holding the job's state")
+    kafka_bootstrap: str = setting("127.0.0.1:9092", env="STREAMTRAIN_KAFKA_BOOTSTRAP",
+                                   help="Kafka bootstrap servers (host:port[,host:port])")
+    topic: str = setting("streamtrain", env="STREAMTRAIN_TOPIC", help="training topic")
+    partitions: int = setting(4, env="STREAMTRAIN_PARTITIONS", min=1, max=10_000,
+                              help="number of partitions of the training topic")
+    lease_ms: int = setting(3000, env="STREAMTRAIN_LEASE_MS", min=100, max=600_000,
+                            help="a member that has not heartbeated for this long is dead")
+    heartbeat_interval_ms: int = setting(500, env="STREAMTRAIN_HEARTBEAT_INTERVAL_MS", min=10,
+                                         max=60_000, help="how often trainers heartbeat")
+    admin_token: str = setting("", env="STREAMTRAIN_ADMIN_TOKEN",
+                               help="bearer token of admin calls (required)")
+    job_token: str = setting("", env="STREAMTRAIN_JOB_TOKEN",
+                             help="bearer token of trainer calls (required)")
+    host: str = setting("127.0.0.1", env="STREAMTRAIN_COORDINATOR_HOST", help="address to bind")
+    port: int = setting(8700, env="STREAMTRAIN_COORDINATOR_PORT", min=0, max=65535,
+                        help="port to bind (0: any free port)")
+    consistency: str = setting("ssp", env="STREAMTRAIN_CONSISTENCY", choices=CONSISTENCY_MODELS,
+                               help="consistency model of a new job")
+    staleness: int = setting(2, env="STREAMTRAIN_STALENESS", min=0, max=1000,
+                             help="SSP staleness bound s of a new job")
+    codec: str = setting("topk+fp16", env="STREAMTRAIN_CODEC", help="gradient codec of a new job")
+    optimizer: str = setting("adam", env="STREAMTRAIN_OPTIMIZER", choices=("sgd", "adam"),
+                             help="server-side optimizer of a new job")
+    lr: float = setting(0.001, env="STREAMTRAIN_LR", min=0.0, max=10.0,
+                        help="learning rate of a new job")
+    max_request_bytes: int = setting(64 * 1024, env="STREAMTRAIN_COORDINATOR_MAX_REQUEST_BYTES",
+                                     min=1024, max=16 * 1024 * 1024,
+                                     help="largest request body accepted")
+    kafka_timeout_ms: int = setting(2000, env="STREAMTRAIN_COORDINATOR_KAFKA_TIMEOUT_MS", min=100,
+                                    max=60_000, help="timeout of Kafka probes (readyz, end offsets)")
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_ms >= self.lease_ms:
+            raise ValueError(f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be smaller "
+                             f"than lease_ms ({self.lease_ms})")
+
+    @property
+    def check_interval_s(self) -> float:
+        """Period of the lease checker: a quarter of the lease."""
+        return self.lease_ms / 4000.0

@@ -1,0 +1,298 @@
+"""Redis persistence of the control plane, with the generation as fencing token.
+
+Layout (all names from :class:`streamtrain.keys.JobKeys`):
+
+- ``generation``: integer, bumped on every membership change.
+- ``members``: hash member id -> JSON of :class:`~coordinator.membership.Member`.
+- ``assignment``: hash partition -> ``"<member id>|<generation>"``; on each bump
+  every entry is rewritten with the new generation in the same MULTI/EXEC as
+  ``generation`` itself.
+- ``departed``: hash member id -> JSON reason, so late heartbeats get "gone".
+- ``config``: hash of the job configuration (:class:`JobConfig`).
+
+:meth:`Store.apply` is a compare-and-set: it WATCHes the membership keys,
+reads the state, runs the pure :func:`coordinator.membership.handle`, and
+writes the difference in one MULTI/EXEC that fails (and is retried on fresh
+state) if anyone changed those keys in between. Everything is JSON or plain
+strings; nothing is pickled.
+
+Fencing: :func:`check_fence` is the check the parameter plane performs inside
+its push Lua script (same logic, :data:`FENCE_LUA`): a write by ``member_id`` at
+``generation`` for ``partitions`` is allowed only if ``GET generation`` equals
+``generation`` and ``HGET assignment p == "<member_id>|<generation>"`` for every
+partition.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from types import MappingProxyType
+from typing import Any
+
+import redis as redis_sync
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from streamtrain.keys import JobKeys
+
+from .errors import ConflictError, FencedError, MemberGoneError, UnknownMemberError
+from .membership import (Action, Event, Member, MemberExpired, MemberLeft, Membership,
+                         handle)
+from .settings import CONSISTENCY_MODELS
+
+logger = logging.getLogger(__name__)
+
+MAX_CAS_ATTEMPTS = 50
+"""Compare-and-set retries before :class:`ConflictError`."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The job configuration stored in ``JobKeys.config`` (read by trainers and servers)."""
+
+    consistency: str
+    """bsp | ssp | asp."""
+    staleness: int
+    """SSP bound s (0 under BSP)."""
+    codec: str
+    """Gradient codec name, e.g. ``topk+fp16``."""
+    optimizer: str
+    """Server-side optimizer: sgd | adam."""
+    lr: float
+    """Learning rate."""
+    topic: str
+    """Training topic."""
+    partitions: int
+    """Number of partitions of the topic."""
+    paused: bool = False
+    """Trainers stop consuming while set."""
+
+    def __post_init__(self) -> None:
+        if self.consistency not in CONSISTENCY_MODELS:
+            raise ValueError(f"consistency must be one of {', '.join(CONSISTENCY_MODELS)}, "
+                             f"got {self.consistency!r}")
+        if self.staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {self.staleness!r}")
+        if not self.lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr!r}")
+        if self.partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {self.partitions!r}")
+
+    def to_hash(self) -> dict[str, str]:
+        """Field -> string, as stored in Redis (``paused`` as 0|1)."""
+        out = {k: str(v) for k, v in asdict(self).items()}
+        out["paused"] = "1" if self.paused else "0"
+        return out
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[bytes | str, bytes | str]) -> JobConfig:
+        """Parse a ``JobKeys.config`` hash.
+
+        Raises:
+            ValueError: a field is missing or malformed (the message names it).
+        """
+        d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+             for k, v in raw.items()}
+        kinds = {"staleness": int, "partitions": int, "lr": float}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in d:
+                if f.name == "paused":
+                    continue
+                raise ValueError(f"job config lacks field {f.name!r}")
+            text = d[f.name]
+            try:
+                values[f.name] = (text == "1") if f.name == "paused" else kinds.get(f.name, str)(text)
+            except ValueError:
+                raise ValueError(f"job config field {f.name!r} is malformed: {text!r}") from None
+        return cls(**values)
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSON form sent to trainers."""
+        return asdict(self)
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def parse_assignment(raw: Mapping[bytes | str, bytes | str]) -> dict[int, tuple[str, int]]:
+    """``JobKeys.assignment`` hash -> partition -> (member id, generation)."""
+    out = {}
+    for p, v in raw.items():
+        member, _, gen = _s(v).rpartition("|")
+        out[int(_s(p))] = (member, int(gen))
+    return out
+
+
+class Store:
+    """The membership state of one job in Redis (async client)."""
+
+    def __init__(self, redis: aioredis.Redis, job: str) -> None:
+        self.redis = redis
+        self.keys = JobKeys(job)
+
+    # -- job configuration ----------------------------------------------------
+    async def ensure_config(self, initial: JobConfig) -> JobConfig:
+        """Write ``initial`` field by field where absent (HSETNX); return what is stored.
+
+        A restarted coordinator therefore continues with the stored configuration.
+        """
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for k, v in initial.to_hash().items():
+                pipe.hsetnx(self.keys.config, k, v)
+            await pipe.execute()
+        return await self.config()
+
+    async def config(self) -> JobConfig:
+        """The stored job configuration.
+
+        Raises:
+            ValueError: it is missing or malformed.
+        """
+        return JobConfig.from_hash(await self.redis.hgetall(self.keys.config))
+
+    async def update_config(self, **changes: Any) -> JobConfig:
+        """Validate and store ``changes`` (fields of :class:`JobConfig`); return the result.
+
+        Raises:
+            ValueError: an unknown field or a bad value; nothing is written.
+        """
+        current = await self.config()
+        new = replace(current, **changes)  # TypeError for unknown fields, ValueError for bad ones
+        diff = {k: v for k, v in new.to_hash().items() if current.to_hash()[k] != v}
+        if diff:
+            await self.redis.hset(self.keys.config, mapping=diff)
+            logger.info("job config of %s changed: %s", self.keys.job, diff)
+        return new
+
+    # -- membership -------------------------------------------------------------
+    async def _read(self, client: Any, partitions: int) -> Membership:
+        gen = await client.get(self.keys.generation)
+        raw_members = await client.hgetall(self.keys.members)
+        raw_assign = await client.hgetall(self.keys.assignment)
+        members = {_s(k): Member.from_json(v) for k, v in raw_members.items()}
+        assignment = {p: m for p, (m, _) in parse_assignment(raw_assign).items()}
+        return Membership(generation=int(gen or 0), members=MappingProxyType(members),
+                          assignment=MappingProxyType(assignment),
+                          partitions=tuple(range(partitions)))
+
+    async def load(self) -> Membership:
+        """The current membership (not atomic with later writes; for reads only)."""
+        partitions = (await self.config()).partitions
+        return await self._read(self.redis, partitions)
+
+    async def departure(self, member_id: str) -> dict[str, Any] | None:
+        """Why ``member_id`` is gone (``{"reason", "generation", "at_ms"}``), or None."""
+        raw = await self.redis.hget(self.keys.departed, member_id)
+        return json.loads(raw) if raw is not None else None
+
+    async def apply(self, event: Event,
+                    before_commit: Callable[[list[Action]], None] | None = None,
+                    ) -> tuple[Membership, list[Action]]:
+        """Apply ``event`` with compare-and-set; return the new state and its actions.
+
+        ``before_commit`` is called with the actions right before the write (it
+        logs them first; it may run again if the compare-and-set is retried).
+
+        Raises:
+            UnknownMemberError: the event names a member never registered.
+            MemberGoneError: it names a member that left or expired.
+            ValueError: the event is invalid for the state (e.g. a reused id).
+            ConflictError: concurrent writers won :data:`MAX_CAS_ATTEMPTS` times.
+        """
+        partitions = (await self.config()).partitions
+        watched = (self.keys.generation, self.keys.members, self.keys.assignment)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for _ in range(MAX_CAS_ATTEMPTS):
+                try:
+                    await pipe.watch(*watched)
+                    state = await self._read(pipe, partitions)
+                    try:
+                        nxt, actions = handle(state, event)
+                    except UnknownMemberError:
+                        await pipe.reset()
+                        member_id = getattr(event, "member_id", "")
+                        gone = await self.departure(member_id)
+                        if gone is not None:
+                            raise MemberGoneError(
+                                f"member {member_id!r} is gone ({gone['reason']} at generation "
+                                f"{gone['generation']}); register anew") from None
+                        raise
+                    if nxt is state:
+                        await pipe.reset()
+                        return state, actions
+                    if before_commit is not None:
+                        before_commit(actions)
+                    pipe.multi()
+                    self._write(pipe, state, nxt, actions)
+                    await pipe.execute()
+                    return nxt, actions
+                except WatchError:
+                    logger.debug("membership CAS of %s lost a race; retrying", self.keys.job)
+                    continue
+        raise ConflictError(f"membership of job {self.keys.job!r} changed concurrently "
+                            f"{MAX_CAS_ATTEMPTS} times; giving up")
+
+    def _write(self, pipe: Any, old: Membership, new: Membership, actions: Iterable[Action]) -> None:
+        k = self.keys
+        removed = [m for m in old.members if m not in new.members]
+        if removed:
+            pipe.hdel(k.members, *removed)
+        changed = {m: v.to_json() for m, v in new.members.items() if old.members.get(m) != v}
+        if changed:
+            pipe.hset(k.members, mapping=changed)
+        if new.generation != old.generation:
+            pipe.set(k.generation, new.generation)
+            pipe.delete(k.assignment)
+            if new.assignment:
+                pipe.hset(k.assignment, mapping={str(p): f"{m}|{new.generation}"
+                                                 for p, m in new.assignment.items()})
+        for a in actions:
+            if isinstance(a, (MemberExpired, MemberLeft)):
+                reason = "expired" if isinstance(a, MemberExpired) else "left"
+                at = a.detected_ms if isinstance(a, MemberExpired) else None
+                pipe.hset(k.departed, a.member_id,
+                          json.dumps({"reason": reason, "generation": a.generation, "at_ms": at}))
+
+
+FENCE_LUA = """
+-- KEYS[1] = generation, KEYS[2] = assignment; ARGV[1] = member id, ARGV[2] = generation,
+-- ARGV[3..] = partitions. Returns {1} if allowed, else {0, reason}.
+local gen = redis.call('GET', KEYS[1])
+if gen ~= ARGV[2] then
+  return {0, 'stale generation ' .. ARGV[2] .. ' (current ' .. tostring(gen) .. ')'}
+end
+local want = ARGV[1] .. '|' .. ARGV[2]
+for i = 3, #ARGV do
+  local owner = redis.call('HGET', KEYS[2], ARGV[i])
+  if owner ~= want then
+    return {0, 'partition ' .. ARGV[i] .. ' is owned by ' .. tostring(owner) .. ', not ' .. want}
+  end
+end
+return {1}
+"""
+"""The fencing check as a Lua script; the parameter plane's push script embeds the same logic."""
+
+
+def check_fence(redis: redis_sync.Redis, job: str, member_id: str, generation: int,
+                partitions: Iterable[int]) -> None:
+    """Raise :class:`FencedError` unless ``member_id`` at ``generation`` owns ``partitions``.
+
+    Atomic (one Lua script), and the same check the parameter plane performs
+    inside its push: ``GET generation == generation`` and, for each partition,
+    ``HGET assignment p == "<member_id>|<generation>"``.
+
+    Raises:
+        FencedError: the generation is stale or a partition has another owner;
+            the message names which.
+    """
+    keys = JobKeys(job)
+    result = redis.eval(FENCE_LUA, 2, keys.generation, keys.assignment, member_id,
+                        str(int(generation)), *(str(int(p)) for p in partitions))
+    if int(result[0]) != 1:
+        raise FencedError(f"member {member_id!r} is fenced: {_s(result[1])}")
+

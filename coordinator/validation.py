@@ -1,0 +1,154 @@
+"""Strict validation of request bodies: unknown fields, wrong types and bad values are refused.
+
+A schema maps each allowed field to a :class:`Field`; :func:`validate` returns
+the checked dict or raises :class:`InvalidBody` naming the first problem with
+its JSON path (``capabilities.threads``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class InvalidBody(ValueError):
+    """The request body is malformed; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One allowed field of a JSON object."""
+
+    kind: str
+    """"str", "int", "number", "bool", "object" (nested schema) or "numbers" (list of numbers)."""
+    required: bool = False
+    choices: Sequence[Any] | None = None
+    min: float | None = None
+    max: float | None = None
+    max_len: int = 256
+    """Longest string or list."""
+    schema: Mapping[str, Field] | None = None
+    """Schema of a nested object."""
+
+
+def _check(path: str, spec: Field, value: Any) -> Any:
+    kind = spec.kind
+    if kind == "str":
+        if not isinstance(value, str):
+            raise InvalidBody(f"{path}: expected a string, got {type(value).__name__}")
+        if len(value) > spec.max_len:
+            raise InvalidBody(f"{path}: longer than {spec.max_len} characters")
+    elif kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidBody(f"{path}: expected an integer, got {type(value).__name__}")
+    elif kind == "number":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidBody(f"{path}: expected a number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise InvalidBody(f"{path}: expected a finite number, got {value!r}")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise InvalidBody(f"{path}: expected true or false, got {type(value).__name__}")
+    elif kind == "numbers":
+        if not isinstance(value, list):
+            raise InvalidBody(f"{path}: expected a list of numbers, got {type(value).__name__}")
+        if len(value) > spec.max_len:
+            raise InvalidBody(f"{path}: more than {spec.max_len} items")
+        for i, item in enumerate(value):
+            _check(f"{path}[{i}]", Field("number", min=spec.min, max=spec.max), item)
+        return list(value)
+    elif kind == "object":
+        return validate(value, spec.schema or {}, path)
+    else:  # pragma: no cover - schema bug
+        raise TypeError(f"unknown field kind {kind!r}")
+    if spec.choices is not None and value not in spec.choices:
+        raise InvalidBody(f"{path}: must be one of {', '.join(map(str, spec.choices))}, got {value!r}")
+    if spec.min is not None and value < spec.min:
+        raise InvalidBody(f"{path}: must be >= {spec.min}, got {value!r}")
+    if spec.max is not None and value > spec.max:
+        raise InvalidBody(f"{path}: must be <= {spec.max}, got {value!r}")
+    return value
+
+
+def validate(body: Any, schema: Mapping[str, Field], path: str = "") -> dict[str, Any]:
+    """Check ``body`` against ``schema``; return it as a dict.
+
+    Raises:
+        InvalidBody: not an object, an unknown field, a missing required field,
+            a wrong type or a value out of bounds.
+    """
+    where = path or "body"
+    if not isinstance(body, dict):
+        raise InvalidBody(f"{where}: expected a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(schema))
+    if unknown:
+        raise InvalidBody(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; "
+                          f"allowed: {', '.join(sorted(schema))}")
+    out = {}
+    for name, spec in schema.items():
+        sub = f"{path}.{name}" if path else name
+        if name not in body:
+            if spec.required:
+                raise InvalidBody(f"{sub}: required field is missing")
+            continue
+        out[name] = _check(sub, spec, body[name])
+    return out
+
+
+def parse_json(raw: bytes, schema: Mapping[str, Field], *, allow_empty: bool = False) -> dict[str, Any]:
+    """Decode a request body (UTF-8 JSON) and :func:`validate` it.
+
+    Raises:
+        InvalidBody: not UTF-8 JSON, or invalid per ``schema``.
+    """
+    if not raw.strip():
+        if allow_empty:
+            return validate({}, schema)
+        raise InvalidBody("body: expected a JSON object, got an empty body")
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidBody(f"body: malformed JSON: {exc}") from None
+    return validate(body, schema)
+
+
+CAPABILITIES = {
+    "device": Field("str", required=True, choices=("cpu", "cuda")),
+    "threads": Field("int", min=1, max=4096),
+    "memory_mb": Field("int", min=0, max=1 << 30),
+    "hostname": Field("str", max_len=64),
+    "gpu_name": Field("str"),
+    "gpu_memory_mb": Field("int", min=0, max=1 << 30),
+}
+"""What a trainer may declare at registration."""
+
+REGISTER = {"capabilities": Field("object", required=True, schema=CAPABILITIES)}
+"""Body of ``POST /v1/members``."""
+
+STATS = {
+    "records_per_s": Field("number", min=0),
+    "loss": Field("number"),
+    "accuracy": Field("number", min=0, max=1),
+    "clock": Field("int", min=0),
+    "lag": Field("int", min=0),
+    "staleness": Field("int", min=0),
+    "samples": Field("int", min=0),
+    "step_time_s": Field("number", min=0),
+    "bytes_per_step": Field("number", min=0),
+    "freshness_s": Field("numbers", min=0, max_len=1000),
+}
+"""Stats a heartbeat may carry. ``freshness_s``: seconds from produce to apply of
+records since the previous heartbeat, observed into the freshness histogram."""
+
+HEARTBEAT = {"stats": Field("object", schema=STATS)}
+"""Body of ``POST /v1/members/{id}/heartbeat`` (may be empty)."""
+
+CONFIG_CHANGE = {
+    "consistency": Field("str", choices=("bsp", "ssp", "asp")),
+    "staleness": Field("int", min=0, max=1000),
+    "lr": Field("number", min=0, max=10),
+}
+"""Body of ``PATCH /v1/admin/config``."""
