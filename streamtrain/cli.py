@@ -19,6 +19,7 @@ from .settings import SettingsError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("streamtrain.up", "bring everything up locally and train from a stream"),
+    "produce": ("datastream.cli", "stream a source into a training topic as shards"),
 }
 """Subcommand -> (module, one-line description)."""
 

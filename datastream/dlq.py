@@ -1,0 +1,130 @@
+"""The dead-letter topic: rejected Kafka messages with the reason they were rejected.
+
+Every rejected message is written to ``<topic>.dlq`` with its original value,
+its original headers, and these headers added (all UTF-8 strings):
+
+``dlq.reason``     one of :data:`datastream.records.REASONS`
+``dlq.error``      the human-readable message
+``dlq.topic``      source topic
+``dlq.partition``  source partition
+``dlq.offset``     source offset
+``dlq.producer``, ``dlq.seq``, ``dlq.count``  what a shard claimed, when readable
+
+The key is ``<topic>/<partition>/<offset>``. After a crash a consumer replays
+from the committed offset and may write the same entry again; an entry is
+identified by its source topic/partition/offset, and accounting dedupes on that.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kafka import KafkaProducer
+
+from .records import DecodeError
+from .topics import MAX_MESSAGE_BYTES, dlq_topic, ensure_topic
+
+__all__ = ["DeadLetterError", "DeadLetterWriter", "DlqEntry", "parse_dlq_headers"]
+
+logger = logging.getLogger(__name__)
+
+
+class DeadLetterError(RuntimeError):
+    """A rejected message could not be written to the dead-letter topic (it is not consumed)."""
+
+
+@dataclass(frozen=True)
+class DlqEntry:
+    """The dead-letter headers of one entry, parsed."""
+
+    reason: str
+    """Why the message was rejected."""
+    error: str
+    """The message of the decode error."""
+    topic: str
+    """Source topic."""
+    partition: int
+    """Source partition."""
+    offset: int
+    """Source offset (with topic and partition, the entry's identity)."""
+    producer_id: str | None
+    """Producer id claimed by a rejected shard, when readable."""
+    first_seq: int | None
+    """First sequence number claimed by a rejected shard, when readable."""
+    count: int
+    """Records the message claimed to hold (1 when unknown)."""
+
+
+def parse_dlq_headers(headers: Sequence[tuple[str, bytes]]) -> DlqEntry:
+    """Read the ``dlq.*`` headers of a dead-letter message.
+
+    Raises:
+        ValueError: a required header is missing.
+    """
+    h = {k: v.decode() for k, v in headers if k.startswith("dlq.")}
+    try:
+        return DlqEntry(reason=h["dlq.reason"], error=h.get("dlq.error", ""), topic=h["dlq.topic"],
+                        partition=int(h["dlq.partition"]), offset=int(h["dlq.offset"]),
+                        producer_id=h.get("dlq.producer"),
+                        first_seq=int(h["dlq.seq"]) if "dlq.seq" in h else None,
+                        count=int(h.get("dlq.count", "1")))
+    except KeyError as exc:
+        raise ValueError(f"not a dead-letter message: header {exc.args[0]} missing") from None
+
+
+class DeadLetterWriter:
+    """Writes rejected messages to ``<topic>.dlq``; the topic and producer are made on first use."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.dlq_topic = dlq_topic(topic)
+        self._producer: KafkaProducer | None = None
+        self._pending: list = []
+
+    def send(self, value: bytes | None, headers: Sequence[tuple[str, bytes]], partition: int,
+             offset: int, error: DecodeError) -> None:
+        """Queue one rejected message; :meth:`flush` makes it durable."""
+        if self._producer is None:
+            ensure_topic(self.bootstrap, self.dlq_topic, 1)
+            self._producer = KafkaProducer(
+                bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True,
+                max_request_size=MAX_MESSAGE_BYTES, client_id=f"streamtrain-dlq-{self.topic}")
+        extra = [("dlq.reason", error.reason), ("dlq.error", str(error)[:1000]), ("dlq.topic", self.topic),
+                 ("dlq.partition", str(partition)), ("dlq.offset", str(offset)),
+                 ("dlq.count", str(error.count))]
+        if error.producer_id is not None:
+            extra.append(("dlq.producer", error.producer_id))
+        if error.first_seq is not None:
+            extra.append(("dlq.seq", str(error.first_seq)))
+        original = [(k, v) for k, v in headers if not k.startswith("dlq.")]
+        self._pending.append(self._producer.send(
+            self.dlq_topic, value=value, key=f"{self.topic}/{partition}/{offset}".encode(),
+            headers=original + [(k, v.encode()) for k, v in extra]))
+        logger.warning("rejected %s[%d]@%d to %s: %s", self.topic, partition, offset, self.dlq_topic, error)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued message is acknowledged.
+
+        Raises:
+            DeadLetterError: one could not be written.
+        """
+        if not self._pending or self._producer is None:
+            return
+        self._producer.flush(timeout_s)
+        pending, self._pending = self._pending, []
+        failed = [f for f in pending if not f.succeeded()]
+        if failed:
+            cause = failed[0].exception if failed[0].is_done else "timed out"
+            raise DeadLetterError(f"{len(failed)} message(s) not written to {self.dlq_topic}: {cause}")
+
+    def close(self) -> None:
+        """Flush what is queued and close the producer."""
+        try:
+            self.flush()
+        finally:
+            if self._producer is not None:
+                self._producer.close()
+                self._producer = None

@@ -1,0 +1,258 @@
+"""Produce a source to a training topic as shards, counting only acknowledged records.
+
+:func:`produce` packs the source's records into shards of ``shard_size``
+records (see :mod:`datastream.records`), spreads them round-robin over the
+topic's partitions and sends them with an idempotent ``acks=all`` producer. The
+counts in its :class:`ProduceReport` come from the send callbacks, so they are
+exact: a record is counted when, and only when, the broker acknowledged it.
+
+Backpressure: at most ``max_in_flight_shards`` shards are unacknowledged at any
+time; the loop waits for acknowledgements before packing more. On stop
+(``stop`` event, or Ctrl-C when running in the main thread) it stops packing,
+flushes what it already sent and reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+from kafka import KafkaProducer
+from rich.console import Console
+from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from .records import encode_shard
+from .sources import Source, load_source
+from .topics import MAX_MESSAGE_BYTES, ensure_topic
+
+__all__ = ["ProduceReport", "default_producer_id", "iter_shards", "produce"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProduceReport:
+    """What :func:`produce` did; every count is exact."""
+
+    topic: str
+    """The topic written to."""
+    producer_id: str
+    """Producer id written into every shard."""
+    records: int
+    """Records acknowledged by the broker (``acks=all``)."""
+    shards: int
+    """Shards acknowledged by the broker."""
+    failed_records: int
+    """Records whose send failed (not on the topic); 0 on success."""
+    next_seq: int
+    """One past the last sequence number handed out (acknowledged records have seq < next_seq)."""
+    partitions: int
+    """Partition count of the topic."""
+    elapsed_s: float
+    """Seconds from the first send to the end of the final flush."""
+    interrupted: bool
+    """True when a stop request (or Ctrl-C) ended production early."""
+    errors: tuple[str, ...] = field(default=())
+    """The first few send errors, for the log."""
+
+    @property
+    def records_per_s(self) -> float:
+        """Acknowledged records per second."""
+        return self.records / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def default_producer_id() -> str:
+    """A producer id that no other run uses: host, pid and a random suffix."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def iter_shards(source: Source, shard_size: int, limit: int | None = None
+                ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Re-chunk the source's blocks into ``(x, y)`` of ``shard_size`` records (the last may be short).
+
+    Stops after ``limit`` records when given. Labels keep the first block's kind.
+    """
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    pending = total = 0
+    y_dtype = None
+    for x, y in source:
+        if limit is not None and total + len(x) > limit:
+            x, y = x[:limit - total], y[:limit - total]
+        y_dtype = y.dtype if y_dtype is None else y_dtype
+        total += len(x)
+        while len(x):
+            take = min(shard_size - pending, len(x))
+            xs.append(x[:take])
+            ys.append(y[:take])
+            x, y = x[take:], y[take:]
+            pending += take
+            if pending == shard_size:
+                yield _join(xs), _join(ys).astype(y_dtype, copy=False)
+                xs, ys, pending = [], [], 0
+        if limit is not None and total >= limit:
+            break
+    if pending:
+        yield _join(xs), _join(ys).astype(y_dtype, copy=False)
+
+
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class _Acks:
+    """Counts acknowledgements from the producer's I/O thread and bounds shards in flight."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.lock = threading.Lock()
+        self.slots = threading.Semaphore(max_in_flight)
+        self.records = self.shards = self.failed = 0
+        self.errors: list[str] = []
+
+    def sent(self, n: int):  # noqa: ANN201 - returns the two callbacks
+        def ok(_metadata: object) -> None:
+            with self.lock:
+                self.records += n
+                self.shards += 1
+            self.slots.release()
+
+        def failed(exc: BaseException) -> None:
+            with self.lock:
+                self.failed += n
+                if len(self.errors) < 5:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+            self.slots.release()
+        return ok, failed
+
+
+@contextmanager
+def _ctrl_c_sets(stop: threading.Event) -> Iterator[None]:
+    """While inside, Ctrl-C sets ``stop`` instead of raising (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(_signum: int, _frame: object) -> None:
+        if stop.is_set() and callable(previous):
+            previous(_signum, _frame)  # second Ctrl-C: the usual KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int = 1,
+            shard_size: int = 256, rate: float | None = None, limit: int | None = None,
+            split: str = "all", producer_id: str | None = None, progress: bool = False,
+            stop: threading.Event | None = None, max_in_flight_shards: int = 256,
+            flush_timeout_s: float = 60.0, console: Console | None = None) -> ProduceReport:
+    """Produce ``source`` to ``topic`` as shards and return exact acknowledged counts.
+
+    Args:
+        bootstrap: Kafka ``host:port`` list.
+        topic: training topic; created with ``partitions`` partitions when missing.
+        source: a :class:`Source` or a spec for :func:`load_source`.
+        shard_size: records per shard.
+        rate: records per second to stay under (``None``: as fast as acknowledged).
+        limit: stop after this many records (``None``: until the source ends).
+        split: split of a source given as a spec.
+        producer_id: id written into the shards; default :func:`default_producer_id`.
+        progress: show a progress bar with records/s on the console.
+        stop: set it to stop early; Ctrl-C does the same in the main thread.
+        max_in_flight_shards: unacknowledged shards allowed before waiting.
+        flush_timeout_s: how long the final flush may take.
+
+    Raises:
+        ValueError: a bad argument. SourceError: a bad source.
+    """
+    if rate is not None and rate <= 0:
+        raise ValueError(f"rate must be > 0 records/s, got {rate}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    if max_in_flight_shards < 1:
+        raise ValueError(f"max_in_flight_shards must be >= 1, got {max_in_flight_shards}")
+    src = load_source(source, split) if isinstance(source, str) else source
+    shards = iter_shards(src, shard_size, limit)  # validates shard_size
+    pid = producer_id or default_producer_id()
+    stop = stop or threading.Event()
+    count = ensure_topic(bootstrap, topic, partitions)
+    acks = _Acks(max_in_flight_shards)
+    seq = 0
+    started = time.monotonic()
+    logger.info("producing %s to %s (%d partitions) as producer %s", src, topic, count, pid)
+    with ExitStack() as stack:
+        producer = KafkaProducer(
+            bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5,
+            batch_size=1 << 20, max_request_size=MAX_MESSAGE_BYTES, buffer_memory=128 << 20,
+            client_id=f"streamtrain-producer-{pid}")
+        stack.callback(producer.close)
+        stack.callback(producer.flush, flush_timeout_s)  # runs first: nothing sent is dropped
+        stack.enter_context(_ctrl_c_sets(stop))
+        bar, task = _progress(stack, progress, console, topic)
+        interrupted = False
+        for i, (x, y) in enumerate(shards):
+            while not acks.slots.acquire(timeout=0.1):  # backpressure: wait for acknowledgements
+                if stop.is_set():
+                    break
+            else:
+                if rate is not None:
+                    stop.wait(max(0.0, started + seq / rate - time.monotonic()))
+                if stop.is_set():
+                    acks.slots.release()
+                else:
+                    ok, failed = acks.sent(len(x))
+                    value = encode_shard(x, y, producer_id=pid, first_seq=seq)
+                    producer.send(topic, value, partition=i % count).add_callback(ok).add_errback(failed)
+                    seq += len(x)
+                    if bar is not None and i % 16 == 0:
+                        bar.update(task, completed=acks.records)
+                    continue
+            interrupted = True
+            break
+        producer.flush(flush_timeout_s)
+        if bar is not None:
+            bar.update(task, completed=acks.records)
+    elapsed = time.monotonic() - started
+    with acks.lock:
+        report = ProduceReport(topic=topic, producer_id=pid, records=acks.records, shards=acks.shards,
+                               failed_records=acks.failed + (seq - acks.records - acks.failed),
+                               next_seq=seq, partitions=count, elapsed_s=elapsed,
+                               interrupted=interrupted, errors=tuple(acks.errors))
+    logger.info("producer %s: %d records in %d shards acknowledged on %s (%d failed)%s",
+                pid, report.records, report.shards, topic, report.failed_records,
+                " after a stop request" if interrupted else "")
+    return report
+
+
+class _RateColumn(ProgressColumn):
+    """Acknowledged records per second."""
+
+    def render(self, task: Task) -> Text:
+        return Text(f"{task.speed:,.0f} records/s" if task.speed else "- records/s")
+
+
+def _progress(stack: ExitStack, enabled: bool, console: Console | None,
+              topic: str) -> tuple[Progress | None, TaskID]:
+    if not enabled:
+        return None, TaskID(0)
+    bar = Progress(TextColumn("[bold]{task.description}"), TextColumn("{task.completed:,} records"),
+                   _RateColumn(), TimeElapsedColumn(),
+                   console=console or Console(stderr=True), transient=False)
+    stack.enter_context(bar)
+    return bar, bar.add_task(f"produce → {topic}", total=None)

@@ -1,0 +1,360 @@
+"""Sources of training records, named by a spec string.
+
+A spec is ``NAME[:ARG][?key=value&...]``:
+
+=========================  ============================================================
+``digits``                 scikit-learn's bundled 8x8 digits (1,797 records, 64 features
+                           scaled to [0, 1], 10 classes); ``?repeat=K`` passes K times,
+                           ``repeat=0`` forever
+``synthetic``              seeded generator, unbounded unless ``limit=N``; options
+                           ``task=classification|regression``, ``features=16``,
+                           ``classes=4``, ``seed=0``, ``noise=0.1``
+``csv:PATH``               numbers, one record per row; ``label=last|first|<column>``;
+                           a header row is detected
+``npz:PATH``               arrays ``x`` [n, d] and ``y`` [n] (``x=``/``y=`` rename them)
+``jsonl:PATH``             one ``{"x": [...], "y": ...}`` per line
+``stdin``                  JSON lines (or ``?format=csv``) from standard input, streamed
+``package.module:callable`` ``callable(**options)`` returns an iterable of ``(x, y)``
+                           records (x 1-D) or blocks (x 2-D), or a :class:`Source`
+=========================  ============================================================
+
+A path ending in ``.csv``, ``.npz`` or ``.jsonl`` may be given without the prefix.
+
+**Train/test split convention.** Every source numbers its records 0, 1, 2, ...
+in its own order (a repeated data set restarts the numbering on each pass);
+record *i* belongs to the ``test`` split when ``i % 5 == 4`` and to ``train``
+otherwise, so 20 % is held out, deterministically, and the same records every
+time. ``split="all"`` keeps everything.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import io
+import itertools
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import parse_qsl
+
+import numpy as np
+
+__all__ = ["SPLITS", "Source", "SourceError", "TEST_EVERY", "load_source", "split_mask"]
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "test", "all")
+"""Split names accepted by :func:`load_source`."""
+
+TEST_EVERY = 5
+"""Record *i* of a source is in the test split when ``i % TEST_EVERY == TEST_EVERY - 1``."""
+
+_BLOCK = 1024
+Block = tuple[int, np.ndarray, np.ndarray]
+"""(index of the first record in the source's numbering, x [n, d], y [n])."""
+
+
+class SourceError(ValueError):
+    """A source spec or its data is invalid; the message names the problem."""
+
+
+def split_mask(start: int, n: int, split: str) -> np.ndarray | None:
+    """Boolean mask selecting ``split`` among records ``start .. start+n-1``; ``None`` keeps all."""
+    if split == "all":
+        return None
+    is_test = (np.arange(start, start + n) % TEST_EVERY) == TEST_EVERY - 1
+    return is_test if split == "test" else ~is_test
+
+
+def _labels(y: np.ndarray, where: str) -> np.ndarray:
+    y = np.asarray(y)
+    if y.dtype.kind in "iub":
+        return y.astype(np.int64)
+    if y.dtype.kind != "f":
+        raise SourceError(f"{where}: labels must be numbers, got dtype {y.dtype}")
+    if np.isfinite(y).all() and (y == np.round(y)).all():
+        return y.astype(np.int64)
+    return y.astype(np.float32)
+
+
+def _features(x: Any, where: str) -> np.ndarray:
+    try:
+        arr = np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise SourceError(f"{where}: features must be numbers ({exc})") from None
+    if arr.ndim != 2 or arr.shape[1] == 0:
+        raise SourceError(f"{where}: features must be [n, d] with d > 0, got shape {arr.shape}")
+    return arr
+
+
+class Source:
+    """An iterable of record blocks ``(x float32 [n, d], y [n])`` restricted to one split.
+
+    Labels are int64 (classification) or float32 (regression).
+    """
+
+    def __init__(self, name: str, blocks: Callable[[], Iterator[Block]], split: str = "all") -> None:
+        if split not in SPLITS:
+            raise SourceError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+        self.name = name
+        self.split = split
+        self._blocks = blocks
+
+    def __repr__(self) -> str:
+        return f"Source({self.name!r}, split={self.split!r})"
+
+    def with_split(self, split: str) -> Source:
+        """The same source restricted to ``split``."""
+        return Source(self.name, self._blocks, split)
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for start, x, y in self._blocks():
+            mask = split_mask(start, len(x), self.split)
+            if mask is not None:
+                x, y = x[mask], y[mask]
+            if len(x):
+                yield x, y
+
+    def read(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """All records (at most ``limit``) as two arrays; needs a bounded source or a limit."""
+        xs, ys, n = [], [], 0
+        for x, y in self:
+            if limit is not None and n + len(x) > limit:
+                x, y = x[:limit - n], y[:limit - n]
+            xs.append(x)
+            ys.append(y)
+            n += len(x)
+            if limit is not None and n >= limit:
+                break
+        if not xs:
+            raise SourceError(f"source {self.name} has no records in split {self.split!r}")
+        return np.concatenate(xs), np.concatenate(ys)
+
+
+def _int(opts: dict[str, str], key: str, default: int | None, lo: int = 0) -> int | None:
+    raw = opts.pop(key, None)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SourceError(f"option {key}={raw!r} is not an integer") from None
+    if value < lo:
+        raise SourceError(f"option {key}={value} must be >= {lo}")
+    return value
+
+
+def _digits(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
+    repeat = _int(opts, "repeat", 1)
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    y = data.target.astype(np.int64)
+
+    def blocks() -> Iterator[Block]:
+        for _ in (itertools.count() if repeat == 0 else range(repeat)):
+            yield 0, x, y
+    return blocks
+
+
+def _synthetic(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
+    task = opts.pop("task", "classification")
+    if task not in ("classification", "regression"):
+        raise SourceError(f"synthetic task must be classification or regression, got {task!r}")
+    d = _int(opts, "features", 16, lo=1)
+    k = _int(opts, "classes", 4, lo=2)
+    seed = _int(opts, "seed", 0)
+    limit = _int(opts, "limit", None)
+    try:
+        noise = float(opts.pop("noise", "0.1"))
+    except ValueError:
+        raise SourceError("option noise must be a number") from None
+
+    def blocks() -> Iterator[Block]:
+        rng = np.random.default_rng(seed)
+        teacher = rng.standard_normal((d, k if task == "classification" else 1)).astype(np.float32)
+        start = 0
+        while limit is None or start < limit:
+            n = _BLOCK if limit is None else min(_BLOCK, limit - start)
+            x = rng.standard_normal((n, d), dtype=np.float32)
+            out = x @ teacher + noise * rng.standard_normal((n, teacher.shape[1]), dtype=np.float32)
+            y = out.argmax(axis=1).astype(np.int64) if task == "classification" else out[:, 0]
+            yield start, x, y
+            start += n
+    return blocks
+
+
+def _table(rows: list[list[str]], label: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    header = None
+    if rows:
+        try:
+            [float(v) for v in rows[0]]
+        except ValueError:
+            header, rows = rows[0], rows[1:]
+    if not rows:
+        raise SourceError(f"{where}: no data rows")
+    if label in ("last", "first"):
+        col = -1 if label == "last" else 0
+    elif header is not None and label in header:
+        col = header.index(label)
+    else:
+        raise SourceError(f"{where}: label column {label!r} not found (header: {header})")
+    try:
+        table = np.array(rows, dtype=np.float64)
+    except ValueError as exc:
+        raise SourceError(f"{where}: rows must hold only numbers of equal count ({exc})") from None
+    y = table[:, col]
+    x = np.delete(table, col if col >= 0 else table.shape[1] - 1, axis=1)
+    return _features(x, where), _labels(y, where)
+
+
+def _csv_file(path: Path, opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
+    label = opts.pop("label", "last")
+
+    def blocks() -> Iterator[Block]:
+        with path.open(newline="") as fh:
+            rows = [r for r in csv.reader(fh) if r]
+        x, y = _table(rows, label, str(path))
+        yield 0, x, y
+    return blocks
+
+
+def _npz_file(path: Path, opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
+    xkey, ykey = opts.pop("x", "x"), opts.pop("y", "y")
+
+    def blocks() -> Iterator[Block]:
+        with np.load(path, allow_pickle=False) as data:
+            if xkey not in data or ykey not in data:
+                raise SourceError(f"{path}: needs arrays {xkey!r} and {ykey!r}; has {sorted(data)}")
+            x, y = _features(data[xkey], str(path)), _labels(data[ykey], str(path))
+        if y.shape != (x.shape[0],):
+            raise SourceError(f"{path}: y must be [{x.shape[0]}], got {y.shape}")
+        yield 0, x, y
+    return blocks
+
+
+def _json_lines(lines: Iterable[str], where: str, block: int) -> Iterator[Block]:
+    start, xs, ys = 0, [], []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            xs.append(obj["x"])
+            ys.append(obj["y"])
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise SourceError(f"{where} line {lineno}: expected {{\"x\": [...], \"y\": ...}} ({exc})") from None
+        if len(xs) >= block:
+            yield start, _features(xs, where), _labels(np.array(ys), where)
+            start, xs, ys = start + len(xs), [], []
+    if xs:
+        yield start, _features(xs, where), _labels(np.array(ys), where)
+
+
+def _jsonl_file(path: Path, opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
+    def blocks() -> Iterator[Block]:
+        with path.open() as fh:
+            yield from _json_lines(fh, str(path), _BLOCK)
+    return blocks
+
+
+def _stdin(opts: dict[str, str], stream: TextIO | None = None) -> Callable[[], Iterator[Block]]:
+    fmt = opts.pop("format", "jsonl")
+    label = opts.pop("label", "last")
+    if fmt not in ("jsonl", "csv"):
+        raise SourceError(f"stdin format must be jsonl or csv, got {fmt!r}")
+
+    def blocks() -> Iterator[Block]:
+        fh = stream if stream is not None else sys.stdin
+        if fmt == "jsonl":
+            yield from _json_lines(fh, "stdin", 1)  # one line at a time: stdin is a live stream
+            return
+        start, header_seen = 0, False
+        for row in csv.reader(fh):
+            if not row:
+                continue
+            if not header_seen:
+                header_seen = True
+                try:
+                    [float(v) for v in row]
+                except ValueError:
+                    continue
+            x, y = _table([row], label, "stdin")
+            yield start, x, y
+            start += 1
+    return blocks
+
+
+def _plugin(target: str, opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
+    module_name, _, attr = target.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SourceError(f"source {target!r}: cannot load {attr!r} from {module_name!r} ({exc})") from None
+    kwargs = dict(opts)
+    opts.clear()
+
+    def blocks() -> Iterator[Block]:
+        made = fn(**kwargs)
+        if isinstance(made, Source):  # already blocks; its own split applies first
+            made = iter(made)
+        start = 0
+        for item in made:
+            try:
+                x, y = item
+            except (TypeError, ValueError):
+                raise SourceError(f"source {target!r} must yield (x, y) pairs, got {type(item).__name__}") from None
+            x = np.asarray(x)
+            if x.ndim == 1:
+                x, y = x[None, :], np.asarray([y])
+            xb, yb = _features(x, target), _labels(np.asarray(y), target)
+            if yb.shape != (xb.shape[0],):
+                raise SourceError(f"source {target!r}: y must have one label per row")
+            yield start, xb, yb
+            start += len(xb)
+    return blocks
+
+
+_FILES = {"csv": _csv_file, "npz": _npz_file, "jsonl": _jsonl_file}
+
+
+def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -> Source:
+    """The source named by ``spec`` (see the module docstring), restricted to ``split``.
+
+    Args:
+        spec: e.g. ``"digits"``, ``"synthetic?task=regression&features=8&limit=10000"``,
+            ``"csv:data.csv?label=target"``, ``"mypkg.data:records"``.
+        split: ``"train"``, ``"test"`` or ``"all"``.
+        stdin: the text stream for ``stdin`` (default ``sys.stdin``).
+
+    Raises:
+        SourceError: unknown source, bad option, missing file or module.
+    """
+    if split not in SPLITS:
+        raise SourceError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+    base, _, query = spec.partition("?")
+    opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+    prefix, colon, arg = base.partition(":")
+    if base == "digits":
+        blocks = _digits(opts)
+    elif base == "synthetic":
+        blocks = _synthetic(opts)
+    elif base == "stdin":
+        blocks = _stdin(opts, stdin)
+    elif colon and prefix in _FILES or not colon and Path(base).suffix[1:] in _FILES:
+        kind, path = (prefix, Path(arg)) if colon else (Path(base).suffix[1:], Path(base))
+        if not path.is_file():
+            raise SourceError(f"source {spec!r}: no such file {path}")
+        blocks = _FILES[kind](path, opts)
+    elif colon and arg:
+        blocks = _plugin(base, opts)
+    else:
+        raise SourceError(f"unknown source {spec!r}: use digits, synthetic, stdin, csv:PATH, npz:PATH, "
+                          "jsonl:PATH or module:callable")
+    if opts:
+        raise SourceError(f"source {spec!r}: unknown option(s) {', '.join(sorted(opts))}")
+    return Source(spec, blocks, split)
