@@ -30,7 +30,7 @@ class KafkaProbe:
             self._consumer = KafkaConsumer(
                 bootstrap_servers=self.bootstrap.split(","), client_id="streamtrain-coordinator",
                 enable_auto_commit=False, request_timeout_ms=max(self.timeout_ms, 1000),
-                api_version_auto_timeout_ms=self.timeout_ms,
+                bootstrap_timeout_ms=self.timeout_ms,
                 connections_max_idle_ms=540_000)
         return self._consumer
 

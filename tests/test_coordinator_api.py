@@ -1,0 +1,355 @@
+"""The coordinator over real HTTP and a real Redis: membership, leases, fencing, auth, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import redis as redis_lib
+import yaml
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.app import create_app
+from coordinator.client import CoordinatorClient
+from coordinator.errors import AuthError, BadRequestError, FencedError, MemberGoneError
+from coordinator.settings import CoordinatorSettings
+from coordinator.state import check_fence, parse_assignment
+from streamtrain.keys import JobKeys
+
+JOB = "job1"
+KEYS = JobKeys(JOB)
+JOB_AUTH = {"Authorization": "Bearer job-secret"}
+ADMIN_AUTH = {"Authorization": "Bearer admin-secret"}
+CPU = {"capabilities": {"device": "cpu", "threads": 1, "hostname": "host-a"}}
+
+
+def settings_for(redis_url: str, **over: Any) -> CoordinatorSettings:
+    base = CoordinatorSettings(job=JOB, redis_url=redis_url, kafka_bootstrap="127.0.0.1:1",
+                               topic="train", partitions=6, lease_ms=3000,
+                               heartbeat_interval_ms=500, admin_token="admin-secret",
+                               job_token="job-secret", kafka_timeout_ms=200,
+                               max_request_bytes=4096)
+    return replace(base, **over)
+
+
+@contextlib.asynccontextmanager
+async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[TestClient]:
+    client = TestClient(TestServer(create_app(settings)))
+    await client.start_server()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def wait_for(predicate: Callable[[], Any], timeout_s: float = 15.0) -> Any:
+    """Poll ``predicate`` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(0.02)
+
+
+def assignment(redis: redis_lib.Redis) -> dict[int, tuple[str, int]]:
+    return parse_assignment(redis.hgetall(KEYS.assignment))
+
+
+def dump(redis: redis_lib.Redis) -> dict[str, Any]:
+    """Every key of the database with its value (to show a refused request changed nothing)."""
+    out: dict[str, Any] = {}
+    for key in sorted(redis.keys("*")):
+        kind = redis.type(key)
+        out[key.decode()] = redis.hgetall(key) if kind == b"hash" else redis.get(key)
+    return out
+
+
+async def register(client: TestClient, body: dict[str, Any] = CPU) -> dict[str, Any]:
+    resp = await client.post("/v1/members", json=body, headers=JOB_AUTH)
+    assert resp.status == 201, await resp.text()
+    return await resp.json()
+
+
+async def test_register_heartbeat_and_redis_contract(redis_url: str,
+                                                     redis: redis_lib.Redis) -> None:
+    async with coordinator(settings_for(redis_url)) as client:
+        a = await register(client)
+        assert a["member_id"].startswith("host-a-") and a["generation"] == 1
+        assert a["partitions"] == [0, 1, 2, 3, 4, 5] and a["state"] == "active"
+        assert a["lease_ms"] == 3000 and a["heartbeat_interval_ms"] == 500
+        assert a["config"] == {"consistency": "ssp", "staleness": 2, "codec": "topk+fp16",
+                               "optimizer": "adam", "lr": 0.001, "topic": "train",
+                               "partitions": 6, "paused": False}
+        gpu = await register(client, {"capabilities": {"device": "cuda", "threads": 4}})
+        assert gpu["member_id"] != a["member_id"] and gpu["generation"] == 2
+        # weights cuda 8*sqrt(4)=16 vs cpu 1*sqrt(1)=1: shares 5.65 and 0.35 of 6 partitions
+        assert gpu["partitions"] == [0, 1, 2, 3, 4, 5]
+        # the contract: generation and every assignment entry "<member>|<generation>"
+        assert int(redis.get(KEYS.generation)) == 2
+        owners = assignment(redis)
+        assert sorted(owners) == list(range(6)) and {g for _, g in owners.values()} == {2}
+        assert json.loads(redis.hget(KEYS.members, a["member_id"]))["capabilities"]["device"] == "cpu"
+        assert redis.hget(KEYS.config, "consistency") == b"ssp"
+
+        resp = await client.post(f"/v1/members/{a['member_id']}/heartbeat", headers=JOB_AUTH,
+                                 json={"stats": {"records_per_s": 100.5, "loss": 0.25,
+                                                 "clock": 3, "lag": 7, "freshness_s": [0.2, 1.5]}})
+        assert resp.status == 200
+        hb = await resp.json()
+        assert hb["generation"] == 2 and hb["partitions"] == [p for p, (m, _) in owners.items()
+                                                             if m == a["member_id"]]
+        stored = json.loads(redis.hget(KEYS.members, a["member_id"]))
+        assert stored["stats"]["loss"] == 0.25 and stored["lease_expires_ms"] > a["lease_ms"]
+
+        members = await (await client.get("/v1/members")).json()
+        assert [m["member_id"] for m in members["members"]] == sorted([a["member_id"],
+                                                                        gpu["member_id"]])
+        status = await (await client.get("/v1/status")).json()
+        assert status["generation"] == 2 and status["throughput_records_per_s"] == 100.5
+        assert status["loss"] == 0.25
+        assert all(p["end"] is None for p in status["partitions"])  # Kafka unreachable here
+
+
+async def test_lease_expiry_reassigns_within_timeout(redis_url: str,
+                                                     redis: redis_lib.Redis) -> None:
+    settings = settings_for(redis_url, lease_ms=400, heartbeat_interval_ms=100)
+    async with coordinator(settings) as client:
+        alive = await register(client)
+        doomed = await register(client)
+        gen = int(redis.get(KEYS.generation))
+        assert {m for m, _ in assignment(redis).values()} == {alive["member_id"],
+                                                              doomed["member_id"]}
+        stop = asyncio.Event()
+
+        async def keep_alive() -> None:
+            while not stop.is_set():
+                resp = await client.post(f"/v1/members/{alive['member_id']}/heartbeat",
+                                         headers=JOB_AUTH, json={})
+                assert resp.status == 200
+                await asyncio.sleep(0.1)
+
+        beat = asyncio.create_task(keep_alive())
+        try:
+            # the doomed member never heartbeats: its lease (400 ms) runs out
+            owners = await wait_for(lambda: (o := assignment(redis)) and all(
+                m == alive["member_id"] for m, _ in o.values()) and o, timeout_s=10)
+        finally:
+            stop.set()
+            await beat
+        assert {g for _, g in owners.values()} == {gen + 1} == {int(redis.get(KEYS.generation))}
+        assert sorted(owners) == list(range(6))
+        assert redis.hexists(KEYS.members, doomed["member_id"]) == 0
+        assert json.loads(redis.hget(KEYS.departed, doomed["member_id"]))["reason"] == "expired"
+        resp = await client.post(f"/v1/members/{doomed['member_id']}/heartbeat",
+                                 headers=JOB_AUTH, json={})
+        assert resp.status == 410
+        assert "register anew" in (await resp.json())["error"]["message"]
+        # the alive member's partitions stayed put (sticky)
+        assert all(owners[p][0] == alive["member_id"] for p in alive["partitions"])
+        text = await (await client.get("/metrics")).text()
+        delay = {s.name: s.value for f in text_string_to_metric_families(text)
+                 for s in f.samples if f.name == "streamtrain_reassignment_delay_seconds"}
+        assert delay["streamtrain_reassignment_delay_seconds_count"] == 1
+
+
+async def test_sticky_rebalance_on_join_and_graceful_leave(redis_url: str,
+                                                           redis: redis_lib.Redis) -> None:
+    async with coordinator(settings_for(redis_url)) as client:
+        a = await register(client)
+        b = await register(client)
+        before = assignment(redis)
+        c = await register(client)
+        after = assignment(redis)
+        moved = [p for p in before if before[p][0] != after[p][0]]
+        assert moved and all(after[p][0] == c["member_id"] for p in moved)
+        assert len(c["partitions"]) == 2
+        gen = int(redis.get(KEYS.generation))
+        resp = await client.post(f"/v1/members/{b['member_id']}/leave", headers=JOB_AUTH)
+        assert resp.status == 200 and (await resp.json())["generation"] == gen + 1
+        final = assignment(redis)
+        assert {m for m, _ in final.values()} == {a["member_id"], c["member_id"]}
+        for p, (m, _) in after.items():
+            if m != b["member_id"]:
+                assert final[p][0] == m
+        resp = await client.post(f"/v1/members/{b['member_id']}/heartbeat", headers=JOB_AUTH)
+        assert resp.status == 410 and (await resp.json())["error"]["code"] == "member_gone"
+        resp = await client.post("/v1/members/never-seen/heartbeat", headers=JOB_AUTH)
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_member"
+
+
+async def test_restart_keeps_state_and_config(redis_url: str, redis: redis_lib.Redis) -> None:
+    settings = settings_for(redis_url, lease_ms=400, heartbeat_interval_ms=100)
+    async with coordinator(settings) as client:
+        a = await register(client)
+        b = await register(client)
+        resp = await client.patch("/v1/admin/config", headers=ADMIN_AUTH,
+                                  json={"consistency": "bsp", "lr": 0.5})
+        assert resp.status == 200
+    owners = assignment(redis)
+    # down for longer than a lease; the new coordinator has other job flags
+    deadline = json.loads(redis.hget(KEYS.members, a["member_id"]))["lease_expires_ms"]
+    await wait_for(lambda: time.time() * 1000 > deadline + 200)
+    async with coordinator(replace(settings, consistency="asp", lr=0.1)) as client:
+        # stored membership wins and leases were renewed: nobody was expired by the restart
+        resp = await client.post(f"/v1/members/{a['member_id']}/heartbeat", headers=JOB_AUTH)
+        assert resp.status == 200, await resp.text()
+        hb = await resp.json()
+        assert hb["generation"] == 2 and hb["partitions"] == sorted(
+            p for p, (m, _) in owners.items() if m == a["member_id"])
+        # stored config wins over the new flags
+        assert hb["config"]["consistency"] == "bsp" and hb["config"]["lr"] == 0.5
+        members = await (await client.get("/v1/members")).json()
+        assert {m["member_id"] for m in members["members"]} == {a["member_id"], b["member_id"]}
+        assert assignment(redis) == owners
+        # and the restarted coordinator runs the lease checker: b never heartbeats again
+        await wait_for(lambda: not redis.hexists(KEYS.members, b["member_id"]), timeout_s=10)
+    assert redis.hget(KEYS.config, "consistency") == b"bsp"
+
+
+async def test_fencing_of_stale_generation(redis_url: str, redis: redis_lib.Redis) -> None:
+    async with coordinator(settings_for(redis_url)) as client:
+        client_a = CoordinatorClient(str(client.make_url("")), "job-secret",
+                                     session=client.session)
+        reg = await client_a.register({"device": "cpu", "threads": 2})
+        check_fence(redis, JOB, reg.member_id, reg.generation, reg.partitions)
+        b = await register(client)
+        with pytest.raises(FencedError, match="stale generation"):
+            check_fence(redis, JOB, reg.member_id, reg.generation, reg.partitions[:1])
+        now = await client_a.heartbeat({"clock": 1})
+        assert now.generation == reg.generation + 1
+        check_fence(redis, JOB, reg.member_id, now.generation, now.partitions)
+        with pytest.raises(FencedError, match=f"owned by {b['member_id']}"):
+            check_fence(redis, JOB, reg.member_id, now.generation, b["partitions"][:1])
+        await client_a.leave()
+        with pytest.raises(FencedError):
+            check_fence(redis, JOB, reg.member_id, now.generation, now.partitions)
+        gone = CoordinatorClient(str(client.make_url("")), "job-secret", session=client.session)
+        gone.member_id = reg.member_id
+        with pytest.raises(MemberGoneError):
+            await gone.heartbeat()
+        with pytest.raises(AuthError):
+            await CoordinatorClient(str(client.make_url("")), "wrong",
+                                    session=client.session).register({"device": "cpu"})
+        with pytest.raises(BadRequestError, match="capabilities.device"):
+            await client_a.register({"device": "abacus"})
+
+
+async def test_drain_pause_resume(redis_url: str, redis: redis_lib.Redis) -> None:
+    async with coordinator(settings_for(redis_url)) as client:
+        a = await register(client)
+        b = await register(client)
+        resp = await client.post(f"/v1/admin/members/{a['member_id']}/drain", headers=ADMIN_AUTH)
+        assert resp.status == 200 and (await resp.json())["state"] == "draining"
+        hb = await (await client.post(f"/v1/members/{a['member_id']}/heartbeat",
+                                      headers=JOB_AUTH)).json()
+        assert hb["state"] == "draining" and hb["partitions"] == []
+        assert {m for m, _ in assignment(redis).values()} == {b["member_id"]}
+        resp = await client.post("/v1/admin/pause", headers=ADMIN_AUTH)
+        assert resp.status == 200 and redis.hget(KEYS.config, "paused") == b"1"
+        hb = await (await client.post(f"/v1/members/{b['member_id']}/heartbeat",
+                                      headers=JOB_AUTH)).json()
+        assert hb["state"] == "paused" and hb["config"]["paused"] is True
+        await client.post("/v1/admin/resume", headers=ADMIN_AUTH)
+        hb = await (await client.post(f"/v1/members/{b['member_id']}/heartbeat",
+                                      headers=JOB_AUTH)).json()
+        assert hb["state"] == "active" and redis.hget(KEYS.config, "paused") == b"0"
+
+
+@pytest.mark.parametrize(("method", "path", "headers", "body", "status", "needle"), [
+    ("POST", "/v1/members", {}, CPU, 401, "missing bearer job token"),
+    ("POST", "/v1/members", {"Authorization": "Bearer nope"}, CPU, 401, "wrong job token"),
+    ("POST", "/v1/members", ADMIN_AUTH, CPU, 401, "wrong job token"),
+    ("POST", "/v1/admin/pause", JOB_AUTH, None, 401, "wrong admin token"),
+    ("PATCH", "/v1/admin/config", {}, {"lr": 1.0}, 401, "missing bearer admin token"),
+    ("POST", "/v1/members", JOB_AUTH, b"{oops", 400, "malformed JSON"),
+    ("POST", "/v1/members", JOB_AUTH, {"capabilities": {"device": "cpu"}, "extra": 1}, 400,
+     "unknown field(s) 'extra'"),
+    ("POST", "/v1/members", JOB_AUTH, {"capabilities": {"device": "cpu", "threads": 1.5}}, 400,
+     "capabilities.threads: expected an integer"),
+    ("POST", "/v1/members", JOB_AUTH, b'{"capabilities": {"device": "cpu", "hostname": "'
+     + b"x" * 5000 + b'"}}', 400, "request body too large: the limit is 4096 bytes"),
+    ("PATCH", "/v1/admin/config", ADMIN_AUTH, {"consistency": "eventual"}, 400,
+     "consistency: must be one of bsp, ssp, asp"),
+    ("PATCH", "/v1/admin/config", ADMIN_AUTH, {"momentum": 0.9}, 400, "unknown field(s) 'momentum'"),
+    ("PATCH", "/v1/admin/config", ADMIN_AUTH, {}, 400, "name at least one of"),
+    ("POST", "/v1/admin/pause", ADMIN_AUTH, {"now": True}, 400, "unknown field(s) 'now'"),
+    ("GET", "/v1/nothing", {}, None, 404, "Not Found"),
+    ("DELETE", "/v1/members", {}, None, 405, "Method Not Allowed"),
+])
+async def test_refused_requests_change_nothing(redis_url: str, redis: redis_lib.Redis,
+                                               method: str, path: str, headers: dict[str, str],
+                                               body: Any, status: int, needle: str) -> None:
+    async with coordinator(settings_for(redis_url)) as client:
+        member = await register(client)
+        before = dump(redis)
+        kwargs: dict[str, Any] = {"headers": headers}
+        if isinstance(body, bytes):
+            kwargs["data"] = body
+        elif body is not None:
+            kwargs["json"] = body
+        resp = await client.request(method, path, **kwargs)
+        assert resp.status == status
+        assert resp.content_type == "application/json"
+        error = (await resp.json())["error"]
+        assert needle in error["message"], error
+        assert dump(redis) == before
+        # a heartbeat with bad stats is refused too, and the lease is not renewed
+        resp = await client.post(f"/v1/members/{member['member_id']}/heartbeat",
+                                 headers=JOB_AUTH, json={"stats": {"loss": "low"}})
+        assert resp.status == 400 and "stats.loss" in (await resp.json())["error"]["message"]
+        assert dump(redis) == before
+
+
+async def test_metrics_parse_and_freshness(redis_url: str) -> None:
+    async with coordinator(settings_for(redis_url)) as client:
+        a = await register(client)
+        await client.post(f"/v1/members/{a['member_id']}/heartbeat", headers=JOB_AUTH,
+                          json={"stats": {"records_per_s": 50.0, "freshness_s": [0.1, 0.2, 3.0]}})
+        resp = await client.get("/metrics")
+        assert resp.status == 200 and resp.content_type == "text/plain"
+        families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in families.values() for s in f.samples}
+        assert samples[("streamtrain_generation", ())] == 1
+        assert samples[("streamtrain_members", (("state", "active"),))] == 1
+        assert samples[("streamtrain_freshness_seconds_count", ())] == 3
+        assert samples[("streamtrain_member_records_per_second",
+                        (("member", a["member_id"]),))] == 50.0
+
+
+async def test_openapi_documents_every_route(redis_url: str) -> None:
+    settings = settings_for(redis_url)
+    app = create_app(settings)
+    served = {(r.method.lower(), r.resource.canonical) for r in app.router.routes()
+              if r.method != "HEAD"}
+    async with coordinator(settings) as client:
+        resp = await client.get("/v1/openapi.yaml")
+        assert resp.status == 200
+        doc = yaml.safe_load(await resp.text())
+        page = await client.get("/")
+        assert page.status == 200 and "/v1/status" in await page.text()
+        assert (await (await client.get("/healthz")).json()) == {"status": "ok"}
+        ready = await client.get("/readyz")
+        body = await ready.json()
+        assert ready.status == 503 and body["checks"]["redis"] == "ok"
+        assert body["checks"]["kafka"].startswith("unreachable: KafkaTimeoutError")
+    documented = {(method, path) for path, ops in doc["paths"].items() for method in ops
+                  if method in {"get", "post", "patch", "put", "delete"}}
+    assert documented == served
+
+
+def test_settings_refuse_heartbeat_not_below_lease() -> None:
+    with pytest.raises(ValueError, match="heartbeat_interval_ms"):
+        CoordinatorSettings(lease_ms=500, heartbeat_interval_ms=500)
+    with pytest.raises(ValueError, match="admin-token"):
+        create_app(CoordinatorSettings())

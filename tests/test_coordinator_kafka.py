@@ -1,0 +1,56 @@
+"""The coordinator against the real Kafka broker: readiness and per-partition lag."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import redis as redis_lib
+from aiohttp.test_utils import TestClient, TestServer
+from kafka import KafkaProducer
+
+from coordinator.app import create_app
+from coordinator.settings import CoordinatorSettings
+from streamtrain.keys import JobKeys
+
+
+@contextlib.asynccontextmanager
+async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[TestClient]:
+    client = TestClient(TestServer(create_app(settings)))
+    await client.start_server()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def test_readyz_and_partition_lag(kafka, redis_url: str, redis: redis_lib.Redis) -> None:  # type: ignore[no-untyped-def]
+    topic = kafka.create_topic(partitions=3)
+    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap)
+    try:
+        for i in range(5):
+            producer.send(topic, b"x%d" % i, partition=0)
+        for i in range(2):
+            producer.send(topic, b"y%d" % i, partition=1)
+        producer.flush(timeout=30)
+    finally:
+        producer.close()
+    keys = JobKeys("lagjob")
+    redis.hset(keys.offsets, mapping={"0": 3})
+    redis.hset(keys.versions, mapping={"0": 7, "1": 9})
+    settings = CoordinatorSettings(job="lagjob", redis_url=redis_url, kafka_bootstrap=kafka.bootstrap,
+                                   topic=topic, partitions=3, admin_token="a", job_token="j",
+                                   kafka_timeout_ms=5000)
+    async with coordinator(settings) as client:
+        ready = await client.get("/readyz")
+        assert ready.status == 200, await ready.text()
+        assert (await ready.json())["checks"] == {"redis": "ok", "kafka": "ok"}
+        resp = await client.post("/v1/members", headers={"Authorization": "Bearer j"},
+                                 json={"capabilities": {"device": "cpu"}})
+        member = (await resp.json())["member_id"]
+        parts = (await (await client.get("/v1/partitions")).json())["partitions"]
+        assert [(p["owner"], p["committed"], p["end"], p["lag"]) for p in parts] == [
+            (member, 3, 5, 2), (member, None, 2, 2), (member, None, 0, 0)]
+        status = await (await client.get("/v1/status")).json()
+        assert status["lag"] == 4
+        assert status["versions"] == {"shards": {"0": 7, "1": 9}, "min": 7, "max": 9}
