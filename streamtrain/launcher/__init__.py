@@ -6,11 +6,13 @@ Used by the tests' session fixtures, the benchmarks and ``streamtrain up``.
 from .kafka import KAFKA_VERSION, KafkaBroker, cache_dir, kafka_libs_dir
 from .process import LaunchError, ManagedProcess, ServerState, free_port, pid_alive, wait_until
 from .redis import RedisServer
+from .service import ServiceProcess
 
 __all__ = [
     # servers
     "KafkaBroker",
     "RedisServer",
+    "ServiceProcess",
     "ManagedProcess",
     "ServerState",
     # errors

@@ -106,6 +106,10 @@ class ManagedProcess:
         """Return True once the server answers; called until the start deadline."""
         raise NotImplementedError
 
+    def _environment(self) -> dict[str, str] | None:
+        """The child's environment; None inherits ours."""
+        return None
+
     # -- lifecycle ---------------------------------------------------------
     @property
     def pid(self) -> int | None:
@@ -163,7 +167,7 @@ class ManagedProcess:
             self._proc = subprocess.Popen(
                 list(argv), cwd=self.workdir, stdin=subprocess.DEVNULL,
                 stdout=self._log_fh, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True, preexec_fn=_die_with_parent, env=self._environment(),
             )
         except FileNotFoundError as exc:
             raise LaunchError(f"{self.name}: cannot run {argv[0]!r}: {exc}") from exc
