@@ -123,4 +123,9 @@ def from_args(cls: type[T], args: argparse.Namespace | Mapping[str, Any] | None 
         if choices is not None and value not in choices:
             raise SettingsError(f"{label}: must be one of {', '.join(map(str, choices))}; got {value!r}")
         values[f.name] = value
-    return cls(**values)
+    try:
+        return cls(**values)
+    except SettingsError:
+        raise
+    except (TypeError, ValueError) as exc:  # checks across fields in __post_init__
+        raise SettingsError(f"{cls.__name__}: {exc}") from exc
