@@ -1,0 +1,65 @@
+"""The parameter plane: versioned parameter shards in Redis, the update log, parameter servers.
+
+Trainers use :class:`ParameterStore` (``init_model``, ``pull``),
+:func:`wait_for_clock` and :class:`Pusher` (or :func:`push_update` with an
+:class:`Update`); ``streamtrain ps`` runs :class:`ParameterServer`. See
+``docs/parameter-plane.md`` for the Redis data model and the protocol.
+"""
+
+from .checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
+from .codecs import CodecChain, decode_gradient, get_codec
+from .consistency import ClockWait, Consistency, StalenessTimeout, starting_clock, wait_for_clock
+from .encoder import Pusher, PushResult
+from .errors import (
+    BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError,
+    ParameterPlaneError, PayloadError, UnknownCodecError,
+)
+from .layout import Layout, ShardSpec, TensorSpec
+from .optim import OptimizerConfig
+from .server import ParameterServer, ServerSettings, ServerStatus
+from .store import ModelMeta, ParameterStore, Snapshot, connect
+from .updates import Update, push_update
+
+__all__ = [
+    # store and snapshots
+    "ParameterStore",
+    "Snapshot",
+    "ModelMeta",
+    "Layout",
+    "TensorSpec",
+    "ShardSpec",
+    "OptimizerConfig",
+    "connect",
+    # pushing
+    "Update",
+    "push_update",
+    "Pusher",
+    "PushResult",
+    # consistency
+    "Consistency",
+    "ClockWait",
+    "wait_for_clock",
+    "starting_clock",
+    # codecs
+    "get_codec",
+    "decode_gradient",
+    "CodecChain",
+    # server
+    "ParameterServer",
+    "ServerSettings",
+    "ServerStatus",
+    # checkpoints
+    "save_checkpoint",
+    "restore_checkpoint",
+    # errors
+    "ParameterPlaneError",
+    "FencedError",
+    "OffsetConflictError",
+    "BadGradientError",
+    "UnknownCodecError",
+    "PayloadError",
+    "LayoutError",
+    "BackpressureError",
+    "StalenessTimeout",
+    "CheckpointError",
+]

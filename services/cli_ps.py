@@ -1,0 +1,40 @@
+"""``streamtrain ps``: run one parameter server until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from streamtrain.settings import add_arguments as add_settings
+from streamtrain.settings import from_args
+
+from .server import ParameterServer, ServerSettings, ServerStatus
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of :class:`ServerSettings`."""
+    add_settings(parser, ServerSettings)
+    parser.add_argument("--start-timeout-s", type=float, default=300.0,
+                        help="how long to wait for the job's model to exist [default 300]")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the server, apply updates until a signal, stop cleanly."""
+    settings = from_args(ServerSettings, {k: v for k, v in vars(args).items() if k != "start_timeout_s"})
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server = ParameterServer(settings)
+    try:
+        server.start(timeout_s=args.start_timeout_s)
+        while not stop.wait(0.2):
+            if server.status is ServerStatus.FAILED:
+                return 1
+    finally:
+        server.close()
+    logger.info("ps job=%s group=%d stopped after %d updates", settings.job, settings.group, server.applied)
+    return 1 if server.status is ServerStatus.FAILED else 0

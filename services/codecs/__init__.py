@@ -1,0 +1,19 @@
+"""Gradient codecs by name: ``none``, ``fp16``, ``bf16``, ``int8``, ``topk`` and chains like ``topk+fp16``."""
+
+from .base import Codec, CodecInfo
+from .registry import CODECS, CodecChain, Encoded, compression_ratio, decode_gradient, get_codec, register
+
+__all__ = [
+    # registry
+    "get_codec",
+    "decode_gradient",
+    "register",
+    "CODECS",
+    # types
+    "Codec",
+    "CodecChain",
+    "CodecInfo",
+    "Encoded",
+    # helpers
+    "compression_ratio",
+]

@@ -1,0 +1,82 @@
+"""The abstract gradient codec and its frozen description.
+
+A codec turns a 1-D float32 tensor into a msgpack-ready dict (``encode``) and
+back (``decode``). Every dict carries its codec's name under ``"c"`` and the
+number of values under ``"n"``, so a receiver decodes a gradient by the names
+recorded in it and never needs to be told the codec. A *sparsifier* (``topk``)
+keeps a subset of the values and hands them to an inner value codec, which is
+how ``topk+fp16`` is two registered codecs composed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..errors import BadGradientError, PayloadError
+
+__all__ = ["Codec", "CodecInfo", "field_bytes", "expect_len"]
+
+
+@dataclass(frozen=True)
+class CodecInfo:
+    """What a codec is."""
+
+    name: str
+    """Registry name, one part of a chain like ``topk+fp16``."""
+    lossy: bool
+    """True when decode(encode(x)) may differ from x."""
+    sparsifier: bool
+    """True when it keeps a subset of values and wraps an inner value codec."""
+    description: str
+    """One line for ``--help`` and the docs."""
+
+
+class Codec(ABC):
+    """A gradient codec. Subclasses set ``info`` and accept their options as keywords."""
+
+    info: ClassVar[CodecInfo]
+    options: ClassVar[tuple[str, ...]] = ()
+    """Keyword options the constructor accepts (e.g. ``density``)."""
+
+    @abstractmethod
+    def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
+        """Encode a contiguous 1-D float32 tensor into a msgpack-ready dict."""
+
+    @abstractmethod
+    def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
+        """Decode ``msg`` (already size-checked) into a 1-D float32 tensor.
+
+        ``inner_decode(dict) -> Tensor`` decodes a nested message (sparsifiers).
+
+        Raises:
+            PayloadError: a field is missing or has the wrong length.
+        """
+
+
+def field_bytes(msg: dict[str, Any], key: str, codec: str) -> bytes:
+    """``msg[key]`` as bytes, or PayloadError naming the codec and field."""
+    value = msg.get(key)
+    if not isinstance(value, bytes):
+        raise PayloadError(f"codec {codec}: field {key!r} missing or not bytes")
+    return value
+
+
+def expect_len(data: bytes, count: int, dtype: np.dtype, codec: str, key: str = "d") -> np.ndarray:
+    """``data`` viewed as ``count`` values of ``dtype``, or PayloadError on a length mismatch."""
+    want = count * np.dtype(dtype).itemsize
+    if len(data) != want:
+        raise PayloadError(f"codec {codec}: field {key!r} has {len(data)} bytes, expected {want} "
+                           f"for {count} values of {np.dtype(dtype).name}")
+    return np.frombuffer(data, dtype=dtype)
+
+
+def check_input(values: torch.Tensor) -> torch.Tensor:
+    """Validate what an encoder gets: 1-D float32, finite."""
+    if values.dtype != torch.float32:
+        raise BadGradientError(f"codec input must be float32, got {values.dtype}")
+    return values.reshape(-1).contiguous()

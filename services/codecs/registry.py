@@ -1,0 +1,154 @@
+"""Codecs by name, and chains of them (``topk+fp16``).
+
+``get_codec(name)`` returns a :class:`CodecChain` that encodes a tensor to
+msgpack bytes and reports their size; :func:`decode_gradient` decodes any
+gradient by the codec names recorded inside it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import BadGradientError, PayloadError, UnknownCodecError
+from ..wire import DEFAULT_MAX_BYTES, pack, unpack
+from .base import Codec, check_input
+from .floating import BFloat16Codec, Float16Codec, NoneCodec
+from .quantization import Int8Codec
+from .sparse import TopKCodec
+
+__all__ = ["CODECS", "CodecChain", "Encoded", "get_codec", "decode_gradient", "register"]
+
+CODECS: dict[str, type[Codec]] = {}
+"""Registered codec classes by name."""
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Register codec class ``cls`` under ``cls.info.name`` (usable as a decorator)."""
+    name = cls.info.name
+    if name in CODECS or "+" in name:
+        raise ValueError(f"codec name {name!r} is taken or contains '+'")
+    CODECS[name] = cls
+    return cls
+
+
+for _cls in (NoneCodec, Float16Codec, BFloat16Codec, Int8Codec, TopKCodec):
+    register(_cls)
+_EXPECTED = ("none", "fp16", "bf16", "int8", "topk")
+if set(CODECS) != set(_EXPECTED):  # the registry is checked at import
+    raise ImportError(f"codec registry mismatch: {sorted(CODECS)} != {sorted(_EXPECTED)}")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded gradient shard."""
+
+    data: bytes
+    """msgpack bytes as they go on the wire."""
+    numel: int
+    """Number of float32 values it decodes to."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this shard puts on the wire."""
+        return len(self.data)
+
+
+class CodecChain:
+    """One sparsifier (optional) followed by one value codec, built by :func:`get_codec`."""
+
+    def __init__(self, name: str, parts: list[Codec]) -> None:
+        self.name = name
+        self.parts = parts
+
+    def __repr__(self) -> str:
+        return f"CodecChain({self.name!r})"
+
+    @property
+    def lossy(self) -> bool:
+        """True when any part is lossy (the encoder then keeps an error-feedback residual)."""
+        return any(p.info.lossy for p in self.parts)
+
+    def encode_dict(self, values: torch.Tensor) -> dict[str, Any]:
+        """Encode to the msgpack-ready dict."""
+        flat = check_input(values)
+        head = self.parts[0]
+        inner = self.parts[1] if len(self.parts) > 1 else None
+        return head.encode(flat, inner)
+
+    def encode(self, values: torch.Tensor) -> Encoded:
+        """Encode a float32 tensor (any shape, flattened) to wire bytes."""
+        return Encoded(pack(self.encode_dict(values)), values.numel())
+
+    def decode(self, data: bytes, numel: int | None = None) -> torch.Tensor:
+        """Decode wire bytes produced by any chain (see :func:`decode_gradient`)."""
+        return decode_gradient(data, numel=numel)
+
+
+def get_codec(name: str, **options: Any) -> CodecChain:
+    """The codec chain ``name`` (``none``, ``fp16``, ``bf16``, ``int8``, ``topk``,
+    ``topk+fp16``, ``topk+bf16``, ``topk+int8``...), with codec options such as
+    ``density=0.01`` (topk) or ``block=256`` (int8).
+
+    Raises:
+        UnknownCodecError: a part of ``name`` is not registered, or the chain is
+            not *one optional sparsifier then one value codec*.
+        ValueError: an option is unknown or out of range.
+    """
+    if not isinstance(name, str) or not name:
+        raise UnknownCodecError(f"codec name must be a non-empty string, got {name!r}")
+    names = name.split("+")
+    unknown = [n for n in names if n not in CODECS]
+    if unknown:
+        raise UnknownCodecError(f"unknown codec {unknown[0]!r} in {name!r}; "
+                                f"known: {', '.join(sorted(CODECS))}")
+    classes = [CODECS[n] for n in names]
+    ok = (len(classes) == 1) or (len(classes) == 2 and classes[0].info.sparsifier
+                                  and not classes[1].info.sparsifier)
+    if not ok:
+        raise UnknownCodecError(f"codec chain {name!r} must be one optional sparsifier "
+                                "followed by one value codec (e.g. topk+fp16)")
+    known = {o for c in classes for o in c.options}
+    extra = set(options) - known
+    if extra:
+        raise ValueError(f"unknown option(s) {sorted(extra)} for codec {name!r}; known: {sorted(known)}")
+    parts = [c(**{k: v for k, v in options.items() if k in c.options}) for c in classes]
+    if len(parts) == 1 and parts[0].info.sparsifier:
+        parts.append(NoneCodec())
+    return CodecChain(name, parts)
+
+
+def _decode_dict(msg: Any) -> torch.Tensor:
+    if not isinstance(msg, dict):
+        raise PayloadError(f"gradient: expected a msgpack map, got {type(msg).__name__}")
+    name = msg.get("c")
+    cls = CODECS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise UnknownCodecError(f"gradient uses unknown codec {name!r}; known: {', '.join(sorted(CODECS))}")
+    return cls().decode(msg, _decode_dict)
+
+
+def decode_gradient(data: bytes, *, numel: int | None = None,
+                    max_bytes: int = DEFAULT_MAX_BYTES, what: str = "gradient") -> torch.Tensor:
+    """Decode one encoded gradient to a 1-D float32 tensor and validate it.
+
+    Raises:
+        PayloadError: truncated/oversized/malformed bytes.
+        UnknownCodecError: a codec named inside is not registered.
+        BadGradientError: it has ``!= numel`` values or NaN/inf values (named by ``what``).
+    """
+    values = _decode_dict(unpack(data, max_bytes=max_bytes, what=what))
+    if numel is not None and values.numel() != numel:
+        raise BadGradientError(f"{what}: has {values.numel()} values, expected {numel}")
+    if not bool(torch.isfinite(values).all()):
+        bad = int((~torch.isfinite(values)).sum())
+        raise BadGradientError(f"{what}: {bad} NaN or infinite value(s)")
+    return values
+
+
+def compression_ratio(raw_numel: int, wire_bytes: int) -> float:
+    """fp32 bytes over wire bytes (how many times smaller)."""
+    return (4 * raw_numel) / max(1, wire_bytes) if raw_numel else math.inf

@@ -1,0 +1,147 @@
+"""BSP / SSP / ASP: when may a trainer compute its next step, and how stale was it.
+
+A trainer about to compute at clock ``c`` waits until every *participating*
+live member's applied clock is at least ``c - s - 1`` (BSP: ``s = 0``; ASP: no
+wait). Live members are the keys of ``members``; a member takes part from its
+first push (it has an entry in ``clocks``), so one that has not pushed yet, or
+has left the membership, holds nobody back. A participating member whose
+updates are not applied yet counts as applied clock 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis
+from prometheus_client import Histogram
+
+from streamtrain.keys import JobKeys
+
+from .errors import ParameterPlaneError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Consistency", "ClockWait", "StalenessTimeout", "required_clock", "wait_for_clock",
+           "min_applied_clock", "starting_clock"]
+
+STALENESS = Histogram("streamtrain_ssp_staleness_clocks",
+                      "Clocks between a trainer's step and the oldest live member's applied clock",
+                      buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
+WAIT_SECONDS = Histogram("streamtrain_ssp_wait_seconds", "Time trainers spent waiting for the clock bound")
+
+
+class StalenessTimeout(ParameterPlaneError):
+    """The clock bound was not met before the deadline (a slow or stuck member)."""
+
+    retriable = True
+
+
+@dataclass(frozen=True)
+class Consistency:
+    """A job's consistency model."""
+
+    mode: str = "ssp"
+    """``bsp``, ``ssp`` or ``asp``."""
+    staleness: int = 2
+    """SSP bound ``s`` (ignored by BSP, which is s = 0, and ASP)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("bsp", "ssp", "asp"):
+            raise ValueError(f"consistency must be bsp, ssp or asp, got {self.mode!r}")
+        if not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
+
+    @classmethod
+    def from_job(cls, client: redis.Redis, job: str) -> Consistency:
+        """Read ``consistency`` and ``staleness`` from the job's config hash (defaults when absent)."""
+        mode, s = client.hmget(JobKeys(job).config, ["consistency", "staleness"])
+        return cls(mode=(mode or b"ssp").decode(), staleness=int(s or 2))
+
+
+@dataclass(frozen=True)
+class ClockWait:
+    """What one wait observed."""
+
+    clock: int
+    """The clock about to be computed."""
+    required: int | None
+    """Applied clock every participating member needed (None under ASP)."""
+    min_applied: int | None
+    """Lowest applied clock among participating live members (None when there are none)."""
+    staleness: int
+    """Measured staleness: ``clock - 1 - min_applied`` (0 when nobody participates)."""
+    waited_s: float
+    """Seconds spent waiting."""
+
+
+def required_clock(cons: Consistency, clock: int) -> int | None:
+    """Applied clock every live member needs before a step at ``clock``; None under ASP."""
+    if cons.mode == "asp":
+        return None
+    s = 0 if cons.mode == "bsp" else cons.staleness
+    return clock - s - 1
+
+
+def min_applied_clock(client: redis.Redis, job: str) -> tuple[int | None, str | None]:
+    """(lowest applied clock among participating live members, that member) in one MULTI."""
+    keys = JobKeys(job)
+    pipe = client.pipeline(transaction=True)
+    pipe.hkeys(keys.members)
+    pipe.hgetall(keys.clocks)
+    pipe.hgetall(keys.applied_clocks)
+    members, clocks, applied = pipe.execute()
+    low: tuple[int | None, str | None] = (None, None)
+    for m in members:
+        if m not in clocks:
+            continue
+        value = int(applied.get(m, 0))
+        if low[0] is None or value < low[0]:
+            low = (value, m.decode())
+    return low
+
+
+def starting_clock(client: redis.Redis, job: str, member_id: str) -> int:
+    """The clock a (re)joining member should push first: one past its own last pushed
+    clock, and not behind the highest clock of the live members."""
+    keys = JobKeys(job)
+    pipe = client.pipeline(transaction=True)
+    pipe.hkeys(keys.members)
+    pipe.hgetall(keys.clocks)
+    members, clocks = pipe.execute()
+    live = [int(clocks[m]) for m in members if m in clocks]
+    own = int(clocks.get(member_id.encode(), 0))
+    return max([own, *live]) + 1
+
+
+def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
+                   consistency: Consistency | None = None, timeout_s: float = 60.0,
+                   poll_s: float = 0.002) -> ClockWait:
+    """Block until a step at ``clock`` is allowed by the job's consistency model.
+
+    Polls with a backoff from ``poll_s`` up to 50 ms; records the measured
+    staleness in ``JobKeys.staleness`` and the Prometheus histograms.
+
+    Raises:
+        StalenessTimeout: the bound was not met within ``timeout_s`` (names the slowest member).
+    """
+    cons = consistency or Consistency.from_job(client, job)
+    need = required_clock(cons, clock)
+    start = time.monotonic()
+    delay = poll_s
+    while True:
+        low, who = min_applied_clock(client, job)
+        if need is None or low is None or low >= need:
+            break
+        if time.monotonic() - start >= timeout_s:
+            raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
+                                   f"applied clock {need}; slowest live member {who} is at {low}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.05)
+    waited = time.monotonic() - start
+    staleness = max(0, clock - 1 - low) if low is not None else 0
+    client.hset(JobKeys(job).staleness, member_id, staleness)
+    STALENESS.observe(staleness)
+    WAIT_SECONDS.observe(waited)
+    return ClockWait(clock, need, low, staleness, waited)

@@ -1,0 +1,205 @@
+"""Updates: what a trainer pushes, the atomic push, and how a log entry is read back.
+
+A push is one Lua script (``lua/push.lua``) that, atomically: checks the
+generation and partition ownership (fencing), checks every offset range starts
+at the committed offset, checks the clock advances, refuses when the log is
+full (backpressure), appends the update to ``update_log`` and commits the
+offsets and the member's clock. Either all of it happens or none of it.
+
+A log entry has a msgpack header under field ``h`` and one field ``g<i>`` per
+shard ``i`` holding that shard's encoded gradient (msgpack, see
+``services.codecs``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import redis
+
+from streamtrain.keys import JobKeys
+
+from .codecs import decode_gradient
+from .errors import (
+    BackpressureError, BadGradientError, FencedError, OffsetConflictError, ParameterPlaneError,
+    PayloadError,
+)
+from .layout import Layout
+from .scripts import script
+from .wire import DEFAULT_MAX_BYTES, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Update", "push_update", "parse_entry", "DEFAULT_MAX_PENDING"]
+
+DEFAULT_MAX_PENDING = 64
+"""Unapplied updates the log may hold before pushes are refused with BackpressureError."""
+
+_HEADER_LIMIT = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Update:
+    """One trainer step as pushed to the parameter plane."""
+
+    member_id: str
+    """The pushing trainer (never reused)."""
+    generation: int
+    """Membership generation the trainer holds (fencing token)."""
+    clock: int
+    """Per-member step counter, +1 per push, starting at 1."""
+    gradients: Mapping[int, bytes]
+    """Shard index -> encoded gradient bytes (msgpack). Empty for an offsets-only update."""
+    codec: str = "none"
+    """Codec chain that produced the gradients (informational; each blob names its codecs)."""
+    offsets: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    """Kafka partition -> (first offset, next offset) consumed into the batch."""
+    samples: Sequence[tuple[str, int, int]] = ()
+    """(producer id, first sequence number, count) of the rows in the batch."""
+    batch_size: int = 0
+    """Rows in the batch."""
+    produced_ts_ms: int = 0
+    """Oldest produce timestamp in the batch (ms since the epoch)."""
+    log_id: str = ""
+    """Update-log entry id (set when read back from the log)."""
+
+    def validate_header(self) -> None:
+        """Check the fields' types and ranges.
+
+        Raises:
+            PayloadError: naming the bad field.
+        """
+        if not isinstance(self.member_id, str) or not self.member_id or "|" in self.member_id:
+            raise PayloadError(f"update: member_id must be a non-empty string without '|', got {self.member_id!r}")
+        for name in ("generation", "batch_size", "produced_ts_ms"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PayloadError(f"update: {name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.clock, int) or isinstance(self.clock, bool) or self.clock < 1:
+            raise PayloadError(f"update: clock must be an int >= 1, got {self.clock!r}")
+        for p, rng in self.offsets.items():
+            if (not isinstance(p, int) or p < 0 or not isinstance(rng, (tuple, list)) or len(rng) != 2
+                    or not all(isinstance(o, int) and o >= 0 for o in rng) or rng[0] > rng[1]):
+                raise PayloadError(f"update: offsets[{p!r}] must be (first, next) with 0 <= first <= next, got {rng!r}")
+        for s in self.samples:
+            if (not isinstance(s, (tuple, list)) or len(s) != 3 or not isinstance(s[0], str)
+                    or not all(isinstance(v, int) and v >= 0 for v in s[1:])):
+                raise PayloadError(f"update: samples entries must be (producer_id, first_seq, count), got {s!r}")
+        for i, blob in self.gradients.items():
+            if not isinstance(i, int) or not isinstance(blob, (bytes, bytearray, memoryview)):
+                raise PayloadError(f"update: gradients must map shard index -> bytes, got {i!r}: {type(blob).__name__}")
+
+    def header(self) -> dict:
+        """The msgpack-ready header of the log entry."""
+        return {"m": self.member_id, "g": self.generation, "c": self.clock, "codec": self.codec,
+                "off": [[p, f, n] for p, (f, n) in sorted(self.offsets.items())],
+                "s": [list(s) for s in self.samples], "b": self.batch_size, "ts": self.produced_ts_ms,
+                "shards": sorted(self.gradients)}
+
+
+def validate_gradients(update: Update, layout: Layout, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    """Decode every gradient of ``update`` and check it against ``layout``.
+
+    Raises:
+        BadGradientError: unknown shard, wrong number of values, NaN/inf (names the shard).
+        UnknownCodecError, PayloadError: from decoding.
+    """
+    n = len(layout.shards)
+    for i, blob in update.gradients.items():
+        if not 0 <= i < n:
+            raise BadGradientError(f"update from {update.member_id}: shard {i} does not exist "
+                                   f"(the model has shards 0..{n - 1})")
+        spec = layout.shards[i]
+        decode_gradient(bytes(blob), numel=spec.numel, max_bytes=max_bytes,
+                        what=f"gradient of shard {i} ({spec.name}[{spec.start}:{spec.start + spec.numel}])")
+
+
+def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout | None = None,
+                max_pending: int = DEFAULT_MAX_PENDING, backpressure_timeout_s: float = 30.0,
+                max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    """Append ``update`` to the job's log and commit its offsets, atomically and fenced.
+
+    With ``layout`` every gradient is decoded and validated first (pass it for
+    gradients you did not encode yourself; :class:`services.encoder.Pusher`
+    validates the tensors before encoding instead). When the log is full the
+    push is retried until ``backpressure_timeout_s``.
+
+    Returns:
+        The update's log entry id.
+
+    Raises:
+        FencedError: stale generation or a partition owned by someone else.
+        OffsetConflictError: an offset range does not start at the committed
+            offset, or the clock does not advance.
+        BackpressureError: the log stayed full until the timeout.
+        BadGradientError, UnknownCodecError, PayloadError: a refused gradient or header.
+    """
+    update.validate_header()
+    if layout is not None:
+        validate_gradients(update, layout, max_bytes=max_bytes)
+    total = sum(len(b) for b in update.gradients.values())
+    if total > max_bytes:
+        raise PayloadError(f"update from {update.member_id}: oversized, {total} bytes > limit {max_bytes}")
+    keys = JobKeys(job)
+    args: list = [update.member_id, update.generation, update.clock, max_pending, len(update.offsets)]
+    for p, (first, nxt) in sorted(update.offsets.items()):
+        args += [p, first, nxt]
+    args += ["h", pack(update.header())]
+    for i in sorted(update.gradients):
+        args += [f"g{i}", update.gradients[i]]
+    push = script(client, "push")
+    deadline = time.monotonic() + backpressure_timeout_s
+    delay = 0.002
+    while True:
+        try:
+            entry = push(keys=[keys.generation, keys.assignment, keys.offsets, keys.update_log, keys.clocks],
+                         args=args)
+            return entry.decode() if isinstance(entry, bytes) else str(entry)
+        except redis.ResponseError as exc:
+            err = _translate(str(exc))
+            if not isinstance(err, BackpressureError) or time.monotonic() >= deadline:
+                raise err from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
+def _translate(message: str) -> ParameterPlaneError:
+    kind, _, text = message.partition(" ")
+    if kind == "FENCED":
+        return FencedError(text)
+    if kind in ("OFFSET", "CLOCK"):
+        return OffsetConflictError(text)
+    if kind == "BACKPRESSURE":
+        return BackpressureError(text)
+    return ParameterPlaneError(message)
+
+
+def parse_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Update:
+    """Rebuild an :class:`Update` from an update-log entry.
+
+    Raises:
+        PayloadError: the header is missing or malformed, or a listed shard's gradient is missing.
+    """
+    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    raw = fields.get(b"h")
+    if raw is None:
+        raise PayloadError(f"update {eid}: header field 'h' missing")
+    h = unpack(raw, max_bytes=_HEADER_LIMIT, what=f"update {eid} header")
+    try:
+        grads = {}
+        for i in h["shards"]:
+            blob = fields.get(f"g{i}".encode())
+            if blob is None:
+                raise PayloadError(f"update {eid}: gradient of shard {i} missing")
+            grads[int(i)] = blob
+        upd = Update(member_id=h["m"], generation=h["g"], clock=h["c"], gradients=grads, codec=h["codec"],
+                     offsets={int(p): (int(f), int(n)) for p, f, n in h["off"]},
+                     samples=tuple((str(a), int(b), int(c)) for a, b, c in h["s"]),
+                     batch_size=h["b"], produced_ts_ms=h["ts"], log_id=eid)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PayloadError(f"update {eid}: malformed header: {exc!r}") from None
+    upd.validate_header()
+    return upd

@@ -1,0 +1,127 @@
+"""Gradient codecs: round trips, sizes, strict payload limits, error feedback (pure, no servers)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from services import BadGradientError, PayloadError, UnknownCodecError, decode_gradient, get_codec
+from services.codecs.sparse import varint_decode, varint_encode
+from services.wire import pack
+
+CHAINS = ["none", "fp16", "bf16", "int8", "topk", "topk+fp16", "topk+bf16", "topk+int8"]
+
+
+@pytest.mark.parametrize("name", CHAINS)
+@pytest.mark.parametrize("n", [1, 7, 1000, 200_003])
+def test_round_trip(name: str, n: int) -> None:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    enc = get_codec(name).encode(x)
+    y = decode_gradient(enc.data, numel=n)
+    assert y.dtype == torch.float32 and y.shape == (n,)
+    assert enc.nbytes == len(enc.data)
+    if name == "none":
+        assert torch.equal(x, y)
+    elif name.startswith("topk"):
+        kept = y != 0
+        k = math.ceil(0.01 * n)
+        assert 1 <= int(kept.sum()) <= k
+        tol = {"topk": 0, "topk+fp16": 1e-3, "topk+bf16": 1e-2, "topk+int8": 1e-2}[name]
+        assert torch.allclose(y[kept], x[kept], rtol=tol, atol=tol * float(x.abs().max()))
+        if (~kept).any():  # what it keeps is (approximately) the largest magnitudes
+            assert float(x[kept].abs().min()) >= float(torch.quantile(x[~kept].abs(), 0.95))
+    else:
+        tol = {"fp16": 1e-3, "bf16": 8e-3, "int8": 1e-2}[name]
+        assert torch.allclose(x, y, rtol=tol, atol=tol * float(x.abs().max()))
+
+
+def test_sizes_against_fp32() -> None:
+    x = torch.randn(1_000_000)
+    fp32 = get_codec("none").encode(x).nbytes
+    assert get_codec("fp16").encode(x).nbytes < fp32 / 1.99
+    assert get_codec("int8").encode(x).nbytes < fp32 / 3.9
+    assert fp32 / get_codec("topk+fp16", density=0.01).encode(x).nbytes >= 100
+
+
+def test_topk_sampled_threshold_is_close_to_exact() -> None:
+    x = torch.randn(500_000, generator=torch.Generator().manual_seed(1))
+    codec = get_codec("topk", density=0.01).parts[0]
+    idx = codec.select(x)
+    exact = set(torch.topk(x.abs(), 5000).indices.tolist())
+    assert 0.8 * 5000 <= idx.numel() <= 5000
+    assert len(exact & set(idx.tolist())) >= 0.8 * idx.numel()
+    assert torch.all(idx[1:] > idx[:-1])
+
+
+def test_varint_round_trip_and_truncation() -> None:
+    vals = np.array([0, 1, 127, 128, 16383, 16384, 2**31, 2**34], dtype=np.int64)
+    data = varint_encode(vals)
+    assert list(varint_decode(data)) == list(vals)
+    with pytest.raises(PayloadError, match="truncated varint"):
+        varint_decode(data[:-1])
+
+
+def test_unknown_codec_names() -> None:
+    with pytest.raises(UnknownCodecError, match="'zstd'"):
+        get_codec("topk+zstd")
+    with pytest.raises(UnknownCodecError, match="sparsifier"):
+        get_codec("fp16+topk")
+    with pytest.raises(ValueError, match="unknown option"):
+        get_codec("fp16", density=0.1)
+    with pytest.raises(UnknownCodecError, match="'lz4'"):
+        decode_gradient(pack({"c": "lz4", "n": 3, "d": b"xxx"}))
+
+
+def test_payload_refusals() -> None:
+    data = get_codec("fp16").encode(torch.randn(100)).data
+    with pytest.raises(PayloadError, match="truncated"):
+        decode_gradient(data[:-5])
+    with pytest.raises(PayloadError, match="oversized"):
+        decode_gradient(data, max_bytes=100)
+    with pytest.raises(PayloadError, match="trailing"):
+        decode_gradient(data + b"\x00")
+    with pytest.raises(PayloadError, match="expected 200"):
+        decode_gradient(pack({"c": "fp16", "n": 100, "d": b"\x00" * 10}))
+    with pytest.raises(BadGradientError, match="expected 99"):
+        decode_gradient(data, numel=99)
+    bad = torch.randn(10)
+    bad[3] = float("nan")
+    with pytest.raises(BadGradientError, match="1 NaN or infinite"):
+        decode_gradient(get_codec("none").encode(bad).data)
+    with pytest.raises(BadGradientError, match="infinite"):  # 1e6 overflows fp16
+        decode_gradient(get_codec("fp16").encode(torch.full((4,), 1e6)).data)
+
+
+def test_error_feedback_bounded_and_topk_sgd_converges() -> None:
+    """Least squares with top-k (0.5%) compressed gradients: with error feedback the loss
+    falls close to the optimum and the residual stays bounded; without it, it does not."""
+    gen = torch.Generator().manual_seed(0)
+    d, n = 1000, 2000
+    a = torch.randn(n, d, generator=gen) / math.sqrt(d)
+    w_true = torch.randn(d, generator=gen)
+    b = a @ w_true
+    codec = get_codec("topk+fp16", density=0.01)
+    ata, atb = a.T @ a / n * 10, a.T @ b / n * 10
+
+    def train(feedback: bool) -> tuple[float, list[float]]:
+        w = torch.zeros(d)
+        residual = torch.zeros(d)
+        norms = []
+        for _ in range(800):
+            g = ata @ w - atb
+            corrected = g + residual if feedback else g
+            sent = decode_gradient(codec.encode(corrected).data, numel=d)
+            residual = corrected - sent if feedback else residual
+            norms.append(float(residual.norm()))
+            w -= 0.5 * sent
+        return float(((a @ w - b) ** 2).mean()), norms
+
+    start = float((b ** 2).mean())
+    loss_ef, norms = train(True)
+    loss_plain, _ = train(False)
+    assert loss_ef < 0.05 * start
+    assert loss_ef < loss_plain
+    assert max(norms[400:]) <= 2 * max(norms[:400])  # bounded, not growing
