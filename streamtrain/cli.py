@@ -19,6 +19,8 @@ from .settings import SettingsError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("streamtrain.up", "bring everything up locally and train from a stream"),
+    "ps": ("services.cli_ps", "run a parameter server applying a job's update log"),
+    "checkpoint": ("services.cli_checkpoint", "save or restore a job's parameter-plane checkpoint"),
     "produce": ("datastream.cli", "stream a source into a training topic as shards"),
 }
 """Subcommand -> (module, one-line description)."""

@@ -77,6 +77,35 @@ class JobKeys:
         accounting can be checked record by record."""
         return self.key("applied_samples")
 
+    @property
+    def model_version(self) -> str:
+        """Integer global model version, bumped by every atomic apply that changes a shard;
+        a shard's entry in :attr:`versions` is the model version that last wrote it."""
+        return self.key("model_version")
+
+    def optimizer_state(self, index: int, slot: int) -> str:
+        """Bytes of optimizer state ``slot`` (momentum, Adam's m and v) of shard ``index``."""
+        return self.key("opt", index, slot)
+
+    @property
+    def optimizer_steps(self) -> str:
+        """Hash: shard index -> number of optimizer steps applied to it (Adam, lr schedule)."""
+        return self.key("opt_steps")
+
+    def ps_cursor(self, group: int) -> str:
+        """Stream id of the last update applied by parameter-server shard group ``group``."""
+        return self.key("ps_cursor", group)
+
+    @property
+    def apply_progress(self) -> str:
+        """Hash: update id -> number of shard groups that applied it (until all have)."""
+        return self.key("apply_progress")
+
+    @property
+    def staleness(self) -> str:
+        """Hash: member id -> staleness (clocks) it observed at its last SSP wait."""
+        return self.key("staleness")
+
     # -- control plane -----------------------------------------------------
     @property
     def generation(self) -> str:
