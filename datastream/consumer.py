@@ -192,7 +192,7 @@ class ShardConsumer:
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._epoch = 0  # bumped by every assign(); batches of an older epoch are dropped
         self._positions: dict[int, int] = {}  # partition -> next offset expected (worker-owned)
-        self._positions_handed: dict[int, int] = {}  # same, after the batches already queued/handed out
+        self._handed: dict[int, int] = {}  # partition -> next offset after the batches poll() returned
         self._builder = _Builder()
         self._stats_lock = threading.Lock()
         self._messages = self._records = self._batches = self._rejected = 0
@@ -230,8 +230,9 @@ class ShardConsumer:
                 break
 
     def assignment(self) -> dict[int, int]:
-        """Partition -> next offset the consumer will hand out (after the batches already handed out)."""
-        return self._call(lambda: dict(self._positions_handed), 30.0)
+        """Partition -> next offset after the batches :meth:`poll` returned (the assignment's start
+        offsets before any); prefetched batches not yet returned do not count."""
+        return self._call(lambda: dict(self._handed), 30.0)
 
     def poll(self, timeout_s: float = 1.0) -> Batch | None:
         """The next batch, or ``None`` when none is ready within ``timeout_s``.
@@ -254,6 +255,7 @@ class ShardConsumer:
             if isinstance(item, BaseException):
                 continue  # the error is in self._error; raised above
             if epoch == self._epoch:
+                self._handed.update(item.next_offsets)
                 return item
 
     def __iter__(self) -> Iterator[Batch]:
@@ -338,7 +340,7 @@ class ShardConsumer:
         for p, o in resolved.items():
             self._consumer.seek(tps[p], o)
         self._positions = dict(resolved)
-        self._positions_handed = dict(resolved)
+        self._handed = dict(resolved)
         self._builder = _Builder()
         self._epoch += 1
         logger.info("consumer of %s assigned %s (epoch %d)", self.topic, resolved, self._epoch)
@@ -444,8 +446,6 @@ class ShardConsumer:
                     return
         else:
             return
-        for p, (_, nxt) in batch.offsets.items():
-            self._positions_handed[p] = nxt
         with self._stats_lock:
             self._records += len(batch)
             self._batches += 1

@@ -199,7 +199,7 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
     with ExitStack() as stack:
         producer = KafkaProducer(
             bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5,
-            batch_size=1 << 20, max_request_size=MAX_MESSAGE_BYTES, buffer_memory=128 << 20,
+            batch_size=1 << 20, max_request_size=MAX_MESSAGE_BYTES,
             client_id=f"streamtrain-producer-{pid}")
         stack.callback(producer.close)
         stack.callback(producer.flush, flush_timeout_s)  # runs first: nothing sent is dropped

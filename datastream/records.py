@@ -137,16 +137,39 @@ def encode_msgpack_record(x: list[float] | np.ndarray, y: float | int) -> bytes:
     return msgpack.packb({"x": [float(v) for v in x], "y": y})
 
 
-def _unpack(value: bytes, max_bytes: int) -> Any:
+def _unpacker(value: bytes, max_bytes: int) -> msgpack.Unpacker:
     unpacker = msgpack.Unpacker(
         raw=False, max_buffer_size=max(len(value), 1), max_bin_len=max_bytes,
         max_str_len=64 * 1024, max_array_len=MAX_FEATURES, max_map_len=64, max_ext_len=0,
         strict_map_key=True)
     unpacker.feed(value)
+    return unpacker
+
+
+def _salvage(value: bytes, max_bytes: int) -> dict[str, Any]:
+    """What a truncated shard says about itself: its header fields come before the arrays."""
+    unpacker, found = _unpacker(value, max_bytes), {}
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key in ("x", "y"):
+                break
+            found[key] = unpacker.unpack()
+    except (msgpack.UnpackException, ValueError, TypeError):  # truncated or damaged: keep what was read
+        pass
+    producer, seq, n = found.get("producer"), found.get("seq"), found.get("n")
+    if not (isinstance(producer, str) and type(seq) is int and type(n) is int and n > 0):
+        return {}
+    return {"producer_id": producer, "first_seq": seq, "count": n}
+
+
+def _unpack(value: bytes, max_bytes: int) -> Any:
+    unpacker = _unpacker(value, max_bytes)
     try:
         obj = unpacker.unpack()
     except msgpack.OutOfData:
-        raise DecodeError("truncated", f"msgpack payload ends early ({len(value)} bytes)") from None
+        raise DecodeError("truncated", f"msgpack payload ends early ({len(value)} bytes)",
+                          **_salvage(value, max_bytes)) from None
     except (ValueError, TypeError) as exc:  # FormatError, StackError, limits, bad map keys
         raise DecodeError("bad_msgpack", f"not valid msgpack: {str(exc) or type(exc).__name__}") from None
     if unpacker.tell() != len(value):

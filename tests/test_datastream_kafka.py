@@ -1,0 +1,308 @@
+"""The data plane on the real broker: produce, consume, offsets, foreign clients, DLQ, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from datastream import (
+    Batch, ShardConsumer, decode_record, dlq_topic, encode_json_record, encode_msgpack_record, encode_shard,
+    load_source, parse_dlq_headers, produce,
+)
+from streamtrain.launcher import wait_until
+
+
+def drain(consumer: ShardConsumer, ends: dict[int, int], timeout_s: float = 60.0) -> list[Batch]:
+    """Poll until the batches cover every partition of ``ends`` up to its end offset."""
+    batches: list[Batch] = []
+    reached: dict[int, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while any(reached.get(p, -1) < end for p, end in ends.items() if end > 0):
+        assert time.monotonic() < deadline, f"timed out at {reached}, want {ends}"
+        batch = consumer.poll(1.0)
+        if batch is not None:
+            batches.append(batch)
+            reached.update(batch.next_offsets)
+    return batches
+
+
+def check_chains(batches: list[Batch], starts: dict[int, int], ends: dict[int, int]) -> None:
+    """Each partition's ranges start at ``starts``, chain without gap or overlap, end at ``ends``."""
+    position = dict(starts)
+    for batch in batches:
+        for p, (first, nxt) in batch.offsets.items():
+            assert first == position[p] and nxt > first, (p, first, nxt, position[p])
+            position[p] = nxt
+    assert {p: o for p, o in position.items() if o != starts[p] or ends.get(p)} == \
+        {p: ends[p] for p in position if ends.get(p, starts[p]) != starts[p]}
+
+
+def seqs(batches: list[Batch]) -> Counter[tuple[str, int]]:
+    out: Counter[tuple[str, int]] = Counter()
+    for b in batches:
+        for producer, first, count in b.samples:
+            out.update((producer, s) for s in range(first, first + count))
+    return out
+
+
+def plain_producer(kafka) -> KafkaProducer:
+    return KafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all")
+
+
+def test_produce_digits_and_consume_every_record_once(kafka) -> None:
+    topic = f"digits-{time.monotonic_ns()}"
+    report = produce(kafka.bootstrap, topic, "digits", partitions=3, shard_size=100, producer_id="prod-a")
+    assert (report.records, report.shards, report.failed_records, report.partitions) == (1797, 18, 0, 3)
+    assert report.next_seq == 1797 and not report.interrupted
+    x_all, y_all = load_source("digits").read()
+    with ShardConsumer(kafka.bootstrap, topic, max_records_per_batch=256, prefetch=2) as consumer:
+        ends = consumer.end_offsets()
+        assert ends == {0: 6, 1: 6, 2: 6}
+        consumer.assign({0: None, 1: None, 2: None})
+        batches = drain(consumer, ends)
+        assert consumer.stats().records == 1797 and consumer.stats().rejected_records == 0
+    check_chains(batches, {0: 0, 1: 0, 2: 0}, ends)
+    assert seqs(batches) == Counter({("prod-a", s): 1 for s in range(1797)})
+    assert len({p for b in batches for p in b.offsets}) == 3
+    for b in batches:
+        assert b.x.dtype == torch.float32 and b.y.dtype == torch.int64 and b.x.shape[1] == 64
+        assert 0 < len(b) <= 256 and b.rejected == 0 and b.produced_ts_ms > 0
+        row = 0
+        for _, first, count in b.samples:  # rows line up with their sequence numbers
+            np.testing.assert_array_equal(b.x[row:row + count].numpy(), x_all[first:first + count])
+            np.testing.assert_array_equal(b.y[row:row + count].numpy(), y_all[first:first + count])
+            row += count
+        assert row == len(b)
+
+
+def test_offsets_after_seek_and_reassignment(kafka) -> None:
+    topic = kafka.create_topic(partitions=4)
+    report = produce(kafka.bootstrap, topic, "synthetic?task=regression&features=3&seed=1", partitions=4,
+                     shard_size=10, limit=400, producer_id="prod-b")
+    assert report.records == 400 and report.partitions == 4  # existing topic kept
+    with ShardConsumer(kafka.bootstrap, topic, max_records_per_batch=30, prefetch=1) as consumer:
+        assert consumer.end_offsets() == {p: 10 for p in range(4)}
+        consumer.assign({0: 3, 2: 7})
+        batches = drain(consumer, {0: 10, 2: 10})
+        check_chains(batches, {0: 3, 2: 7}, {0: 10, 2: 10})
+        assert all(len(b) <= 30 and b.y.dtype == torch.float32 for b in batches)
+        assert sum(len(b) for b in batches) == (7 + 3) * 10
+        # shards were spread round-robin: partition p holds shards p, p+4, ...; offset o of p is shard 4o+p
+        want = {("prod-b", 10 * (4 * o + p) + i) for p, start in ((0, 3), (2, 7))
+                for o in range(start, 10) for i in range(10)}
+        assert set(seqs(batches)) == want
+        consumer.assign({1: 5, 3: None})  # reassignment at runtime: nothing of 0 or 2 comes any more
+        assert consumer.assignment() == {1: 5, 3: 0}
+        batches = drain(consumer, {1: 10, 3: 10})
+        check_chains(batches, {1: 5, 3: 0}, {1: 10, 3: 10})
+        assert {p for b in batches for p in b.offsets} == {1, 3}
+        assert consumer.poll(0.3) is None  # all consumed
+        with pytest.raises(ValueError, match=r"no partition\(s\) \[9\]"):
+            consumer.assign({9: 0})
+        with pytest.raises(ValueError, match="start offsets must be >= 0"):
+            consumer.assign({0: -1})
+
+
+def test_records_of_a_plain_kafka_client_in_json_and_msgpack(kafka) -> None:
+    topic = kafka.create_topic(partitions=2)
+    producer = plain_producer(kafka)
+    try:
+        for i in range(5):
+            producer.send(topic, json.dumps({"x": [i, i / 2, -i], "y": i % 3}).encode(), partition=0)
+            producer.send(topic, msgpack.packb({"x": [i, 1.5, 2], "y": 2}), partition=1)
+        producer.send(topic, encode_json_record(np.array([9.0, 9.0, 9.0]), 1), partition=1)
+        producer.flush()
+    finally:
+        producer.close()
+    with ShardConsumer(kafka.bootstrap, topic, max_records_per_batch=100) as consumer:
+        consumer.assign({0: 0, 1: 0})
+        batches = drain(consumer, {0: 5, 1: 6})
+    check_chains(batches, {0: 0, 1: 0}, {0: 5, 1: 6})
+    rows = {}
+    for b in batches:
+        assert b.x.dtype == torch.float32 and b.y.dtype == torch.int64
+        row = 0
+        for producer_id, first, count in b.samples:
+            for k in range(count):
+                rows[(producer_id, first + k)] = (b.x[row].tolist(), int(b.y[row]))
+                row += 1
+    assert rows[(f"{topic}/0", 4)] == ([4.0, 2.0, -4.0], 1)
+    assert rows[(f"{topic}/1", 2)] == ([2.0, 1.5, 2.0], 2)
+    assert rows[(f"{topic}/1", 5)] == ([9.0, 9.0, 9.0], 1)
+    assert len(rows) == 11
+
+
+def _bad_values() -> dict[str, bytes]:
+    good = encode_shard(np.ones((2, 2), np.float32), np.zeros(2, np.int64), producer_id="bad", first_seq=0)
+    shard = msgpack.unpackb(good)
+    return {
+        "bad_msgpack": b"\xc1\xc1",
+        "bad_json": b'{"x": [1, 2], "y": 1,}',
+        "unknown_version": msgpack.packb({**shard, "v": 99}),
+        "wrong_shape": b'{"x": [1, 2, 3], "y": 1}',
+        "wrong_dtype": b'{"x": [1, 2], "y": "cat"}',
+        "non_finite": b'{"x": [NaN, 2], "y": 1}',
+        "too_large": json.dumps({"x": [1.0] * 2000, "y": 1}).encode(),
+        "truncated": good[:-5],
+        "bad_schema": b'{"features": [1, 2], "y": 1}',
+    }
+
+
+def test_every_kind_of_bad_record_goes_to_the_dlq_and_is_covered(kafka) -> None:
+    topic = kafka.create_topic(partitions=2)
+    bad = _bad_values()
+    producer = plain_producer(kafka)
+    try:
+        producer.send(topic, encode_json_record([1, 2], 0), partition=0)  # offset 0: good
+        for reason, value in bad.items():  # partition 0 offsets 1..9: poison, with a header of ours
+            producer.send(topic, value, partition=0, headers=[("origin", reason.encode())])
+        producer.send(topic, encode_msgpack_record([3, 4], 1), partition=0)  # offset 10: good
+        for reason in ("bad_json", "non_finite", "truncated"):  # partition 1: nothing but poison
+            producer.send(topic, bad[reason], partition=1)
+        producer.flush()
+    finally:
+        producer.close()
+    with ShardConsumer(kafka.bootstrap, topic, feature_dim=2, max_record_bytes=4096,
+                       max_records_per_batch=1) as consumer:
+        consumer.assign({0: 0, 1: 0})
+        batches = drain(consumer, {0: 11, 1: 3})
+        stats = consumer.stats()
+    check_chains(batches, {0: 0, 1: 0}, {0: 11, 1: 3})
+    # 12 messages; each truncated shard names its 2 records
+    assert sum(len(b) for b in batches) == 2 and sum(b.rejected for b in batches) == 14
+    assert any(len(b) == 0 and b.rejected > 0 for b in batches)  # a poison-only batch still has offsets
+    assert stats.rejected_by_reason == {**{r: 1 for r in bad}, "bad_json": 2, "non_finite": 2, "truncated": 2}
+    assert stats.rejected_records == 14 and stats.records == 2
+
+    entries = {}
+    reader = KafkaConsumer(bootstrap_servers=kafka.bootstrap, auto_offset_reset="earliest",
+                           enable_auto_commit=False)
+    try:
+        reader.assign([TopicPartition(dlq_topic(topic), 0)])
+        deadline = time.monotonic() + 30
+        while len(entries) < 12 and time.monotonic() < deadline:
+            for msgs in reader.poll(timeout_ms=500).values():
+                for m in msgs:
+                    entry = parse_dlq_headers(m.headers)
+                    entries[(entry.partition, entry.offset)] = (entry, m.value, dict(m.headers))
+    finally:
+        reader.close()
+    assert len(entries) == 12  # written before the batches were handed out
+    for offset, (reason, value) in enumerate(bad.items(), start=1):
+        entry, stored, headers = entries[(0, offset)]
+        assert (entry.reason, entry.topic, stored) == (reason, topic, value)
+        assert headers["origin"] == reason.encode()  # original headers kept
+        assert entry.error.startswith(reason)
+    assert entries[(0, 8)][0].producer_id == "bad"  # a truncated shard still names its producer
+    assert [entries[(1, o)][0].reason for o in range(3)] == ["bad_json", "non_finite", "truncated"]
+
+
+def test_learned_feature_dim_rejects_later_mismatches_and_dlq_can_be_off(kafka) -> None:
+    topic = kafka.create_topic(partitions=1)
+    producer = plain_producer(kafka)
+    try:
+        for value in (b'{"x": [1, 2], "y": 0.5}', b'{"x": [1, 2, 3], "y": 0.5}', b'{"x": [1, 2], "y": 1}'):
+            producer.send(topic, value, partition=0)
+        producer.flush()
+    finally:
+        producer.close()
+    with ShardConsumer(kafka.bootstrap, topic, dlq=False) as consumer:
+        consumer.assign({0: 0})
+        batches = drain(consumer, {0: 3})
+        assert consumer.feature_dim == 2 and consumer.label_kind == "regression"
+        assert consumer.stats().rejected_by_reason == {"wrong_shape": 1}
+    assert sum(b.rejected for b in batches) == 1
+    assert torch.cat([b.y for b in batches]).tolist() == [0.5, 1.0]
+    assert dlq_topic(topic) not in kafka.admin.list_topics()
+
+
+def test_commit_shows_in_the_consumer_group(kafka) -> None:
+    topic = kafka.create_topic(partitions=2)
+    produce(kafka.bootstrap, topic, "synthetic?features=2&limit=100", shard_size=25)
+    group = f"job-{topic}"
+    with ShardConsumer(kafka.bootstrap, topic, group_id=group) as consumer:
+        consumer.assign({0: None, 1: None})
+        committed: dict[int, int] = {}
+        for batch in drain(consumer, {0: 2, 1: 2}):
+            consumer.commit(batch.next_offsets)  # as a trainer does after each applied push
+            committed.update(batch.next_offsets)
+    assert committed == {0: 2, 1: 2}
+    offsets = kafka.admin.list_group_offsets({group: None})[group]
+    assert {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == topic} == committed
+    with ShardConsumer(kafka.bootstrap, topic) as consumer, pytest.raises(ValueError, match="group_id"):
+        consumer.commit({0: 1})
+
+
+def test_closed_consumer_refuses_calls(kafka) -> None:
+    topic = kafka.create_topic(partitions=1)
+    consumer = ShardConsumer(kafka.bootstrap, topic)
+    consumer.close()
+    consumer.close()
+    from datastream import ConsumerClosedError
+    with pytest.raises(ConsumerClosedError):
+        consumer.poll(0.1)
+    with pytest.raises(ConsumerClosedError):
+        consumer.assign({0: 0})
+    assert list(consumer) == []
+
+
+def test_producer_interrupted_loses_nothing_acknowledged(kafka) -> None:
+    """Ctrl-C in the middle of an unbounded stream: the printed count equals what is on the topic."""
+    topic = f"sigint-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "streamtrain.cli", "produce", "--source", "synthetic?features=4",
+           "--topic", topic, "--bootstrap", kafka.bootstrap, "--partitions", "3", "--shard-size", "50",
+           "--producer-id", "prod-sig", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        with ShardConsumer(kafka.bootstrap, topic, dlq=False) as probe:
+            def enough() -> bool:
+                try:
+                    return sum(probe.end_offsets().values()) >= 60
+                except ValueError:  # topic not created yet
+                    return False
+            wait_until(enough, timeout_s=60, interval_s=0.2, what="producer to write 60 shards")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    match = re.search(r"produced (\d+) records in (\d+) shards .* failed 0; interrupted", out)
+    assert match, out + err
+    printed = int(match.group(1))
+    with ShardConsumer(kafka.bootstrap, topic) as consumer:
+        ends = consumer.end_offsets()
+        assert sum(ends.values()) == int(match.group(2))
+        consumer.assign({p: 0 for p in ends})
+        batches = drain(consumer, ends)
+    assert seqs(batches) == Counter({("prod-sig", s): 1 for s in range(printed)})
+
+
+def test_produce_with_a_stop_event_rate_and_bad_arguments(kafka) -> None:
+    import threading
+    topic = kafka.create_topic(partitions=1)
+    report = produce(kafka.bootstrap, topic, "digits", rate=5000, limit=120, shard_size=32)
+    assert (report.records, report.shards, report.interrupted) == (120, 4, False)
+    stop = threading.Event()
+    stop.set()
+    report = produce(kafka.bootstrap, topic, "synthetic", stop=stop)
+    assert (report.records, report.interrupted) == (0, True)
+    with pytest.raises(ValueError, match="rate"):
+        produce(kafka.bootstrap, topic, "digits", rate=0)
+    with pytest.raises(ValueError, match="shard_size"):
+        produce(kafka.bootstrap, topic, "digits", shard_size=0)
+    assert decode_record(encode_shard(np.ones((1, 1)), np.ones(1), producer_id="p", first_seq=0)).count == 1
