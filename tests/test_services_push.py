@@ -1,0 +1,161 @@
+"""Pushing updates on the real Redis: fencing, offset commits, backpressure, bad input, init_model."""
+
+from __future__ import annotations
+
+import pytest
+import redis as redis_lib
+import torch
+from test_services_util import set_membership, small_model
+
+from services import (
+    BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterStore,
+    PayloadError, Pusher, UnknownCodecError, Update, get_codec, push_update,
+)
+from services.wire import pack
+from streamtrain.keys import JobKeys
+
+JOB = "pushjob"
+
+
+@pytest.fixture
+def store(redis: redis_lib.Redis) -> ParameterStore:
+    s = ParameterStore(redis, JOB)
+    s.init_model(small_model(), shard_elems=64)
+    set_membership(redis, JOB, {"a": [0, 1], "b": [2]}, generation=3)
+    return s
+
+
+def grads(value: float = 1.0) -> dict[str, torch.Tensor]:
+    return {k: torch.full_like(v, value) for k, v in small_model().items()}
+
+
+def state(redis: redis_lib.Redis) -> tuple:
+    keys = JobKeys(JOB)
+    return (redis.xlen(keys.update_log), redis.hgetall(keys.offsets), redis.hgetall(keys.clocks),
+            redis.get(keys.model_version), [redis.get(keys.shard(i)) for i in range(6)])
+
+
+def test_init_model_is_idempotent_and_checks_layout(redis: redis_lib.Redis, store: ParameterStore) -> None:
+    other = ParameterStore(redis, JOB)
+    meta = other.init_model(small_model(seed=5), shard_elems=64)  # second writer: layout matches, first wins
+    assert meta == store.meta()
+    snap = other.pull()
+    assert torch.equal(snap.tensors["w"], small_model()["w"])
+    assert len(store.layout.shards) == 6  # w: 200 values -> 4 shards, b, v
+    bad = small_model()
+    bad["w"] = torch.zeros(10, 21)
+    with pytest.raises(LayoutError, match=r"tensor 'w' has shape \[10, 21\], stored \[10, 20\]"):
+        other.init_model(bad, shard_elems=64)
+    with pytest.raises(LayoutError, match="no model yet"):
+        ParameterStore(redis, "empty").pull()
+
+
+def test_push_commits_offsets_and_appends_atomically(redis: redis_lib.Redis, store: ParameterStore) -> None:
+    pusher = Pusher(redis, JOB, "a", codec="fp16")
+    res = pusher.push(grads(), generation=3, clock=1, offsets={0: (0, 5), 1: (0, 2)},
+                      samples=[("p1", 0, 7)], batch_size=7)
+    assert res.raw_bytes == 4 * 225 and res.wire_bytes < res.raw_bytes
+    keys = JobKeys(JOB)
+    assert redis.hgetall(keys.offsets) == {b"0": b"5", b"1": b"2"}
+    assert redis.hget(keys.clocks, "a") == b"1"
+    (entry_id, fields), = redis.xrange(keys.update_log)
+    assert entry_id.decode() == res.update_id and sorted(fields) == [b"g0", b"g1", b"g2", b"g3", b"g4", b"g5", b"h"]
+    # the next range must start at the committed offset; an offsets-only update is fine
+    pusher.push(None, generation=3, clock=2, offsets={0: (5, 9)})
+    assert redis.hget(keys.offsets, "0") == b"9"
+
+
+def test_stale_generation_and_foreign_partition_are_fenced(redis: redis_lib.Redis, store: ParameterStore) -> None:
+    pusher = Pusher(redis, JOB, "a")
+    pusher.push(grads(), generation=3, clock=1, offsets={0: (0, 5)})
+    set_membership(redis, JOB, {"a": [0], "b": [1, 2]}, generation=4)  # a membership change
+    before = state(redis)
+    with pytest.raises(FencedError, match="generation 3 of member a is stale: current generation is 4"):
+        pusher.push(grads(), generation=3, clock=2, offsets={0: (5, 9)})
+    with pytest.raises(FencedError, match=r"partition 1 is assigned to b\|4, not a\|4"):
+        pusher.push(grads(), generation=4, clock=2, offsets={0: (5, 9), 1: (0, 3)})
+    assert state(redis) == before
+    assert FencedError.retriable is False
+    pusher.push(grads(), generation=4, clock=2, offsets={0: (5, 9)})  # re-synced: accepted
+    assert redis.hget(JobKeys(JOB).offsets, "0") == b"9"
+
+
+def test_offset_gap_duplicate_and_clock_conflicts(redis: redis_lib.Redis, store: ParameterStore) -> None:
+    pusher = Pusher(redis, JOB, "a")
+    pusher.push(grads(), generation=3, clock=1, offsets={0: (0, 5)})
+    before = state(redis)
+    with pytest.raises(OffsetConflictError, match="range starts at 7 but the committed offset is 5 \\(a gap\\)"):
+        pusher.push(grads(), generation=3, clock=2, offsets={0: (7, 9)})
+    with pytest.raises(OffsetConflictError, match="\\(a duplicate\\)"):
+        pusher.push(grads(), generation=3, clock=2, offsets={0: (0, 5)})
+    with pytest.raises(OffsetConflictError, match="last pushed clock is 1"):
+        pusher.push(grads(), generation=3, clock=1, offsets={0: (5, 6)})
+    assert state(redis) == before
+
+
+def test_backpressure_when_the_log_is_full(redis: redis_lib.Redis, store: ParameterStore) -> None:
+    pusher = Pusher(redis, JOB, "a", max_pending=2)
+    pusher.push(grads(), generation=3, clock=1)
+    pusher.push(grads(), generation=3, clock=2)
+    with pytest.raises(BackpressureError, match="holds 2 unapplied updates") as info:
+        pusher.push(grads(), generation=3, clock=3, backpressure_timeout_s=0.05)
+    assert info.value.retriable
+
+
+@pytest.mark.parametrize("case", ["unknown tensor", "shape", "dtype", "nan", "inf"])
+def test_bad_gradients_refused_before_anything_is_written(redis: redis_lib.Redis, store: ParameterStore,
+                                                          case: str) -> None:
+    pusher = Pusher(redis, JOB, "a", codec="topk+fp16")
+    g = grads()
+    expected = {"unknown tensor": "unknown tensor 'zz'", "shape": r"shape \[10, 19\], expected \[10, 20\]",
+                "dtype": "dtype torch.float64, expected torch.float32", "nan": "'b': 1 NaN",
+                "inf": "'w': 2 NaN or infinite"}[case]
+    if case == "unknown tensor":
+        g["zz"] = torch.zeros(3)
+    elif case == "shape":
+        g["w"] = torch.zeros(10, 19)
+    elif case == "dtype":
+        g["w"] = g["w"].double()
+    elif case == "nan":
+        g["b"][4] = float("nan")
+    else:
+        g["w"][0, 0] = float("inf")
+        g["w"][3, 1] = -float("inf")
+    before = state(redis)
+    with pytest.raises(BadGradientError, match=expected):
+        pusher.push(g, generation=3, clock=1, offsets={0: (0, 5)})
+    assert state(redis) == before
+    assert pusher.residuals == {}
+
+
+@pytest.mark.parametrize("case", ["unknown codec", "truncated", "oversized", "wrong shard", "wrong size", "nan"])
+def test_raw_update_refusals_name_the_problem(redis: redis_lib.Redis, store: ParameterStore, case: str) -> None:
+    good = get_codec("fp16").encode(torch.ones(64)).data
+    blob, match, err, limit = good, "", Exception, 256 * 1024 * 1024
+    shard = 0
+    if case == "unknown codec":
+        blob, match, err = pack({"c": "zstd", "n": 64, "d": b""}), "unknown codec 'zstd'", UnknownCodecError
+    elif case == "truncated":
+        blob, match, err = good[:-3], r"shard 0 \(w\[0:64\]\).*truncated", PayloadError
+    elif case == "oversized":
+        match, err, limit = "oversized", PayloadError, 100
+    elif case == "wrong shard":
+        shard, match, err = 9, "shard 9 does not exist", BadGradientError
+    elif case == "wrong size":
+        shard, match, err = 5, r"shard 5 \(v\[0:5\]\): has 64 values, expected 5", BadGradientError
+    else:
+        blob, match, err = get_codec("none").encode(torch.full((64,), float("nan"))).data, "64 NaN", BadGradientError
+    before = state(redis)
+    upd = Update(member_id="a", generation=3, clock=1, gradients={shard: blob}, offsets={0: (0, 5)})
+    with pytest.raises(err, match=match):
+        push_update(redis, JOB, upd, layout=store.layout, max_bytes=limit)
+    assert state(redis) == before
+
+
+def test_malformed_header_fields_refused(redis: redis_lib.Redis, store: ParameterStore) -> None:
+    with pytest.raises(PayloadError, match="clock must be an int >= 1"):
+        push_update(redis, JOB, Update(member_id="a", generation=3, clock=0, gradients={}))
+    with pytest.raises(PayloadError, match=r"offsets\[0\] must be \(first, next\)"):
+        push_update(redis, JOB, Update(member_id="a", generation=3, clock=1, gradients={}, offsets={0: (5, 2)}))
+    with pytest.raises(PayloadError, match="member_id"):
+        push_update(redis, JOB, Update(member_id="a|b", generation=3, clock=1, gradients={}))

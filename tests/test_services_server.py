@@ -1,0 +1,194 @@
+"""Parameter servers on the real Redis: optimizer math, exactly-once across a kill, split shards, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis as redis_lib
+import torch
+from test_services_util import set_membership, small_model, wait_for
+
+from services import (
+    OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, ServerStatus, Update,
+    get_codec, push_update,
+)
+from services.optim import step
+from streamtrain.keys import JobKeys
+
+JOB = "psjob"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def grads_for(clock: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(clock)
+    return {k: torch.randn(v.shape, generator=g) for k, v in small_model().items()}
+
+
+def expected_params(cfg: OptimizerConfig, clocks: list[int]) -> dict[str, torch.Tensor]:
+    """What applying the updates of ``clocks`` in order gives (computed locally, whole tensors)."""
+    params = {k: v.clone().reshape(-1) for k, v in small_model().items()}
+    n_slots = 2 if cfg.name == "adam" else 1
+    state = {k: [torch.zeros_like(v) for _ in range(n_slots)] for k, v in params.items()}
+    for t, c in enumerate(clocks, start=1):
+        for k, g in grads_for(c).items():
+            step(cfg, params[k], g.reshape(-1), state[k], t)
+    return {k: v.view(small_model()[k].shape) for k, v in params.items()}
+
+
+def setup(redis: redis_lib.Redis, cfg: OptimizerConfig, groups: int = 1) -> ParameterStore:
+    store = ParameterStore(redis, JOB)
+    store.init_model(small_model(), shard_elems=64, optimizer=cfg, groups=groups)
+    set_membership(redis, JOB, {"a": [0]}, generation=1)
+    return store
+
+
+def push_n(redis: redis_lib.Redis, clocks: range, codec: str = "none") -> None:
+    pusher = Pusher(redis, JOB, "a", codec=codec)
+    for c in clocks:
+        pusher.push(grads_for(c), generation=1, clock=c, offsets={0: (10 * (c - 1), 10 * c)},
+                    samples=[("prod", 10 * (c - 1), 10)], batch_size=10)
+
+
+def applied(redis: redis_lib.Redis) -> int:
+    return int(redis.hget(JobKeys(JOB).applied_clocks, "a") or 0)
+
+
+@pytest.fixture
+def servers(redis_url: str) -> Iterator[list[ParameterServer]]:
+    started: list[ParameterServer] = []
+    yield started
+    for s in reversed(started):
+        s.close()
+    assert all(s.status is ServerStatus.CLOSED for s in started)
+
+
+@pytest.mark.parametrize("cfg", [OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.01),
+                                 OptimizerConfig(name="adam", lr=0.01, schedule="cosine", warmup_steps=2,
+                                                 total_steps=10)], ids=["sgd", "adam"])
+def test_applies_like_the_local_optimizer(redis: redis_lib.Redis, redis_url: str, servers: list,
+                                          cfg: OptimizerConfig) -> None:
+    store = setup(redis, cfg)
+    push_n(redis, range(1, 6))
+    servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB)))
+    servers[0].start()
+    wait_for(lambda: applied(redis) == 5, what="5 updates applied")
+    snap = store.pull()
+    want = expected_params(cfg, [1, 2, 3, 4, 5])
+    for k in want:
+        torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
+    keys = JobKeys(JOB)
+    assert snap.version == 5 and redis.xlen(keys.update_log) == 0
+    entries = redis.xrange(keys.applied_samples)
+    assert [json.loads(f[b"samples"]) for _, f in entries] == [[["prod", 10 * c, 10]] for c in range(5)]
+    assert {f[b"status"] for _, f in entries} == {b"applied"}
+
+
+def run_ps(redis_url: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "streamtrain.cli", "ps", "--redis-url", redis_url,
+                             "--job", JOB, "--block-ms", "50", "--log-level", "WARNING", *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("fault", ["kill-before-write", "kill-after-write"])
+def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, fault: str) -> None:
+    """A `streamtrain ps` SIGKILLs itself just before / just after the atomic write of its 3rd
+    update; a restarted server applies the rest, and every update counts exactly once."""
+    cfg = OptimizerConfig(name="adam", lr=0.01)
+    store = setup(redis, cfg)
+    push_n(redis, range(1, 7))
+    proc = run_ps(redis_url, "--fault", fault, "--fault-at", "3")
+    try:
+        rc = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        proc.stderr.close()
+    assert rc == -9  # killed at the crash point, not a clean exit
+    assert applied(redis) == (2 if fault == "kill-before-write" else 3)
+    proc = run_ps(redis_url)
+    try:
+        wait_for(lambda: applied(redis) == 6, timeout_s=120, what="all 6 updates applied after restart")
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.stderr.close()
+    snap = store.pull()
+    want = expected_params(cfg, list(range(1, 7)))
+    for k in want:
+        torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
+    keys = JobKeys(JOB)
+    entries = redis.xrange(keys.applied_samples)
+    assert sorted(int(f[b"clock"]) for _, f in entries) == [1, 2, 3, 4, 5, 6]
+    assert redis.hgetall(keys.optimizer_steps) == {str(i).encode(): b"6" for i in range(6)}
+
+
+def test_two_servers_split_the_shards(redis: redis_lib.Redis, redis_url: str, servers: list) -> None:
+    cfg = OptimizerConfig(name="sgd", lr=0.05, momentum=0.5)
+    store = setup(redis, cfg, groups=2)
+    push_n(redis, range(1, 9), codec="none")
+    for g in (0, 1):
+        servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, group=g, groups=2)))
+    servers[0].start()
+    wait_for(lambda: servers[0].applied == 8, what="group 0 applied 8")
+    assert applied(redis) == 0  # group 1 has not applied anything: no update is complete
+    assert redis.xlen(JobKeys(JOB).applied_samples) == 0
+    assert servers[0].own_shards() == [0, 2, 4]
+    servers[1].start()
+    wait_for(lambda: applied(redis) == 8, what="both groups applied 8")
+    want = expected_params(cfg, list(range(1, 9)))
+    snap = store.pull()
+    for k in want:
+        torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
+    keys = JobKeys(JOB)
+    assert redis.xlen(keys.applied_samples) == 8 and redis.xlen(keys.update_log) == 0
+    assert redis.hlen(keys.apply_progress) == 0
+    with pytest.raises(Exception, match="split into 2 shard groups"):
+        ParameterServer(ServerSettings(redis_url=redis_url, job=JOB), client=redis).load()
+
+
+def test_a_bad_gradient_that_bypassed_validation_leaves_parameters_untouched(
+        redis: redis_lib.Redis, redis_url: str, servers: list) -> None:
+    store = setup(redis, OptimizerConfig(lr=0.1))
+    before = store.pull()
+    nan = get_codec("none").encode(torch.full((64,), float("nan"))).data
+    push_update(redis, JOB, Update(member_id="a", generation=1, clock=1, gradients={0: nan},
+                                   offsets={0: (0, 10)}, samples=[("p", 0, 10)]))  # no layout: not validated
+    servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB)))
+    servers[0].start()
+    wait_for(lambda: applied(redis) == 1, what="the bad update recorded")
+    after = store.pull()
+    assert after.version == before.version == 0
+    for k in before.tensors:
+        assert torch.equal(before.tensors[k], after.tensors[k])
+    (_, entry), = redis.xrange(JobKeys(JOB).applied_samples)
+    assert entry[b"status"] == b"rejected" and b"64 NaN" in entry[b"reason"]
+    assert servers[0].rejected == 1
+
+
+def test_cas_loser_reloads_and_does_not_double_apply(redis: redis_lib.Redis, redis_url: str) -> None:
+    """Two servers of the same group race on the same log: each update is applied once."""
+    cfg = OptimizerConfig(name="sgd", lr=0.1, momentum=0.0)
+    store = setup(redis, cfg)
+    push_n(redis, range(1, 4))
+    first = ParameterServer(ServerSettings(redis_url=redis_url, job=JOB), client=redis)
+    second = ParameterServer(ServerSettings(redis_url=redis_url, job=JOB), client=redis)
+    first.load()
+    second.load()  # both read the same cursor and shards
+    entries = redis.xrange(JobKeys(JOB).update_log)
+    assert first.step() == 3 and first.applied == 3
+    version = store.version()
+    assert second.apply_entry(*entries[0]) is False  # lost the compare-and-set: nothing written
+    assert store.version() == version and second.applied == 0
+    assert second._state.cursor == entries[-1][0].decode()  # reloaded: resumes after the winner
+    assert second.step() == 0
+    want = expected_params(cfg, [1, 2, 3])
+    snap = store.pull()
+    for k in want:
+        torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
