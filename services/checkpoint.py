@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import tempfile
 from typing import Any
 
@@ -115,8 +116,9 @@ def restore_checkpoint(client: redis.Redis, path: str, *, job: str | None = None
     """
     try:
         data = torch.load(path, weights_only=True)
-    except (OSError, RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+        reason = str(exc).splitlines()[0]
+        raise CheckpointError(f"cannot read checkpoint {path}: {reason}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} file")
     job = job or data["job"]

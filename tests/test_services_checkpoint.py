@@ -1,0 +1,100 @@
+"""Checkpoints: a consistent snapshot restored into an empty Redis resumes exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis as redis_lib
+import torch
+from test_services_util import set_membership, small_model
+
+from services import (
+    OffsetConflictError, OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings,
+    restore_checkpoint, save_checkpoint,
+)
+from services.checkpoint import CheckpointError
+from streamtrain import cli
+from streamtrain.keys import JobKeys
+
+JOB = "ckptjob"
+
+
+def grads(c: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(c)
+    return {k: torch.randn(v.shape, generator=g) for k, v in small_model().items()}
+
+
+def drain(client: redis_lib.Redis, url: str, limit: int | None = None) -> None:
+    """Apply (up to ``limit``) pending updates synchronously with one server."""
+    server = ParameterServer(ServerSettings(redis_url=url, job=JOB, block_ms=1), client=client)
+    server.load()
+    entries = client.xrange(JobKeys(JOB).update_log, count=limit)
+    for eid, fields in entries:
+        assert server.apply_entry(eid, fields)
+
+
+@pytest.fixture
+def fresh(redis_server) -> redis_lib.Redis:
+    client = redis_lib.Redis.from_url(redis_server.url_for(redis_server.next_db()))
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.flushdb()
+        client.close()
+
+
+def test_restore_into_an_empty_redis_resumes_from_committed_offsets(
+        redis: redis_lib.Redis, redis_url: str, fresh: redis_lib.Redis, tmp_path: Path) -> None:
+    store = ParameterStore(redis, JOB)
+    store.init_model(small_model(), shard_elems=64, optimizer=OptimizerConfig(name="adam", lr=0.01))
+    set_membership(redis, JOB, {"a": [0]}, generation=1)
+    pusher = Pusher(redis, JOB, "a", codec="fp16")
+    for c in range(1, 5):
+        pusher.push(grads(c), generation=1, clock=c, offsets={0: (10 * (c - 1), 10 * c)})
+    drain(redis, redis_url, limit=2)  # 2 applied, 2 pending in the log
+    path = tmp_path / "ckpt.pt"
+    assert save_checkpoint(redis, JOB, str(path)) == 2
+
+    fresh_url = fresh.connection_pool.connection_kwargs
+    fresh_url = f"redis://{fresh_url['host']}:{fresh_url['port']}/{fresh_url['db']}"
+    assert restore_checkpoint(fresh, str(path)) == 2
+    keys = JobKeys(JOB)
+    assert fresh.hgetall(keys.offsets) == {b"0": b"40"}
+    assert fresh.xlen(keys.update_log) == 2
+    with pytest.raises(CheckpointError, match="already has a model"):
+        restore_checkpoint(fresh, str(path))
+
+    # both the original and the restored copy apply the pending updates and one more step
+    for client, url in ((redis, redis_url), (fresh, fresh_url)):
+        set_membership(client, JOB, {"a": [0]}, generation=2)  # the coordinator re-registers the trainer
+        resumed = Pusher(client, JOB, "a", codec="fp16")
+        with pytest.raises(OffsetConflictError, match="duplicate"):
+            resumed.push(grads(5), generation=2, clock=5, offsets={0: (30, 40)})
+        resumed.push(grads(5), generation=2, clock=5, offsets={0: (40, 50)})
+        drain(client, url)
+    original, restored = ParameterStore(redis, JOB).pull(), ParameterStore(fresh, JOB).pull()
+    assert original.version == restored.version == 5
+    for k in original.tensors:
+        assert torch.equal(original.tensors[k], restored.tensors[k])
+    assert fresh.hgetall(keys.optimizer_steps) == redis.hgetall(keys.optimizer_steps)
+
+
+def test_checkpoint_cli_and_bad_files(redis: redis_lib.Redis, redis_url: str, fresh: redis_lib.Redis,
+                                      tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    ParameterStore(redis, JOB).init_model(small_model(), shard_elems=64)
+    path = tmp_path / "c.pt"
+    assert cli.main(["checkpoint", "save", str(path), "--redis-url", redis_url, "--job", JOB]) == 0
+    kw = fresh.connection_pool.connection_kwargs
+    url = f"redis://{kw['host']}:{kw['port']}/{kw['db']}"
+    assert cli.main(["checkpoint", "restore", str(path), "--redis-url", url, "--job", "copy"]) == 0
+    assert "restored version 0" in capsys.readouterr().out
+    assert torch.equal(ParameterStore(fresh, "copy").pull().tensors["w"], small_model()["w"])
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        restore_checkpoint(fresh, str(junk))
+    torch.save({"format": "other"}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="is not a streamtrain-checkpoint-1 file"):
+        restore_checkpoint(fresh, str(tmp_path / "other.pt"))
