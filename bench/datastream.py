@@ -1,0 +1,134 @@
+"""Data-plane throughput: our consumer path to tensors against raw kafka-python bytes.
+
+Produces the digits data set (repeated) once as ~64 KB shards, then, in the
+same run and from the same topic, consumes everything with
+
+(a) a plain kafka-python ``KafkaConsumer`` returning message bytes (the ceiling), and
+(b) :class:`datastream.ShardConsumer`: fetch, decode, validate, assemble float32/int64
+    tensor batches with exact offsets, in its prefetch thread.
+
+Each path runs ``--rounds`` times alternately; the best round of each counts.
+Prints records/s and MB/s of both, writes ``bench/results/datastream.json`` and
+prints the ratio ours/raw last.
+
+    .venv/bin/python bench/datastream.py [--records 500000] [--bootstrap HOST:PORT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+# Run as a script, this file's folder comes first on sys.path and its name would hide the package:
+# put the repository root there instead.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+from kafka import KafkaConsumer, TopicPartition  # noqa: E402
+
+from datastream import ShardConsumer, load_source, produce  # noqa: E402
+from datastream.topics import MAX_MESSAGE_BYTES  # noqa: E402
+from streamtrain.launcher import KafkaBroker  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "datastream.json"
+FETCH = {"fetch_max_bytes": 64 << 20, "max_partition_fetch_bytes": MAX_MESSAGE_BYTES,
+         "fetch_min_bytes": 1, "fetch_max_wait_ms": 100}
+
+
+def raw_pass(bootstrap: str, topic: str, ends: dict[int, int]) -> tuple[float, int, int]:
+    """Seconds, messages and value bytes to read everything as bytes with kafka-python."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, **FETCH)
+    try:
+        consumer.assign([TopicPartition(topic, p) for p in ends])
+        for p in ends:
+            consumer.seek(TopicPartition(topic, p), 0)
+        want, messages, nbytes = sum(ends.values()), 0, 0
+        started = time.perf_counter()
+        while messages < want:
+            for batch in consumer.poll(timeout_ms=500, max_records=4096).values():
+                messages += len(batch)
+                nbytes += sum(len(m.value) for m in batch)
+        return time.perf_counter() - started, messages, nbytes
+    finally:
+        consumer.close()
+
+
+def our_pass(bootstrap: str, topic: str, ends: dict[int, int], batch: int) -> tuple[float, int]:
+    """Seconds and records to read everything as tensor batches with ShardConsumer."""
+    with ShardConsumer(bootstrap, topic, max_records_per_batch=batch, prefetch=8, dlq=False,
+                       **FETCH) as consumer:
+        reached = dict.fromkeys(ends, 0)
+        records = 0
+        started = time.perf_counter()
+        consumer.assign(dict.fromkeys(ends, 0))
+        while any(reached[p] < ends[p] for p in ends):
+            got = consumer.poll(5.0)
+            if got is None:
+                raise RuntimeError(f"no batch within 5 s at {reached} of {ends}")
+            records += len(got)
+            reached.update(got.next_offsets)
+        return time.perf_counter() - started, records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=500_000, help="digits records to produce")
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--shard-bytes", type=int, default=64 * 1024, help="target shard size")
+    parser.add_argument("--batch", type=int, default=1024, help="records per consumer batch")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--bootstrap", help="use this broker instead of starting one")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    record_bytes = 64 * 4 + 8  # float32 features + int64 label
+    shard_size = max(1, args.shard_bytes // record_bytes)
+    with contextlib.ExitStack() as stack:
+        bootstrap = args.bootstrap or stack.enter_context(KafkaBroker(log_level="WARN")).bootstrap
+        topic = f"bench-datastream-{int(time.time())}"
+        repeat = -(-args.records // 1797)
+        report = produce(bootstrap, topic, load_source(f"digits?repeat={repeat}"), partitions=args.partitions,
+                         shard_size=shard_size, limit=args.records, max_in_flight_shards=1024)
+        print(f"produced {report.records:,} digits records in {report.shards:,} shards of {shard_size} "
+              f"records to {args.partitions} partitions ({report.records_per_s:,.0f} records/s acknowledged)")
+        with ShardConsumer(bootstrap, topic, dlq=False) as probe:
+            ends = probe.end_offsets()
+        raw_best = ours_best = None
+        for r in range(args.rounds):
+            raw_s, messages, nbytes = raw_pass(bootstrap, topic, ends)
+            ours_s, records = our_pass(bootstrap, topic, ends, args.batch)
+            if records != report.records or messages != report.shards:
+                raise RuntimeError(f"read {records} records / {messages} messages, "
+                                   f"produced {report.records} / {report.shards}")
+            print(f"round {r + 1}: raw {raw_s:.2f} s, ours {ours_s:.2f} s")
+            raw_best = raw_s if raw_best is None else min(raw_best, raw_s)
+            ours_best = ours_s if ours_best is None else min(ours_best, ours_s)
+    mb = nbytes / 1e6
+    result = {
+        "records": report.records, "shards": report.shards, "shard_records": shard_size,
+        "mean_shard_bytes": nbytes / messages, "partitions": args.partitions, "batch": args.batch,
+        "rounds": args.rounds,
+        "raw": {"seconds": raw_best, "records_per_s": report.records / raw_best, "mb_per_s": mb / raw_best},
+        "ours": {"seconds": ours_best, "records_per_s": report.records / ours_best, "mb_per_s": mb / ours_best},
+        "ratio": raw_best / ours_best,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"raw kafka-python bytes : {result['raw']['records_per_s']:>12,.0f} records/s "
+          f"{result['raw']['mb_per_s']:>8.1f} MB/s")
+    print(f"datastream to tensors  : {result['ours']['records_per_s']:>12,.0f} records/s "
+          f"{result['ours']['mb_per_s']:>8.1f} MB/s")
+    print(f"wrote {RESULTS}")
+    print(f"ratio ours/raw: {result['ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
