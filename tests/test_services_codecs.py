@@ -51,8 +51,7 @@ def test_topk_sampled_threshold_is_close_to_exact() -> None:
     codec = get_codec("topk", density=0.01).parts[0]
     idx = codec.select(x)
     exact = set(torch.topk(x.abs(), 5000).indices.tolist())
-    assert 0.8 * 5000 <= idx.numel() <= 5000
-    assert len(exact & set(idx.tolist())) >= 0.8 * idx.numel()
+    assert idx.numel() == 5000 and set(idx.tolist()) == exact  # the 2k-candidate estimate rarely undershoots
     assert torch.all(idx[1:] > idx[:-1])
 
 

@@ -3,9 +3,9 @@
 Exact ``torch.topk`` at 1% of 1.86M values costs ~11 ms, more than a whole
 training step, so the threshold is estimated DGC-style on a random sample of
 the magnitudes (about 10x cheaper) and values at or above it are kept. The
-result is **approximate-k**: never more than ``k = ceil(density * n)`` values
-(an overshoot is trimmed with an exact top-k over the few candidates), and
-sometimes a few fewer. The kept values go to an inner value codec (``none``
+result is **approximate-k**: the threshold aims at 2k candidates, which an
+exact top-k over those few trims to ``k = ceil(density * n)`` (then it is the
+exact top-k); when the estimate undershoots, fewer than k are kept, never more. The kept values go to an inner value codec (``none``
 unless chained, e.g. ``topk+fp16``). Error feedback (the residual of what was
 not sent) is kept by the trainer-side encoder, see ``services.encoder``.
 """
@@ -24,6 +24,11 @@ from .floating import NoneCodec, _count
 
 __all__ = ["TopKCodec", "varint_encode", "varint_decode"]
 
+_OVERSHOOT = 2.0
+"""The sampled threshold aims at this many times k candidates, then an exact top-k over
+the candidates trims them to k: the result is the exact top-k unless the estimate
+undershoots (rare), in which case fewer than k values are kept."""
+
 _EXACT_BELOW = 65536
 """Tensors smaller than this use exact torch.topk (sampling is not worth it)."""
 
@@ -35,7 +40,7 @@ def varint_encode(values: np.ndarray) -> bytes:
         return b""
     nbytes = np.ones(vals.size, dtype=np.int64)
     for shift in range(7, 64, 7):
-        nbytes += vals >= np.uint64(1 << shift) if shift < 64 else 0
+        nbytes += vals >= np.uint64(1 << shift)
     ends = np.cumsum(nbytes)
     starts = ends - nbytes
     out = np.empty(int(ends[-1]), dtype=np.uint8)
@@ -78,6 +83,7 @@ class TopKCodec(Codec):
             raise ValueError(f"topk sample fraction must be in (0, 1], got {sample!r}")
         self.density = float(density)
         self.sample = float(sample)
+        self._rng = torch.Generator().manual_seed(0x5EED)
 
     def select(self, values: torch.Tensor) -> torch.Tensor:
         """Sorted indices of (about) the ``k`` largest magnitudes, at most ``k`` of them."""
@@ -89,8 +95,8 @@ class TopKCodec(Codec):
         if n < _EXACT_BELOW or k * 4 >= n:
             return torch.topk(mag, k, sorted=False).indices.sort().values
         s = max(1024, math.ceil(self.sample * n))
-        sample = mag[torch.randint(n, (s,))]
-        keep = max(1, math.ceil(self.density * s))
+        sample = mag[torch.randint(n, (s,), generator=self._rng)]
+        keep = min(s, max(1, math.ceil(_OVERSHOOT * self.density * s)))
         threshold = torch.kthvalue(sample, s - keep + 1).values
         idx = torch.nonzero(mag >= threshold).squeeze(1)
         if idx.numel() > k:
