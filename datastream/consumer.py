@@ -184,7 +184,8 @@ class ShardConsumer:
         self._max_wait_s = max_wait_ms / 1000
         self._consumer = KafkaConsumer(
             bootstrap_servers=bootstrap, group_id=group_id, client_id=client_id,
-            enable_auto_commit=False, auto_offset_reset="earliest",
+            # "none": an offset outside the log raises OffsetOutOfRangeError instead of jumping silently
+            enable_auto_commit=False, auto_offset_reset="none",
             fetch_max_bytes=fetch_max_bytes, max_partition_fetch_bytes=max_partition_fetch_bytes,
             fetch_min_bytes=fetch_min_bytes, fetch_max_wait_ms=fetch_max_wait_ms)
         self._dlq = DeadLetterWriter(bootstrap, topic) if dlq else None

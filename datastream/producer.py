@@ -32,7 +32,7 @@ from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn, Ti
 from rich.text import Text
 
 from .records import encode_shard
-from .sources import Source, load_source
+from .sources import Source, SourceError, load_source
 from .topics import MAX_MESSAGE_BYTES, ensure_topic
 
 __all__ = ["ProduceReport", "default_producer_id", "iter_shards", "produce"]
@@ -91,7 +91,10 @@ def iter_shards(source: Source, shard_size: int, limit: int | None = None
     for x, y in source:
         if limit is not None and total + len(x) > limit:
             x, y = x[:limit - total], y[:limit - total]
-        y_dtype = y.dtype if y_dtype is None else y_dtype
+        if y_dtype is None:
+            y_dtype = y.dtype
+        elif y_dtype.kind != y.dtype.kind and (y_dtype.kind in "iu") != (y.dtype.kind in "iu"):
+            raise SourceError(f"source {source.name}: labels changed from {y_dtype} to {y.dtype} mid-stream")
         total += len(x)
         while len(x):
             take = min(shard_size - pending, len(x))
@@ -138,16 +141,20 @@ class _Acks:
 
 
 @contextmanager
-def _ctrl_c_sets(stop: threading.Event) -> Iterator[None]:
-    """While inside, Ctrl-C sets ``stop`` instead of raising (main thread only)."""
+def _ctrl_c_sets(stop: threading.Event, sending: threading.Event) -> Iterator[None]:
+    """While inside, Ctrl-C sets ``stop`` instead of raising (main thread only).
+
+    A second Ctrl-C raises ``KeyboardInterrupt`` (to get out of a source blocked on
+    input), but never while ``sending`` is set, so every send gets its callbacks.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.getsignal(signal.SIGINT)
 
     def handler(_signum: int, _frame: object) -> None:
-        if stop.is_set() and callable(previous):
-            previous(_signum, _frame)  # second Ctrl-C: the usual KeyboardInterrupt
+        if stop.is_set() and not sending.is_set():
+            raise KeyboardInterrupt
         stop.set()
 
     signal.signal(signal.SIGINT, handler)
@@ -203,28 +210,34 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
             client_id=f"streamtrain-producer-{pid}")
         stack.callback(producer.close)
         stack.callback(producer.flush, flush_timeout_s)  # runs first: nothing sent is dropped
-        stack.enter_context(_ctrl_c_sets(stop))
+        sending = threading.Event()
+        stack.enter_context(_ctrl_c_sets(stop, sending))
         bar, task = _progress(stack, progress, console, topic)
         interrupted = False
-        for i, (x, y) in enumerate(shards):
-            while not acks.slots.acquire(timeout=0.1):  # backpressure: wait for acknowledgements
-                if stop.is_set():
-                    break
-            else:
-                if rate is not None:
-                    stop.wait(max(0.0, started + seq / rate - time.monotonic()))
-                if stop.is_set():
-                    acks.slots.release()
+        try:
+            for i, (x, y) in enumerate(shards):
+                while not acks.slots.acquire(timeout=0.1):  # backpressure: wait for acknowledgements
+                    if stop.is_set():
+                        break
                 else:
-                    ok, failed = acks.sent(len(x))
-                    value = encode_shard(x, y, producer_id=pid, first_seq=seq)
-                    producer.send(topic, value, partition=i % count).add_callback(ok).add_errback(failed)
-                    seq += len(x)
-                    if bar is not None and i % 16 == 0:
-                        bar.update(task, completed=acks.records)
-                    continue
+                    if rate is not None:
+                        stop.wait(max(0.0, started + seq / rate - time.monotonic()))
+                    if stop.is_set():
+                        acks.slots.release()
+                    else:
+                        sending.set()
+                        ok, failed = acks.sent(len(x))
+                        value = encode_shard(x, y, producer_id=pid, first_seq=seq)
+                        producer.send(topic, value, partition=i % count).add_callback(ok).add_errback(failed)
+                        seq += len(x)
+                        sending.clear()
+                        if bar is not None and i % 16 == 0:
+                            bar.update(task, completed=acks.records)
+                        continue
+                interrupted = True
+                break
+        except KeyboardInterrupt:  # a second Ctrl-C while the source was blocked
             interrupted = True
-            break
         producer.flush(flush_timeout_s)
         if bar is not None:
             bar.update(task, completed=acks.records)

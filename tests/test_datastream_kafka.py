@@ -306,3 +306,36 @@ def test_produce_with_a_stop_event_rate_and_bad_arguments(kafka) -> None:
     with pytest.raises(ValueError, match="shard_size"):
         produce(kafka.bootstrap, topic, "digits", shard_size=0)
     assert decode_record(encode_shard(np.ones((1, 1)), np.ones(1), producer_id="p", first_seq=0)).count == 1
+
+
+def test_seek_outside_the_log_fails_loudly(kafka) -> None:
+    from datastream import ConsumerClosedError
+    topic = kafka.create_topic(partitions=1)
+    produce(kafka.bootstrap, topic, "synthetic?features=2&limit=10", shard_size=5)
+    with ShardConsumer(kafka.bootstrap, topic) as consumer:
+        consumer.assign({0: 50})
+        deadline = time.monotonic() + 30
+        with pytest.raises(ConsumerClosedError, match="OffsetOutOfRange") as info:
+            while time.monotonic() < deadline:
+                consumer.poll(0.5)
+        assert info.value.__cause__ is not None
+
+
+def test_produce_command_from_stdin(kafka) -> None:
+    topic = f"stdin-{time.monotonic_ns()}"
+    lines = "".join(json.dumps({"x": [i, -i], "y": i % 2}) + "\n" for i in range(25))
+    done = subprocess.run(
+        [sys.executable, "-m", "streamtrain.cli", "produce", "--source", "stdin", "--topic", topic,
+         "--bootstrap", kafka.bootstrap, "--partitions", "2", "--shard-size", "10", "--split", "train",
+         "--producer-id", "prod-in", "--no-progress"],
+        input=lines, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr
+    assert "produced 20 records in 2 shards" in done.stdout
+    with ShardConsumer(kafka.bootstrap, topic) as consumer:
+        consumer.assign({0: 0, 1: 0})
+        batches = drain(consumer, {0: 1, 1: 1})
+    assert sorted(int(v) for b in batches for v in b.x[:, 0]) == [i for i in range(25) if i % 5 != 4]
+    bad = subprocess.run([sys.executable, "-m", "streamtrain.cli", "produce", "--shard-size", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--shard-size / STREAMTRAIN_SHARD_SIZE: must be >= 1" in bad.stderr

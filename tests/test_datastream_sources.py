@@ -127,3 +127,10 @@ def test_iter_shards_rechunks_exactly() -> None:
     assert [len(x) for x, _ in iter_shards(src, 300, limit=700)] == [300, 300, 100]
     with pytest.raises(ValueError, match="shard_size"):
         next(iter_shards(src, 0))
+
+
+def test_labels_may_not_change_kind_mid_stream() -> None:
+    blocks = [(0, np.zeros((2, 1), np.float32), np.array([0, 1])),
+              (2, np.zeros((2, 1), np.float32), np.array([0.5, 1.5], np.float32))]
+    with pytest.raises(SourceError, match="labels changed from int64 to float32"):
+        list(iter_shards(Source("mixed", lambda: iter(blocks)), 10))
