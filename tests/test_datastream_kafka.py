@@ -295,8 +295,14 @@ def test_producer_interrupted_loses_nothing_acknowledged(kafka) -> None:
 def test_produce_with_a_stop_event_rate_and_bad_arguments(kafka) -> None:
     import threading
     topic = kafka.create_topic(partitions=1)
-    report = produce(kafka.bootstrap, topic, "digits", rate=5000, limit=120, shard_size=32)
+    from io import StringIO
+
+    from rich.console import Console
+    screen = StringIO()
+    report = produce(kafka.bootstrap, topic, "digits", rate=5000, limit=120, shard_size=32, progress=True,
+                     console=Console(file=screen, force_terminal=True, width=100))
     assert (report.records, report.shards, report.interrupted) == (120, 4, False)
+    assert "120 records" in screen.getvalue() and "records/s" in screen.getvalue()
     stop = threading.Event()
     stop.set()
     report = produce(kafka.bootstrap, topic, "synthetic", stop=stop)
@@ -339,3 +345,15 @@ def test_produce_command_from_stdin(kafka) -> None:
     bad = subprocess.run([sys.executable, "-m", "streamtrain.cli", "produce", "--shard-size", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--shard-size / STREAMTRAIN_SHARD_SIZE: must be >= 1" in bad.stderr
+
+
+def test_an_empty_assignment_idles_until_partitions_come(kafka) -> None:
+    topic = kafka.create_topic(partitions=2)
+    produce(kafka.bootstrap, topic, "synthetic?features=2&limit=20", shard_size=10)
+    with ShardConsumer(kafka.bootstrap, topic) as consumer:
+        consumer.assign({0: 0})
+        assert drain(consumer, {0: 1})[0].offsets == {0: (0, 1)}
+        consumer.assign({})  # more trainers than partitions: this one gets none
+        assert consumer.poll(0.3) is None and consumer.assignment() == {}
+        consumer.assign({1: 0})
+        assert drain(consumer, {1: 1})[0].offsets == {1: (0, 1)}
