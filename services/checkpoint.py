@@ -26,6 +26,7 @@ from streamtrain.keys import JobKeys
 from .errors import LayoutError, ParameterPlaneError
 from .optim import slots
 from .store import ModelMeta
+from .updates import blob_keys, parse_entry
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ __all__ = ["save_checkpoint", "restore_checkpoint", "CheckpointError", "FORMAT"]
 
 FORMAT = "streamtrain-checkpoint-1"
 """Format tag stored in every checkpoint."""
+
+_ATTEMPTS = 20
 
 _HASHES = ("versions", "optimizer_steps", "offsets", "clocks", "applied_clocks", "apply_progress")
 
@@ -61,17 +64,32 @@ def save_checkpoint(client: redis.Redis, job: str, path: str) -> int:
     meta = ModelMeta.from_json(raw_meta)
     n = len(meta.layout.shards)
     k = slots(meta.optimizer)
-    pipe = client.pipeline(transaction=True)
-    pipe.get(keys.meta)
-    pipe.get(keys.model_version)
-    pipe.mget([keys.shard(i) for i in range(n)])
-    if k:
-        pipe.mget([keys.optimizer_state(i, s) for i in range(n) for s in range(k)])
-    for name in _HASHES:
-        pipe.hgetall(getattr(keys, name))
-    pipe.mget([keys.ps_cursor(g) for g in range(meta.groups)])
-    pipe.xrange(keys.update_log)
-    res = pipe.execute()
+    for _ in range(_ATTEMPTS):
+        # the log entries name their gradient blobs: read them first, then everything in one MULTI,
+        # and accept when the MULTI saw no entry we had not named blobs for
+        before = client.xrange(keys.update_log)
+        pending = {eid: blob_keys(job, parse_entry(eid, fields)) for eid, fields in before}
+        wanted = [k for ks in pending.values() for k in ks]
+        pipe = client.pipeline(transaction=True)
+        pipe.get(keys.meta)
+        pipe.get(keys.model_version)
+        pipe.mget([keys.shard(i) for i in range(n)])
+        if k:
+            pipe.mget([keys.optimizer_state(i, s) for i in range(n) for s in range(k)])
+        for name in _HASHES:
+            pipe.hgetall(getattr(keys, name))
+        pipe.mget([keys.ps_cursor(g) for g in range(meta.groups)])
+        pipe.xrange(keys.update_log)
+        if wanted:
+            pipe.mget(wanted)
+        res = pipe.execute()
+        entries = res[4 + (1 if k else 0) + len(_HASHES)]
+        if all(eid in pending for eid, _ in entries):
+            break
+    else:
+        raise CheckpointError(f"job {job}: the update log kept moving; no consistent checkpoint "
+                              f"in {_ATTEMPTS} attempts")
+    blobs = dict(zip(wanted, res[-1], strict=True)) if wanted else {}
     meta_now, version, shards = res[0], int(res[1] or 0), res[2]
     if meta_now != raw_meta:
         raise CheckpointError(f"job {job}: model meta changed while checkpointing; retry")
@@ -81,7 +99,8 @@ def save_checkpoint(client: redis.Redis, job: str, path: str) -> int:
     hashes = {name: _b2s(res[pos + j]) for j, name in enumerate(_HASHES)}
     pos += len(_HASHES)
     cursors = [(c or b"").decode() for c in res[pos]]
-    log = [[eid.decode(), [[f, v] for f, v in fields.items()]] for eid, fields in res[pos + 1]]
+    log = [[eid.decode(), [[f, v] for f, v in fields.items()],
+            [[key, blobs[key]] for key in pending[eid]]] for eid, fields in entries]
     data: dict[str, Any] = {
         "format": FORMAT, "job": job, "meta": raw_meta.decode(), "version": version,
         "shards": [torch.frombuffer(bytearray(b), dtype=torch.float32) for b in shards],
@@ -139,7 +158,10 @@ def restore_checkpoint(client: redis.Redis, path: str, *, job: str | None = None
     for g, cursor in enumerate(data["cursors"]):
         if cursor:
             pipe.set(keys.ps_cursor(g), cursor)
-    for eid, fields in data["log"]:
+    old = JobKeys(data["job"])
+    for eid, fields, blobs in data["log"]:
+        for key, blob in blobs:  # blob keys carry the job name: re-key them for a renamed job
+            pipe.set(keys.key(*key.decode().split(":")[2:]) if old != keys else key, blob)
         pipe.xadd(keys.update_log, dict(fields), id=eid)
     pipe.set(keys.model_version, data["version"])
     pipe.set(keys.meta, data["meta"])

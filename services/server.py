@@ -22,6 +22,7 @@ server of the same group won) reloads the cache from Redis.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -29,6 +30,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,12 +40,11 @@ import torch
 from streamtrain.keys import JobKeys
 from streamtrain.settings import setting
 
-from .codecs import decode_gradient
 from .errors import LayoutError, ParameterPlaneError
 from .optim import clip_factor, slots, step
 from .scripts import script
 from .store import ModelMeta, ParameterStore, connect
-from .updates import Update, parse_entry, validate_gradients
+from .updates import Update, blob_keys, load_gradients, parse_entry, validate_gradients
 from .wire import DEFAULT_MAX_BYTES
 
 logger = logging.getLogger(__name__)
@@ -277,13 +278,12 @@ class ParameterServer:
         assert meta is not None
         st = self._state
         try:
-            update = parse_entry(eid, fields)
-            validate_gradients(update, meta.layout, max_bytes=self.settings.max_update_bytes)
+            update = load_gradients(self.client, self.settings.job, parse_entry(eid, fields))
+            decoded = validate_gradients(update, meta.layout, max_bytes=self.settings.max_update_bytes)
         except ParameterPlaneError as exc:
             return self._reject(eid, fields, exc)
         own = [i for i in sorted(update.gradients) if i % self.settings.groups == self.settings.group]
-        grads = {i: decode_gradient(update.gradients[i], numel=meta.layout.shards[i].numel,
-                                    max_bytes=self.settings.max_update_bytes) for i in own}
+        grads = {i: decoded[i] for i in own}
         factor = clip_factor(meta.optimizer, list(grads.values()))
         written = []
         for i in own:
@@ -301,6 +301,7 @@ class ParameterServer:
             update = parse_entry(eid, fields)
         except ParameterPlaneError:
             update = Update(member_id="?", generation=0, clock=1, gradients={}, log_id=eid)
+        update = dataclasses.replace(update, gradients={})
         return self._write(eid, update, [], status="rejected", reason=str(exc))
 
     def _write(self, eid: str, update: Update, written: list[tuple[int, int]], *, status: str,
@@ -324,12 +325,21 @@ class ParameterServer:
                       len(record)]
         for name, value in record.items():
             args += [name, value]
+        token = uuid.uuid4().hex
+        pipe = self.client.pipeline(transaction=True)
+        staged = 0
         for i, t in written:
-            keys.append(self.keys.shard(i))
-            keys += [self.keys.optimizer_state(i, s) for s in range(k)]
-            args += [i, st.versions[i], t, _view(st.params[i]), *(_view(x) for x in st.opt[i])]
+            for dest, value in ((self.keys.shard(i), st.params[i]),
+                                *((self.keys.optimizer_state(i, s), x) for s, x in enumerate(st.opt[i]))):
+                stage = self.keys.staging(token, staged)
+                staged += 1
+                pipe.set(stage, _view(value))
+                keys += [stage, dest]
+            args += [i, st.versions[i], t]
+        keys += blob_keys(self.settings.job, update)
+        script(self.client, "apply")(keys=keys, args=args, client=pipe)
         self._fault("kill-before-write")
-        res = script(self.client, "apply")(keys=keys, args=args)
+        res = pipe.execute()[-1]
         self._fault("kill-after-write")
         tag = res[0].decode() if isinstance(res[0], bytes) else res[0]
         if tag != "OK":

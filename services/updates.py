@@ -6,19 +6,25 @@ at the committed offset, checks the clock advances, refuses when the log is
 full (backpressure), appends the update to ``update_log`` and commits the
 offsets and the member's clock. Either all of it happens or none of it.
 
-A log entry has a msgpack header under field ``h`` and one field ``g<i>`` per
-shard ``i`` holding that shard's encoded gradient (msgpack, see
-``services.codecs``).
+The gradient bytes do not pass through Lua (which would copy every argument
+into a Lua string): the push is one MULTI/EXEC that SETs each shard's encoded
+gradient under ``JobKeys.update_blob(token, i)`` and then runs the script,
+which deletes those keys again when it refuses. A log entry holds only a
+msgpack header (field ``h``) naming the token and the shards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
+import torch
 
 from streamtrain.keys import JobKeys
 
@@ -33,7 +39,8 @@ from .wire import DEFAULT_MAX_BYTES, pack, unpack
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Update", "push_update", "parse_entry", "DEFAULT_MAX_PENDING"]
+__all__ = ["Update", "push_update", "parse_entry", "load_gradients", "blob_keys", "validate_gradients",
+           "DEFAULT_MAX_PENDING"]
 
 DEFAULT_MAX_PENDING = 64
 """Unapplied updates the log may hold before pushes are refused with BackpressureError."""
@@ -65,6 +72,10 @@ class Update:
     """Oldest produce timestamp in the batch (ms since the epoch)."""
     log_id: str = ""
     """Update-log entry id (set when read back from the log)."""
+    token: str = ""
+    """Names the gradient blob keys (set by the push)."""
+    shards: tuple[int, ...] = ()
+    """Shards with a gradient (set when read back from the log, before the blobs are loaded)."""
 
     def validate_header(self) -> None:
         """Check the fields' types and ranges.
@@ -97,24 +108,30 @@ class Update:
         return {"m": self.member_id, "g": self.generation, "c": self.clock, "codec": self.codec,
                 "off": [[p, f, n] for p, (f, n) in sorted(self.offsets.items())],
                 "s": [list(s) for s in self.samples], "b": self.batch_size, "ts": self.produced_ts_ms,
-                "shards": sorted(self.gradients)}
+                "shards": sorted(self.gradients), "t": self.token}
 
 
-def validate_gradients(update: Update, layout: Layout, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+def validate_gradients(update: Update, layout: Layout, *,
+                       max_bytes: int = DEFAULT_MAX_BYTES) -> dict[int, torch.Tensor]:
     """Decode every gradient of ``update`` and check it against ``layout``.
+
+    Returns:
+        Shard index -> decoded float32 gradient.
 
     Raises:
         BadGradientError: unknown shard, wrong number of values, NaN/inf (names the shard).
         UnknownCodecError, PayloadError: from decoding.
     """
     n = len(layout.shards)
+    out = {}
     for i, blob in update.gradients.items():
         if not 0 <= i < n:
             raise BadGradientError(f"update from {update.member_id}: shard {i} does not exist "
                                    f"(the model has shards 0..{n - 1})")
         spec = layout.shards[i]
-        decode_gradient(bytes(blob), numel=spec.numel, max_bytes=max_bytes,
-                        what=f"gradient of shard {i} ({spec.name}[{spec.start}:{spec.start + spec.numel}])")
+        out[i] = decode_gradient(bytes(blob), numel=spec.numel, max_bytes=max_bytes,
+                                 what=f"gradient of shard {i} ({spec.name}[{spec.start}:{spec.start + spec.numel}])")
+    return out
 
 
 def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout | None = None,
@@ -144,19 +161,24 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
     if total > max_bytes:
         raise PayloadError(f"update from {update.member_id}: oversized, {total} bytes > limit {max_bytes}")
     keys = JobKeys(job)
+    update = dataclasses.replace(update, token=uuid.uuid4().hex)
+    order = sorted(update.gradients)
+    blob_keys = [keys.update_blob(update.token, i) for i in order]
     args: list = [update.member_id, update.generation, update.clock, max_pending, len(update.offsets)]
     for p, (first, nxt) in sorted(update.offsets.items()):
         args += [p, first, nxt]
     args += ["h", pack(update.header())]
-    for i in sorted(update.gradients):
-        args += [f"g{i}", update.gradients[i]]
     push = script(client, "push")
     deadline = time.monotonic() + backpressure_timeout_s
     delay = 0.002
     while True:
+        pipe = client.pipeline(transaction=True)
+        for key, i in zip(blob_keys, order, strict=True):
+            pipe.set(key, update.gradients[i])
+        push(keys=[keys.generation, keys.assignment, keys.offsets, keys.update_log, keys.clocks, *blob_keys],
+             args=args, client=pipe)
         try:
-            entry = push(keys=[keys.generation, keys.assignment, keys.offsets, keys.update_log, keys.clocks],
-                         args=args)
+            entry = pipe.execute()[-1]
             return entry.decode() if isinstance(entry, bytes) else str(entry)
         except redis.ResponseError as exc:
             err = _translate(str(exc))
@@ -166,8 +188,14 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
             delay = min(delay * 2, 0.1)
 
 
+_REFUSAL = re.compile(r"\b(FENCED|OFFSET|CLOCK|BACKPRESSURE) (.*)", re.S)
+
+
 def _translate(message: str) -> ParameterPlaneError:
-    kind, _, text = message.partition(" ")
+    found = _REFUSAL.search(message)
+    if found is None:
+        return ParameterPlaneError(message)
+    kind, text = found.group(1), found.group(2)
     if kind == "FENCED":
         return FencedError(text)
     if kind in ("OFFSET", "CLOCK"):
@@ -178,10 +206,11 @@ def _translate(message: str) -> ParameterPlaneError:
 
 
 def parse_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Update:
-    """Rebuild an :class:`Update` from an update-log entry.
+    """Rebuild an :class:`Update` from an update-log entry, without its gradients
+    (``shards`` names them; see :func:`load_gradients`).
 
     Raises:
-        PayloadError: the header is missing or malformed, or a listed shard's gradient is missing.
+        PayloadError: the header is missing or malformed.
     """
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     raw = fields.get(b"h")
@@ -189,17 +218,31 @@ def parse_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Update:
         raise PayloadError(f"update {eid}: header field 'h' missing")
     h = unpack(raw, max_bytes=_HEADER_LIMIT, what=f"update {eid} header")
     try:
-        grads = {}
-        for i in h["shards"]:
-            blob = fields.get(f"g{i}".encode())
-            if blob is None:
-                raise PayloadError(f"update {eid}: gradient of shard {i} missing")
-            grads[int(i)] = blob
-        upd = Update(member_id=h["m"], generation=h["g"], clock=h["c"], gradients=grads, codec=h["codec"],
+        upd = Update(member_id=h["m"], generation=h["g"], clock=h["c"], gradients={}, codec=h["codec"],
                      offsets={int(p): (int(f), int(n)) for p, f, n in h["off"]},
                      samples=tuple((str(a), int(b), int(c)) for a, b, c in h["s"]),
-                     batch_size=h["b"], produced_ts_ms=h["ts"], log_id=eid)
+                     batch_size=h["b"], produced_ts_ms=h["ts"], log_id=eid, token=str(h["t"]),
+                     shards=tuple(int(i) for i in h["shards"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise PayloadError(f"update {eid}: malformed header: {exc!r}") from None
     upd.validate_header()
     return upd
+
+
+def blob_keys(job: str, update: Update) -> list[str]:
+    """Keys of the gradient blobs of a parsed update."""
+    keys = JobKeys(job)
+    return [keys.update_blob(update.token, i) for i in update.shards]
+
+
+def load_gradients(client: redis.Redis, job: str, update: Update) -> Update:
+    """``update`` with its gradient bytes read from Redis (one MGET).
+
+    Raises:
+        PayloadError: a blob is missing.
+    """
+    blobs = client.mget(blob_keys(job, update)) if update.shards else []
+    missing = [i for i, b in zip(update.shards, blobs, strict=True) if b is None]
+    if missing:
+        raise PayloadError(f"update {update.log_id}: gradient blob of shard(s) {missing} missing")
+    return dataclasses.replace(update, gradients=dict(zip(update.shards, blobs, strict=True)))

@@ -96,6 +96,15 @@ class JobKeys:
         """Stream id of the last update applied by parameter-server shard group ``group``."""
         return self.key("ps_cursor", group)
 
+    def update_blob(self, token: str, index: int) -> str:
+        """Encoded gradient of shard ``index`` of the pushed update ``token`` (deleted once applied)."""
+        return self.key("grad", token, index)
+
+    def staging(self, token: str, slot: int) -> str:
+        """A parameter server's staged value ``slot`` of apply ``token``, renamed into place
+        by the atomic apply (or deleted when it loses the compare-and-set)."""
+        return self.key("stage", token, slot)
+
     @property
     def apply_progress(self) -> str:
         """Hash: update id -> number of shard groups that applied it (until all have)."""

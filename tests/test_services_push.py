@@ -32,7 +32,8 @@ def grads(value: float = 1.0) -> dict[str, torch.Tensor]:
 def state(redis: redis_lib.Redis) -> tuple:
     keys = JobKeys(JOB)
     return (redis.xlen(keys.update_log), redis.hgetall(keys.offsets), redis.hgetall(keys.clocks),
-            redis.get(keys.model_version), [redis.get(keys.shard(i)) for i in range(6)])
+            redis.get(keys.model_version), [redis.get(keys.shard(i)) for i in range(6)],
+            sorted(redis.keys(f"st:{{{JOB}}}:grad:*")))  # a refused push leaves no gradient blobs
 
 
 def test_init_model_is_idempotent_and_checks_layout(redis: redis_lib.Redis, store: ParameterStore) -> None:
@@ -59,7 +60,8 @@ def test_push_commits_offsets_and_appends_atomically(redis: redis_lib.Redis, sto
     assert redis.hgetall(keys.offsets) == {b"0": b"5", b"1": b"2"}
     assert redis.hget(keys.clocks, "a") == b"1"
     (entry_id, fields), = redis.xrange(keys.update_log)
-    assert entry_id.decode() == res.update_id and sorted(fields) == [b"g0", b"g1", b"g2", b"g3", b"g4", b"g5", b"h"]
+    assert entry_id.decode() == res.update_id and sorted(fields) == [b"h"]
+    assert len(redis.keys(f"st:{{{JOB}}}:grad:*")) == 6  # one gradient blob per shard
     # the next range must start at the committed offset; an offsets-only update is fine
     pusher.push(None, generation=3, clock=2, offsets={0: (5, 9)})
     assert redis.hget(keys.offsets, "0") == b"9"

@@ -127,6 +127,7 @@ def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, f
     entries = redis.xrange(keys.applied_samples)
     assert sorted(int(f[b"clock"]) for _, f in entries) == [1, 2, 3, 4, 5, 6]
     assert redis.hgetall(keys.optimizer_steps) == {str(i).encode(): b"6" for i in range(6)}
+    assert redis.keys(f"st:{{{JOB}}}:grad:*") == [] and redis.keys(f"st:{{{JOB}}}:stage:*") == []
 
 
 def test_two_servers_split_the_shards(redis: redis_lib.Redis, redis_url: str, servers: list) -> None:
@@ -149,6 +150,7 @@ def test_two_servers_split_the_shards(redis: redis_lib.Redis, redis_url: str, se
     keys = JobKeys(JOB)
     assert redis.xlen(keys.applied_samples) == 8 and redis.xlen(keys.update_log) == 0
     assert redis.hlen(keys.apply_progress) == 0
+    assert redis.keys(f"st:{{{JOB}}}:grad:*") == [] and redis.keys(f"st:{{{JOB}}}:stage:*") == []
     with pytest.raises(Exception, match="split into 2 shard groups"):
         ParameterServer(ServerSettings(redis_url=redis_url, job=JOB), client=redis).load()
 
@@ -186,6 +188,7 @@ def test_cas_loser_reloads_and_does_not_double_apply(redis: redis_lib.Redis, red
     version = store.version()
     assert second.apply_entry(*entries[0]) is False  # lost the compare-and-set: nothing written
     assert store.version() == version and second.applied == 0
+    assert redis.keys(f"st:{{{JOB}}}:stage:*") == []  # the loser's staged bytes were dropped
     assert second._state.cursor == entries[-1][0].decode()  # reloaded: resumes after the winner
     assert second.step() == 0
     want = expected_params(cfg, [1, 2, 3])

@@ -1,13 +1,22 @@
 -- Append one update to the log and commit its Kafka offsets, fenced, in one atomic step.
--- KEYS[1] generation, KEYS[2] assignment, KEYS[3] offsets, KEYS[4] update_log, KEYS[5] clocks
+-- Runs in the MULTI/EXEC that first SETs the update's gradient blobs (KEYS[6..]); a refused push
+-- deletes them again, so a refusal leaves nothing behind.
+-- KEYS[1] generation, KEYS[2] assignment, KEYS[3] offsets, KEYS[4] update_log, KEYS[5] clocks,
+-- KEYS[6..] the update's gradient blob keys
 -- ARGV[1] member id, ARGV[2] generation, ARGV[3] clock, ARGV[4] max pending log entries,
 -- ARGV[5] number of offset ranges n, ARGV[6 .. 5+3n] partition, first, next (per range),
--- ARGV[6+3n ..] stream field, value pairs of the log entry.
+-- ARGV[6+3n ..] stream field, value pairs of the log entry (the header).
 -- Returns the new log entry id, or an error reply starting with FENCED, OFFSET, CLOCK or BACKPRESSURE.
 local member, gen, clock = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local function refuse(message)
+  if #KEYS >= 6 then
+    redis.call('DEL', unpack(KEYS, 6))
+  end
+  return redis.error_reply(message)
+end
 local current = redis.call('GET', KEYS[1])
 if current ~= gen then
-  return redis.error_reply('FENCED generation ' .. gen .. ' of member ' .. member ..
+  return refuse('FENCED generation ' .. gen .. ' of member ' .. member ..
     ' is stale: current generation is ' .. tostring(current or 'unset'))
 end
 local n = tonumber(ARGV[5])
@@ -16,7 +25,7 @@ for i = 0, n - 1 do
   local p = ARGV[6 + 3 * i]
   local holder = redis.call('HGET', KEYS[2], p)
   if holder ~= owner then
-    return redis.error_reply('FENCED partition ' .. p .. ' is assigned to ' .. tostring(holder or 'nobody') ..
+    return refuse('FENCED partition ' .. p .. ' is assigned to ' .. tostring(holder or 'nobody') ..
       ', not ' .. owner)
   end
 end
@@ -24,18 +33,18 @@ for i = 0, n - 1 do
   local p, first = ARGV[6 + 3 * i], ARGV[7 + 3 * i]
   local committed = redis.call('HGET', KEYS[3], p)
   if committed and committed ~= first then
-    return redis.error_reply('OFFSET partition ' .. p .. ': range starts at ' .. first ..
+    return refuse('OFFSET partition ' .. p .. ': range starts at ' .. first ..
       ' but the committed offset is ' .. committed .. (tonumber(first) < tonumber(committed)
       and ' (a duplicate)' or ' (a gap)'))
   end
 end
 local last = tonumber(redis.call('HGET', KEYS[5], member) or '0')
 if clock <= last then
-  return redis.error_reply('CLOCK member ' .. member .. ' pushed clock ' .. ARGV[3] ..
+  return refuse('CLOCK member ' .. member .. ' pushed clock ' .. ARGV[3] ..
     ' but its last pushed clock is ' .. last .. ' (a duplicate or out-of-order push)')
 end
 if redis.call('XLEN', KEYS[4]) >= tonumber(ARGV[4]) then
-  return redis.error_reply('BACKPRESSURE update log holds ' .. ARGV[4] ..
+  return refuse('BACKPRESSURE update log holds ' .. ARGV[4] ..
     ' unapplied updates; parameter servers are behind')
 end
 local fields = {}

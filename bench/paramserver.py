@@ -1,0 +1,232 @@
+"""Parameter-plane benchmark: push/pull bandwidth against raw redis-py, apply rate, codec sizes.
+
+In one run, against one ``redis-server`` started on loopback:
+
+1. **Client paths.** A 4 MB SET/GET and an MGET of 64 x 64 KB values with
+   redis-py's own serializer and, when ``hiredis`` is importable, with the
+   hiredis packer and parser (the numbers behind not declaring hiredis).
+2. **Push and pull bandwidth** of a 10M-parameter model (40 MB of float32 in
+   1 MiB shards): ``push_update`` (one Lua script: fencing, offset commit,
+   XADD of every shard's encoded gradient) against a raw pipeline of SETs of
+   the same bytes, and ``ParameterStore.pull`` (MULTI/EXEC of the version and
+   MGET of every shard, assembled into tensors) against a raw MGET of the same keys.
+3. **Updates applied per second** by one parameter server (SGD with momentum,
+   dense fp32 gradients) for 1M- and 10M-parameter models.
+4. **Bytes per step** of each codec against fp32 for a 10M-value gradient.
+
+Each timing is the best of ``--rounds``. Writes ``bench/results/paramserver.json``
+and prints the ratios, the push/pull ratio last.
+
+    .venv/bin/python bench/paramserver.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import redis  # noqa: E402
+import torch  # noqa: E402
+
+from services import (  # noqa: E402
+    OptimizerConfig, ParameterServer, ParameterStore, ServerSettings, Update, connect, get_codec, push_update,
+)
+from streamtrain.keys import JobKeys  # noqa: E402
+from streamtrain.launcher import RedisServer  # noqa: E402
+
+RESULTS = _HERE / "results" / "paramserver.json"
+MB = 1024 * 1024
+
+
+def best(fn: Callable[[], object], rounds: int, setup: Callable[[], object] | None = None) -> float:
+    """Best wall time of ``fn`` over ``rounds`` (``setup`` runs untimed before each)."""
+    times = []
+    for _ in range(rounds):
+        if setup:
+            setup()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def client_paths(url: str, rounds: int) -> dict:
+    """4 MB SET/GET and 64 x 64 KB MGET vs GETs, per redis-py packer/parser."""
+    from redis.connection import HIREDIS_AVAILABLE
+
+    out: dict = {"hiredis_installed": HIREDIS_AVAILABLE}
+    paths = {"python": connect(url)}
+    if HIREDIS_AVAILABLE:
+        from redis._parsers import _HiredisParser
+        from redis.connection import HiredisRespSerializer
+        paths["hiredis"] = redis.Redis.from_url(url, command_packer=HiredisRespSerializer(),
+                                                parser_class=_HiredisParser)
+    big = bytes(bytearray(range(256)) * (4 * MB // 256))
+    small = [bytes([i]) * (64 * 1024) for i in range(64)]
+    for name, client in paths.items():
+        client.set("bench:big", big)
+        client.mset({f"bench:s{i}": v for i, v in enumerate(small)})
+        set_s = best(lambda c=client: c.set("bench:big", big), rounds * 4)
+        get_s = best(lambda c=client: c.get("bench:big"), rounds * 4)
+        mget_s = best(lambda c=client: c.mget([f"bench:s{i}" for i in range(64)]), rounds * 4)
+        gets_s = best(lambda c=client: [c.get(f"bench:s{i}") for i in range(64)], rounds * 4)
+        out[name] = {"set_4mb_ms": set_s * 1e3, "get_4mb_ms": get_s * 1e3,
+                     "mget_64x64kb_ms": mget_s * 1e3, "get_64x64kb_ms": gets_s * 1e3}
+        client.close()
+    if "hiredis" in out:
+        out["hiredis_set_slowdown"] = out["hiredis"]["set_4mb_ms"] / out["python"]["set_4mb_ms"]
+        out["hiredis_get_speedup"] = out["python"]["get_4mb_ms"] / out["hiredis"]["get_4mb_ms"]
+    out["mget_vs_gets"] = out["python"]["get_64x64kb_ms"] / out["python"]["mget_64x64kb_ms"]
+    return out
+
+
+def model(numel: int) -> dict[str, torch.Tensor]:
+    """A model of ``numel`` float32 parameters in four tensors."""
+    q = numel // 4
+    return {"l1.weight": torch.randn(q, 2), "l1.bias": torch.randn(q), "l2.weight": torch.randn(q)}
+
+
+def membership(client: redis.Redis, job: str) -> None:
+    keys = JobKeys(job)
+    client.set(keys.generation, 1)
+    client.hset(keys.members, "bench", "{}")
+    client.hset(keys.assignment, "0", "bench|1")
+
+
+def push_pull(url: str, rounds: int) -> dict:
+    """Push and pull of a 10M-parameter model vs raw SET/MGET of the same bytes."""
+    client = connect(url)
+    job = "bench-pp"
+    store = ParameterStore(client, job)
+    store.init_model(model(10_000_000), optimizer=OptimizerConfig(momentum=0.0))
+    membership(client, job)
+    keys = JobKeys(job)
+    layout = store.layout
+    codec = get_codec("none")
+    blobs = {s.index: codec.encode(torch.randn(s.numel)).data for s in layout.shards}
+    nbytes = sum(len(b) for b in blobs.values())
+    clock = [0]
+
+    def push() -> None:
+        clock[0] += 1
+        c = clock[0]
+        push_update(client, job, Update(member_id="bench", generation=1, clock=c, gradients=blobs,
+                                        offsets={0: (c - 1, c)}))
+
+    def raw_set() -> None:
+        pipe = client.pipeline(transaction=False)
+        for i, b in blobs.items():
+            pipe.set(f"raw:{i}", b)
+        pipe.execute()
+
+    def clear_log() -> None:
+        client.delete(keys.update_log)
+
+    shard_keys = [keys.shard(s.index) for s in layout.shards]
+    push_s = best(push, rounds, clear_log)
+    set_s = best(raw_set, rounds)
+    pull_s = best(store.pull, rounds)
+    mget_s = best(lambda: client.mget(shard_keys), rounds)
+    snap = store.pull()
+    unchanged_s = best(lambda: store.pull(since=snap), rounds)
+    client.delete(keys.update_log)
+    client.close()
+    return {"params": layout.numel, "bytes": nbytes, "shards": len(layout.shards),
+            "push_MBps": nbytes / push_s / MB, "raw_set_MBps": nbytes / set_s / MB,
+            "pull_MBps": nbytes / pull_s / MB, "raw_mget_MBps": nbytes / mget_s / MB,
+            "pull_unchanged_ms": unchanged_s * 1e3,
+            "push_ratio": set_s / push_s, "pull_ratio": mget_s / pull_s}
+
+
+def apply_rate(url: str, numel: int, updates: int) -> dict:
+    """Updates/s one server applies (SGD momentum, dense fp32 gradients), synchronously."""
+    client = connect(url)
+    job = f"bench-apply-{numel}"
+    store = ParameterStore(client, job)
+    store.init_model(model(numel), optimizer=OptimizerConfig(name="sgd", lr=0.01, momentum=0.9))
+    membership(client, job)
+    codec = get_codec("none")
+    blobs = {s.index: codec.encode(torch.randn(s.numel) * 1e-3).data for s in store.layout.shards}
+    for c in range(1, updates + 1):
+        push_update(client, job, Update(member_id="bench", generation=1, clock=c, gradients=blobs,
+                                        offsets={0: (c - 1, c)}), max_pending=updates + 1)
+    server = ParameterServer(ServerSettings(redis_url=url, job=job, block_ms=1, batch=updates), client=client)
+    server.load()
+    t = time.perf_counter()
+    while server.applied < updates:
+        server.step()
+    elapsed = time.perf_counter() - t
+    assert store.version() == updates
+    client.close()
+    return {"params": store.layout.numel, "updates": updates, "updates_per_s": updates / elapsed}
+
+
+def codec_sizes(numel: int) -> dict:
+    """Wire bytes per step of each codec for a ``numel``-value gradient, and x smaller than fp32."""
+    grad = torch.randn(numel)
+    out = {}
+    fp32 = None
+    for name in ("none", "fp16", "bf16", "int8", "topk", "topk+fp16", "topk+int8"):
+        codec = get_codec(name, density=0.01) if name.startswith("topk") else get_codec(name)
+        t = time.perf_counter()
+        enc = codec.encode(grad)
+        encode_ms = (time.perf_counter() - t) * 1e3
+        fp32 = fp32 or enc.nbytes
+        out[name] = {"bytes": enc.nbytes, "x_smaller": fp32 / enc.nbytes, "encode_ms": encode_ms}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed repetitions; the best counts")
+    parser.add_argument("--updates", type=int, default=20, help="updates per apply-rate measurement")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.manual_seed(0)
+    with RedisServer() as server:
+        url = server.url
+        paths = client_paths(url, args.rounds)
+        pp = push_pull(url, args.rounds)
+        rates = [apply_rate(url, n, args.updates) for n in (1_000_000, 10_000_000)]
+    sizes = codec_sizes(10_000_000)
+    result = {"benchmark": "paramserver", "host": platform.node(), "python": platform.python_version(),
+              "torch": torch.__version__, "redis_py": redis.__version__, "client_paths": paths,
+              "push_pull": pp, "apply": rates, "codecs": sizes}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+
+    py = paths["python"]
+    print(f"client: 4 MB SET {py['set_4mb_ms']:.2f} ms, GET {py['get_4mb_ms']:.2f} ms (redis-py serializer); "
+          f"MGET 64x64KB {py['mget_64x64kb_ms']:.2f} ms vs 64 GETs {py['get_64x64kb_ms']:.2f} ms "
+          f"= {paths['mget_vs_gets']:.1f}x")
+    if "hiredis" in paths:
+        hi = paths["hiredis"]
+        print(f"hiredis: 4 MB SET {hi['set_4mb_ms']:.2f} ms ({paths['hiredis_set_slowdown']:.2f}x the "
+              f"redis-py serializer), GET {hi['get_4mb_ms']:.2f} ms ({paths['hiredis_get_speedup']:.2f}x faster)")
+    else:
+        print("hiredis: not installed, path not measured")
+    for r in rates:
+        print(f"apply: {r['params'] / 1e6:.1f}M params, dense fp32, SGD momentum: {r['updates_per_s']:.1f} updates/s")
+    for name, s in sizes.items():
+        print(f"codec {name:<10} {s['bytes']:>11,} bytes/step  {s['x_smaller']:7.1f}x smaller than fp32  "
+              f"(encode {s['encode_ms']:.1f} ms)")
+    print(f"push {pp['push_MBps']:.0f} MB/s vs raw SET {pp['raw_set_MBps']:.0f} MB/s; "
+          f"pull {pp['pull_MBps']:.0f} MB/s vs raw MGET {pp['raw_mget_MBps']:.0f} MB/s "
+          f"({pp['params'] / 1e6:.0f}M params, {pp['shards']} shards); unchanged pull {pp['pull_unchanged_ms']:.2f} ms")
+    print(f"topk+fp16 at 1% density: {sizes['topk+fp16']['x_smaller']:.1f}x smaller than fp32 (target >= 100x)")
+    print(f"push/pull vs raw redis-py SET/GET: push {pp['push_ratio']:.2f}  pull {pp['pull_ratio']:.2f} "
+          "(target >= 0.80)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
