@@ -194,6 +194,7 @@ class ShardConsumer:
         self._epoch = 0  # bumped by every assign(); batches of an older epoch are dropped
         self._positions: dict[int, int] = {}  # partition -> next offset expected (worker-owned)
         self._handed: dict[int, int] = {}  # partition -> next offset after the batches poll() returned
+        self._known: set[int] | None = None  # the topic's partitions, from metadata (worker-owned)
         self._builder = _Builder()
         self._stats_lock = threading.Lock()
         self._messages = self._records = self._batches = self._rejected = 0
@@ -285,6 +286,7 @@ class ShardConsumer:
     def end_offsets(self, partitions: list[int] | None = None, timeout_s: float = 30.0) -> dict[int, int]:
         """Partition -> offset after the last message (all partitions of the topic by default)."""
         def ask() -> dict[int, int]:
+            self._known = None  # partitions may have been added
             parts = partitions if partitions is not None else sorted(self._partitions())
             ends = self._consumer.end_offsets([TopicPartition(self.topic, p) for p in parts])
             return {tp.partition: o for tp, o in ends.items()}
@@ -323,14 +325,17 @@ class ShardConsumer:
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     future.set_exception(exc)
 
-    def _partitions(self) -> set[int]:
-        found = self._consumer.partitions_for_topic(self.topic)
-        if not found:
-            raise ValueError(f"topic {self.topic!r} does not exist")
-        return found
+    def _partitions(self, wanted: set[int] | None = None) -> set[int]:
+        """The topic's partitions; metadata is fetched again only when ``wanted`` holds unknown ones."""
+        if self._known is None or (wanted is not None and not wanted <= self._known):
+            found = self._consumer.partitions_for_topic(self.topic)
+            if not found:
+                raise ValueError(f"topic {self.topic!r} does not exist")
+            self._known = set(found)
+        return self._known
 
     def _do_assign(self, positions: dict[int, int | None]) -> None:
-        unknown = set(positions) - self._partitions()
+        unknown = set(positions) - self._partitions(set(positions))
         if unknown:
             raise ValueError(f"topic {self.topic!r} has no partition(s) {sorted(unknown)}")
         tps = {p: TopicPartition(self.topic, p) for p in positions}

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import csv
 import importlib
-import io
 import itertools
 import json
 import logging
