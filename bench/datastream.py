@@ -8,6 +8,7 @@ same run and from the same topic, consumes everything with
     tensor batches with exact offsets, in its prefetch thread.
 
 Each path runs ``--rounds`` times alternately; the best round of each counts.
+It also times decoding the same shards to tensors in memory (no Kafka), for reference.
 Prints records/s and MB/s of both, writes ``bench/results/datastream.json`` and
 prints the ratio ours/raw last.
 
@@ -33,7 +34,10 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 
-from datastream import ShardConsumer, load_source, produce  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce  # noqa: E402
 from datastream.topics import MAX_MESSAGE_BYTES  # noqa: E402
 from streamtrain.launcher import KafkaBroker  # noqa: E402
 
@@ -77,6 +81,16 @@ def our_pass(bootstrap: str, topic: str, ends: dict[int, int], batch: int) -> tu
         return time.perf_counter() - started, records
 
 
+def decode_only(values: list[bytes], batch_shards: int) -> float:
+    """Seconds to decode ``values`` and assemble float32/int64 tensors, without Kafka."""
+    started = time.perf_counter()
+    for i in range(0, len(values), batch_shards):
+        recs = [decode_record(v, feature_dim=64, label_kind="classification") for v in values[i:i + batch_shards]]
+        torch.from_numpy(np.concatenate([r.x for r in recs]).astype(np.float32, copy=False))
+        torch.from_numpy(np.concatenate([r.y for r in recs]).astype(np.int64, copy=False))
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=500_000, help="digits records to produce")
@@ -110,6 +124,9 @@ def main() -> None:
             print(f"round {r + 1}: raw {raw_s:.2f} s, ours {ours_s:.2f} s")
             raw_best = raw_s if raw_best is None else min(raw_best, raw_s)
             ours_best = ours_s if ours_best is None else min(ours_best, ours_s)
+    values = [encode_shard(x, y, producer_id="bench", first_seq=0)
+              for x, y in iter_shards(load_source(f"digits?repeat={repeat}"), shard_size, args.records)]
+    decode_s = min(decode_only(values, max(1, args.batch // shard_size)) for _ in range(args.rounds))
     mb = nbytes / 1e6
     result = {
         "records": report.records, "shards": report.shards, "shard_records": shard_size,
@@ -117,6 +134,7 @@ def main() -> None:
         "rounds": args.rounds,
         "raw": {"seconds": raw_best, "records_per_s": report.records / raw_best, "mb_per_s": mb / raw_best},
         "ours": {"seconds": ours_best, "records_per_s": report.records / ours_best, "mb_per_s": mb / ours_best},
+        "decode_only": {"seconds": decode_s, "records_per_s": report.records / decode_s},
         "ratio": raw_best / ours_best,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
     }
@@ -126,6 +144,7 @@ def main() -> None:
           f"{result['raw']['mb_per_s']:>8.1f} MB/s")
     print(f"datastream to tensors  : {result['ours']['records_per_s']:>12,.0f} records/s "
           f"{result['ours']['mb_per_s']:>8.1f} MB/s")
+    print(f"decode only (no Kafka) : {result['decode_only']['records_per_s']:>12,.0f} records/s")
     print(f"wrote {RESULTS}")
     print(f"ratio ours/raw: {result['ratio']:.2f}")
 
