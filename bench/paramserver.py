@@ -9,7 +9,8 @@ In one run, against one ``redis-server`` started on loopback:
    1 MiB shards): ``push_update`` (one Lua script: fencing, offset commit,
    XADD of every shard's encoded gradient) against a raw pipeline of SETs of
    the same bytes, and ``ParameterStore.pull`` (MULTI/EXEC of the version and
-   MGET of every shard, assembled into tensors) against a raw MGET of the same keys.
+   MGET of every shard, copied into the trainer's parameter tensors with ``out=``)
+   against a raw MGET of the same keys; a pull into fresh tensors is reported too.
 3. **Updates applied per second** by one parameter server (SGD with momentum,
    dense fp32 gradients) for 1M- and 10M-parameter models.
 4. **Bytes per step** of each codec against fp32 for a 10M-value gradient.
@@ -57,6 +58,20 @@ def best(fn: Callable[[], object], rounds: int, setup: Callable[[], object] | No
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+def paired(ours: Callable[[], object], raw: Callable[[], object], rounds: int,
+           setup: Callable[[], object] | None = None) -> tuple[float, float]:
+    """Best times of ``ours`` and ``raw``, run alternately so that machine noise hits both alike."""
+    t_ours, t_raw = [], []
+    for _ in range(rounds):
+        for fn, times in ((ours, t_ours), (raw, t_raw)):
+            if setup:
+                setup()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return min(t_ours), min(t_raw)
 
 
 def client_paths(url: str, rounds: int) -> dict:
@@ -128,14 +143,14 @@ def push_pull(url: str, rounds: int) -> dict:
             pipe.set(f"raw:{i}", b)
         pipe.execute()
 
-    def clear_log() -> None:
-        client.delete(keys.update_log)
+    def clear_log() -> None:  # what the servers do once an update is applied
+        client.delete(keys.update_log, *client.keys(keys.key("grad", "*")))
 
     shard_keys = [keys.shard(s.index) for s in layout.shards]
-    push_s = best(push, rounds, clear_log)
-    set_s = best(raw_set, rounds)
-    pull_s = best(store.pull, rounds)
-    mget_s = best(lambda: client.mget(shard_keys), rounds)
+    push_s, set_s = paired(push, raw_set, rounds, clear_log)
+    params = {k: v.clone() for k, v in store.pull().tensors.items()}
+    pull_s, mget_s = paired(lambda: store.pull(out=params), lambda: client.mget(shard_keys), rounds)
+    alloc_s = best(store.pull, rounds)
     snap = store.pull()
     unchanged_s = best(lambda: store.pull(since=snap), rounds)
     client.delete(keys.update_log)
@@ -143,7 +158,7 @@ def push_pull(url: str, rounds: int) -> dict:
     return {"params": layout.numel, "bytes": nbytes, "shards": len(layout.shards),
             "push_MBps": nbytes / push_s / MB, "raw_set_MBps": nbytes / set_s / MB,
             "pull_MBps": nbytes / pull_s / MB, "raw_mget_MBps": nbytes / mget_s / MB,
-            "pull_unchanged_ms": unchanged_s * 1e3,
+            "pull_unchanged_ms": unchanged_s * 1e3, "pull_new_tensors_MBps": nbytes / alloc_s / MB,
             "push_ratio": set_s / push_s, "pull_ratio": mget_s / pull_s}
 
 
@@ -152,6 +167,7 @@ def apply_rate(url: str, numel: int, updates: int) -> dict:
     client = connect(url)
     job = f"bench-apply-{numel}"
     store = ParameterStore(client, job)
+    threads = torch.get_num_threads()
     store.init_model(model(numel), optimizer=OptimizerConfig(name="sgd", lr=0.01, momentum=0.9))
     membership(client, job)
     codec = get_codec("none")
@@ -159,13 +175,16 @@ def apply_rate(url: str, numel: int, updates: int) -> dict:
     for c in range(1, updates + 1):
         push_update(client, job, Update(member_id="bench", generation=1, clock=c, gradients=blobs,
                                         offsets={0: (c - 1, c)}), max_pending=updates + 1)
-    server = ParameterServer(ServerSettings(redis_url=url, job=job, block_ms=1, batch=updates), client=client)
+    settings = ServerSettings(redis_url=url, job=job, block_ms=1, batch=updates)
+    torch.set_num_threads(settings.torch_threads)  # as `streamtrain ps` does
+    server = ParameterServer(settings, client=client)
     server.load()
     t = time.perf_counter()
     while server.applied < updates:
         server.step()
     elapsed = time.perf_counter() - t
     assert store.version() == updates
+    torch.set_num_threads(threads)
     client.close()
     return {"params": store.layout.numel, "updates": updates, "updates_per_s": updates / elapsed}
 
@@ -221,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(encode {s['encode_ms']:.1f} ms)")
     print(f"push {pp['push_MBps']:.0f} MB/s vs raw SET {pp['raw_set_MBps']:.0f} MB/s; "
           f"pull {pp['pull_MBps']:.0f} MB/s vs raw MGET {pp['raw_mget_MBps']:.0f} MB/s "
-          f"({pp['params'] / 1e6:.0f}M params, {pp['shards']} shards); unchanged pull {pp['pull_unchanged_ms']:.2f} ms")
+          f"({pp['params'] / 1e6:.0f}M params, {pp['shards']} shards); into fresh tensors "
+          f"{pp['pull_new_tensors_MBps']:.0f} MB/s; unchanged pull {pp['pull_unchanged_ms']:.2f} ms")
     print(f"topk+fp16 at 1% density: {sizes['topk+fp16']['x_smaller']:.1f}x smaller than fp32 (target >= 100x)")
     print(f"push/pull vs raw redis-py SET/GET: push {pp['push_ratio']:.2f}  pull {pp['pull_ratio']:.2f} "
           "(target >= 0.80)")

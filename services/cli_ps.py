@@ -7,6 +7,8 @@ import logging
 import signal
 import threading
 
+import torch
+
 from streamtrain.settings import add_arguments as add_settings
 from streamtrain.settings import from_args
 
@@ -25,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Start the server, apply updates until a signal, stop cleanly."""
     settings = from_args(ServerSettings, {k: v for k, v in vars(args).items() if k != "start_timeout_s"})
+    torch.set_num_threads(settings.torch_threads)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import redis
 import torch
 
@@ -85,8 +86,9 @@ class Pusher:
             if grad.dtype != torch.float32:
                 raise BadGradientError(f"gradient of {name!r}: dtype {grad.dtype}, expected torch.float32")
             flat = grad.detach().to("cpu").reshape(-1)
-            if not bool(torch.isfinite(flat).all()):
-                raise BadGradientError(f"gradient of {name!r}: {int((~torch.isfinite(flat)).sum())} NaN or infinite value(s)")
+            finite = np.isfinite(flat.numpy())
+            if not finite.all():
+                raise BadGradientError(f"gradient of {name!r}: {int((~finite).sum())} NaN or infinite value(s)")
             for shard in self.layout.shards_of(name):
                 part = flat[shard.start:shard.start + shard.numel]
                 if self.error_feedback and shard.index in self.residuals:

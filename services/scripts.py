@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
 
 import redis
 
-__all__ = ["script"]
+__all__ = ["script", "execute_with_script"]
 
 
 @cache
@@ -24,3 +25,25 @@ def script(client: redis.Redis, name: str) -> redis.commands.core.Script:
     if name not in cached:
         cached[name] = client.register_script(_source(name))
     return cached[name]
+
+
+def execute_with_script(client: redis.Redis, name: str,
+                        build: Callable[[redis.client.Pipeline, str], None]) -> list:
+    """Run a MULTI/EXEC that ``build(pipe, sha)`` queues, including an EVALSHA of script ``name``.
+
+    EVALSHA is queued directly (redis-py's pipelined ``Script`` would add a
+    SCRIPT EXISTS round trip to every call); on NOSCRIPT (a restarted or
+    flushed Redis) the script is loaded and the whole transaction rebuilt and
+    run once more, so ``build`` must be repeatable.
+    """
+    sha = script(client, name).sha
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=True)
+        build(pipe, sha)
+        try:
+            return pipe.execute()
+        except redis.exceptions.NoScriptError:
+            if attempt == 2:
+                raise
+            client.script_load(_source(name))
+    raise AssertionError("unreachable")

@@ -42,7 +42,7 @@ from streamtrain.settings import setting
 
 from .errors import LayoutError, ParameterPlaneError
 from .optim import clip_factor, slots, step
-from .scripts import script
+from .scripts import execute_with_script
 from .store import ModelMeta, ParameterStore, connect
 from .updates import Update, blob_keys, load_gradients, parse_entry, validate_gradients
 from .wire import DEFAULT_MAX_BYTES
@@ -72,6 +72,9 @@ class ServerSettings:
                                     help="group 0 saves a checkpoint every N model versions (0: off)")
     checkpoint_dir: str = setting("checkpoints", env="STREAMTRAIN_PS_CHECKPOINT_DIR",
                                   help="directory of automatic checkpoints")
+    torch_threads: int = setting(1, env="STREAMTRAIN_PS_TORCH_THREADS", min=1, max=256,
+                                 help="torch intra-op threads of the ps process (1 avoids spinning "
+                                      "threads on a shared machine)")
     fault: str = setting("none", env="STREAMTRAIN_PS_FAULT",
                          choices=("none", "kill-before-write", "kill-after-write"),
                          help="TESTING ONLY: SIGKILL this process around the write of update number fault_at")
@@ -326,20 +329,23 @@ class ParameterServer:
         for name, value in record.items():
             args += [name, value]
         token = uuid.uuid4().hex
-        pipe = self.client.pipeline(transaction=True)
-        staged = 0
+        staged: list[tuple[str, memoryview]] = []
         for i, t in written:
             for dest, value in ((self.keys.shard(i), st.params[i]),
                                 *((self.keys.optimizer_state(i, s), x) for s, x in enumerate(st.opt[i]))):
-                stage = self.keys.staging(token, staged)
-                staged += 1
-                pipe.set(stage, _view(value))
+                stage = self.keys.staging(token, len(staged))
+                staged.append((stage, _view(value)))
                 keys += [stage, dest]
             args += [i, st.versions[i], t]
         keys += blob_keys(self.settings.job, update)
-        script(self.client, "apply")(keys=keys, args=args, client=pipe)
-        self._fault("kill-before-write")
-        res = pipe.execute()[-1]
+
+        def build(pipe: redis.client.Pipeline, sha: str) -> None:
+            for stage, value in staged:
+                pipe.set(stage, value)
+            self._fault("kill-before-write")
+            pipe.evalsha(sha, len(keys), *keys, *args)
+
+        res = execute_with_script(self.client, "apply", build)[-1]
         self._fault("kill-after-write")
         tag = res[0].decode() if isinstance(res[0], bytes) else res[0]
         if tag != "OK":

@@ -165,15 +165,33 @@ class ParameterStore:
         return int(self.client.get(self.keys.model_version) or 0)
 
     # -- pull ----------------------------------------------------------------
-    def pull(self, since: Snapshot | None = None, *, dtype: torch.dtype = torch.float32) -> Snapshot:
+    def pull(self, since: Snapshot | None = None, *, dtype: torch.dtype = torch.float32,
+             out: Mapping[str, torch.Tensor] | None = None) -> Snapshot:
         """A consistent snapshot; with ``since``, only shards whose version changed are fetched.
 
         ``dtype`` (float32, float16 or bfloat16) converts the tensors after
         fetching; ``since`` must have been pulled with the same dtype.
+
+        ``out`` (tensor name -> float32 contiguous CPU tensor of the model's
+        shape, e.g. the trainer's own parameters) is filled in place instead of
+        allocating: the snapshot then holds those tensors. With ``since``, ``out``
+        must already hold ``since``'s values (it was pulled into the same ``out``).
+
+        Raises:
+            LayoutError: no model, or a shard is missing; ValueError: a bad ``out`` or ``dtype``.
         """
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"pull dtype must be float32, float16 or bfloat16, got {dtype}")
         layout = self.layout
+        if out is not None:
+            if dtype != torch.float32:
+                raise ValueError("pull into out= tensors is float32 only")
+            for spec in layout.tensors:
+                t = out.get(spec.name)
+                if (t is None or t.dtype != torch.float32 or tuple(t.shape) != spec.shape
+                        or t.device.type != "cpu" or not t.is_contiguous()):
+                    raise ValueError(f"out[{spec.name!r}] must be a contiguous float32 CPU tensor of shape "
+                                     f"{list(spec.shape)}, got {None if t is None else (t.dtype, list(t.shape))}")
         n = len(layout.shards)
         for _ in range(_PULL_RETRIES if since is not None else 0):
             pipe = self.client.pipeline(transaction=True)
@@ -189,14 +207,14 @@ class ParameterStore:
             pipe.mget([self.keys.shard(i) for i in changed])
             again, blobs = pipe.execute()
             if again == raw_version:
-                return self._assemble(int(again or 0), versions, changed, blobs, since, dtype)
+                return self._assemble(int(again or 0), versions, changed, blobs, since, dtype, out)
         pipe = self.client.pipeline(transaction=True)
         pipe.get(self.keys.model_version)
         pipe.hgetall(self.keys.versions)
         pipe.mget([self.keys.shard(i) for i in range(n)])
         raw_version, raw_versions, blobs = pipe.execute()
         return self._assemble(int(raw_version or 0), self._versions(raw_versions, n),
-                              list(range(n)), blobs, None, dtype)
+                              list(range(n)), blobs, None, dtype, out)
 
     def _versions(self, raw: Mapping[bytes, bytes], n: int) -> tuple[int, ...]:
         if len(raw) != n:
@@ -207,7 +225,8 @@ class ParameterStore:
         return tuple(out)
 
     def _assemble(self, version: int, versions: tuple[int, ...], fetched: list[int],
-                  blobs: list[bytes | None], since: Snapshot | None, dtype: torch.dtype) -> Snapshot:
+                  blobs: list[bytes | None], since: Snapshot | None, dtype: torch.dtype,
+                  out: Mapping[str, torch.Tensor] | None) -> Snapshot:
         layout = self.layout
         got = dict(zip(fetched, blobs, strict=True))
         tensors: dict[str, torch.Tensor] = {}
@@ -215,18 +234,24 @@ class ParameterStore:
             shards = layout.shards_of(spec.name)
             mine = [s for s in shards if s.index in got]
             if since is not None and not mine:
-                tensors[spec.name] = since.tensors[spec.name]
+                tensors[spec.name] = out[spec.name] if out is not None else since.tensors[spec.name]
                 continue
-            flat = np.empty(spec.numel, dtype=np.float32)
-            if len(mine) < len(shards):
-                assert since is not None
-                flat[:] = since.tensors[spec.name].reshape(-1).float().numpy()
+            if out is not None:
+                flat = out[spec.name].view(-1).numpy()
+            else:
+                flat = np.empty(spec.numel, dtype=np.float32)
+                if len(mine) < len(shards):
+                    assert since is not None
+                    flat[:] = since.tensors[spec.name].reshape(-1).float().numpy()
             for s in mine:
                 blob = got[s.index]
                 if blob is None or len(blob) != 4 * s.numel:
                     raise LayoutError(f"job {self.keys.job}: shard {s.index} ({s.name}) is missing or "
                                       f"has {0 if blob is None else len(blob)} bytes, expected {4 * s.numel}")
                 flat[s.start:s.start + s.numel] = np.frombuffer(blob, dtype=np.float32)
+            if out is not None:
+                tensors[spec.name] = out[spec.name]
+                continue
             t = torch.from_numpy(flat).view(spec.shape)
             tensors[spec.name] = t if dtype == torch.float32 else t.to(dtype)
         return Snapshot(version, versions, tensors, tuple(fetched))

@@ -34,7 +34,7 @@ from .errors import (
     PayloadError,
 )
 from .layout import Layout
-from .scripts import script
+from .scripts import execute_with_script
 from .wire import DEFAULT_MAX_BYTES, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -168,17 +168,18 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
     for p, (first, nxt) in sorted(update.offsets.items()):
         args += [p, first, nxt]
     args += ["h", pack(update.header())]
-    push = script(client, "push")
+    push_keys = [keys.generation, keys.assignment, keys.offsets, keys.update_log, keys.clocks, *blob_keys]
+
+    def build(pipe: redis.client.Pipeline, sha: str) -> None:
+        for key, i in zip(blob_keys, order, strict=True):
+            pipe.set(key, update.gradients[i])
+        pipe.evalsha(sha, len(push_keys), *push_keys, *args)
+
     deadline = time.monotonic() + backpressure_timeout_s
     delay = 0.002
     while True:
-        pipe = client.pipeline(transaction=True)
-        for key, i in zip(blob_keys, order, strict=True):
-            pipe.set(key, update.gradients[i])
-        push(keys=[keys.generation, keys.assignment, keys.offsets, keys.update_log, keys.clocks, *blob_keys],
-             args=args, client=pipe)
         try:
-            entry = pipe.execute()[-1]
+            entry = execute_with_script(client, "push", build)[-1]
             return entry.decode() if isinstance(entry, bytes) else str(entry)
         except redis.ResponseError as exc:
             err = _translate(str(exc))
