@@ -27,11 +27,21 @@ class KafkaProbe:
 
     def _client(self) -> KafkaConsumer:
         if self._consumer is None:
-            self._consumer = KafkaConsumer(
-                bootstrap_servers=self.bootstrap.split(","), client_id="streamtrain-coordinator",
-                enable_auto_commit=False, request_timeout_ms=max(self.timeout_ms, 1000),
-                bootstrap_timeout_ms=self.timeout_ms,
-                connections_max_idle_ms=540_000)
+            # kafka-python 3 starts its IO thread before bootstrapping in __init__ and does
+            # not stop it when the bootstrap fails, so build in two steps to close it then.
+            consumer = KafkaConsumer.__new__(KafkaConsumer)
+            try:
+                consumer.__init__(  # type: ignore[misc]
+                    bootstrap_servers=self.bootstrap.split(","),
+                    client_id="streamtrain-coordinator", enable_auto_commit=False,
+                    request_timeout_ms=max(self.timeout_ms, 1000),
+                    bootstrap_timeout_ms=self.timeout_ms)
+            except Exception:
+                client = getattr(consumer, "_client", None)
+                if client is not None:
+                    client.close()
+                raise
+            self._consumer = consumer
         return self._consumer
 
     def _drop(self) -> None:

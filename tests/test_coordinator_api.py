@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -30,13 +31,24 @@ ADMIN_AUTH = {"Authorization": "Bearer admin-secret"}
 CPU = {"capabilities": {"device": "cpu", "threads": 1, "hostname": "host-a"}}
 
 
-def settings_for(redis_url: str, **over: Any) -> CoordinatorSettings:
-    base = CoordinatorSettings(job=JOB, redis_url=redis_url, kafka_bootstrap="127.0.0.1:1",
+@pytest.fixture
+def silent_broker() -> Iterator[str]:
+    """``host:port`` of a TCP listener that never answers: a Kafka broker that is down."""
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def settings(redis_url: str, silent_broker: str) -> CoordinatorSettings:
+    """Coordinator settings on this test's Redis database; Kafka is down (see test_coordinator_kafka)."""
+    return CoordinatorSettings(job=JOB, redis_url=redis_url, kafka_bootstrap=silent_broker,
                                topic="train", partitions=6, lease_ms=3000,
                                heartbeat_interval_ms=500, admin_token="admin-secret",
                                job_token="job-secret", kafka_timeout_ms=200,
                                max_request_bytes=4096)
-    return replace(base, **over)
 
 
 @contextlib.asynccontextmanager
@@ -80,9 +92,9 @@ async def register(client: TestClient, body: dict[str, Any] = CPU) -> dict[str, 
     return await resp.json()
 
 
-async def test_register_heartbeat_and_redis_contract(redis_url: str,
+async def test_register_heartbeat_and_redis_contract(settings: CoordinatorSettings,
                                                      redis: redis_lib.Redis) -> None:
-    async with coordinator(settings_for(redis_url)) as client:
+    async with coordinator(settings) as client:
         a = await register(client)
         assert a["member_id"].startswith("host-a-") and a["generation"] == 1
         assert a["partitions"] == [0, 1, 2, 3, 4, 5] and a["state"] == "active"
@@ -120,9 +132,9 @@ async def test_register_heartbeat_and_redis_contract(redis_url: str,
         assert all(p["end"] is None for p in status["partitions"])  # Kafka unreachable here
 
 
-async def test_lease_expiry_reassigns_within_timeout(redis_url: str,
+async def test_lease_expiry_reassigns_within_timeout(settings: CoordinatorSettings,
                                                      redis: redis_lib.Redis) -> None:
-    settings = settings_for(redis_url, lease_ms=400, heartbeat_interval_ms=100)
+    settings = replace(settings, lease_ms=400, heartbeat_interval_ms=100)
     async with coordinator(settings) as client:
         alive = await register(client)
         doomed = await register(client)
@@ -162,9 +174,9 @@ async def test_lease_expiry_reassigns_within_timeout(redis_url: str,
         assert delay["streamtrain_reassignment_delay_seconds_count"] == 1
 
 
-async def test_sticky_rebalance_on_join_and_graceful_leave(redis_url: str,
+async def test_sticky_rebalance_on_join_and_graceful_leave(settings: CoordinatorSettings,
                                                            redis: redis_lib.Redis) -> None:
-    async with coordinator(settings_for(redis_url)) as client:
+    async with coordinator(settings) as client:
         a = await register(client)
         b = await register(client)
         before = assignment(redis)
@@ -187,8 +199,8 @@ async def test_sticky_rebalance_on_join_and_graceful_leave(redis_url: str,
         assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_member"
 
 
-async def test_restart_keeps_state_and_config(redis_url: str, redis: redis_lib.Redis) -> None:
-    settings = settings_for(redis_url, lease_ms=400, heartbeat_interval_ms=100)
+async def test_restart_keeps_state_and_config(settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    settings = replace(settings, lease_ms=400, heartbeat_interval_ms=100)
     async with coordinator(settings) as client:
         a = await register(client)
         b = await register(client)
@@ -216,8 +228,8 @@ async def test_restart_keeps_state_and_config(redis_url: str, redis: redis_lib.R
     assert redis.hget(KEYS.config, "consistency") == b"bsp"
 
 
-async def test_fencing_of_stale_generation(redis_url: str, redis: redis_lib.Redis) -> None:
-    async with coordinator(settings_for(redis_url)) as client:
+async def test_fencing_of_stale_generation(settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    async with coordinator(settings) as client:
         client_a = CoordinatorClient(str(client.make_url("")), "job-secret",
                                      session=client.session)
         reg = await client_a.register({"device": "cpu", "threads": 2})
@@ -244,8 +256,8 @@ async def test_fencing_of_stale_generation(redis_url: str, redis: redis_lib.Redi
             await client_a.register({"device": "abacus"})
 
 
-async def test_drain_pause_resume(redis_url: str, redis: redis_lib.Redis) -> None:
-    async with coordinator(settings_for(redis_url)) as client:
+async def test_drain_pause_resume(settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    async with coordinator(settings) as client:
         a = await register(client)
         b = await register(client)
         resp = await client.post(f"/v1/admin/members/{a['member_id']}/drain", headers=ADMIN_AUTH)
@@ -286,10 +298,10 @@ async def test_drain_pause_resume(redis_url: str, redis: redis_lib.Redis) -> Non
     ("GET", "/v1/nothing", {}, None, 404, "Not Found"),
     ("DELETE", "/v1/members", {}, None, 405, "Method Not Allowed"),
 ])
-async def test_refused_requests_change_nothing(redis_url: str, redis: redis_lib.Redis,
+async def test_refused_requests_change_nothing(settings: CoordinatorSettings, redis: redis_lib.Redis,
                                                method: str, path: str, headers: dict[str, str],
                                                body: Any, status: int, needle: str) -> None:
-    async with coordinator(settings_for(redis_url)) as client:
+    async with coordinator(settings) as client:
         member = await register(client)
         before = dump(redis)
         kwargs: dict[str, Any] = {"headers": headers}
@@ -310,8 +322,8 @@ async def test_refused_requests_change_nothing(redis_url: str, redis: redis_lib.
         assert dump(redis) == before
 
 
-async def test_metrics_parse_and_freshness(redis_url: str) -> None:
-    async with coordinator(settings_for(redis_url)) as client:
+async def test_metrics_parse_and_freshness(settings: CoordinatorSettings) -> None:
+    async with coordinator(settings) as client:
         a = await register(client)
         await client.post(f"/v1/members/{a['member_id']}/heartbeat", headers=JOB_AUTH,
                           json={"stats": {"records_per_s": 50.0, "freshness_s": [0.1, 0.2, 3.0]}})
@@ -327,8 +339,7 @@ async def test_metrics_parse_and_freshness(redis_url: str) -> None:
                         (("member", a["member_id"]),))] == 50.0
 
 
-async def test_openapi_documents_every_route(redis_url: str) -> None:
-    settings = settings_for(redis_url)
+async def test_openapi_documents_every_route(settings: CoordinatorSettings) -> None:
     app = create_app(settings)
     served = {(r.method.lower(), r.resource.canonical) for r in app.router.routes()
               if r.method != "HEAD"}
