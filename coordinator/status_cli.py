@@ -1,0 +1,84 @@
+"""``streamtrain status``: print ``/v1/status`` of a running coordinator as tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--url`` of the coordinator, ``--json`` for the raw document."""
+    parser.add_argument("--url", default="http://127.0.0.1:8700",
+                        help="base URL of the coordinator [default http://127.0.0.1:8700]")
+    parser.add_argument("--json", action="store_true", help="print the raw JSON")
+    parser.add_argument("--timeout-s", type=float, default=5.0, help="HTTP timeout in seconds")
+
+
+def fetch_status(url: str, timeout_s: float) -> dict[str, Any]:
+    """GET ``<url>/v1/status``.
+
+    Raises:
+        OSError: the coordinator is unreachable or answered an error.
+    """
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/status", timeout=timeout_s) as resp:
+        return json.load(resp)
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def render(status: dict[str, Any], console: Console) -> None:
+    """Print the job summary, the members and the partitions."""
+    cfg = status["config"]
+    console.print(
+        f"[bold]job {status['job']}[/bold]  generation {status['generation']}  "
+        f"{cfg['consistency']} (s={cfg['staleness']})  lr {cfg['lr']}  codec {cfg['codec']}"
+        f"{'  [red]PAUSED[/red]' if cfg['paused'] else ''}\n"
+        f"throughput {_fmt(status['throughput_records_per_s'])} records/s  "
+        f"loss {_fmt(status['loss'])}  accuracy {_fmt(status['accuracy'])}  lag {status['lag']}  "
+        f"versions {_fmt(status['versions']['min'])}..{_fmt(status['versions']['max'])}")
+    members = Table(title="members")
+    for col in ("member", "state", "device", "weight", "partitions", "records/s", "loss", "clock",
+                "lag", "lease left ms"):
+        members.add_column(col)
+    for m in status["members"]:
+        s = m["stats"]
+        members.add_row(m["member_id"], m["state"], m["capabilities"].get("device", "?"),
+                        _fmt(m["weight"], 3), ",".join(map(str, m["partitions"])),
+                        _fmt(s.get("records_per_s")), _fmt(s.get("loss")), _fmt(s.get("clock")),
+                        _fmt(s.get("lag")), str(m["lease_left_ms"]))
+    console.print(members)
+    parts = Table(title="partitions")
+    for col in ("partition", "owner", "generation", "committed", "end", "lag"):
+        parts.add_column(col)
+    for p in status["partitions"]:
+        parts.add_row(*(_fmt(p[k]) for k in ("partition", "owner", "generation", "committed",
+                                             "end", "lag")))
+    console.print(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Fetch and print the status; exit 1 if the coordinator cannot be reached."""
+    console = Console()
+    try:
+        status = fetch_status(args.url, args.timeout_s)
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]cannot read {args.url}/v1/status: {exc}[/red]")
+        return 1
+    if args.json:
+        console.print_json(json.dumps(status))
+    else:
+        render(status, console)
+    return 0
