@@ -161,7 +161,7 @@ def restore_checkpoint(client: redis.Redis, path: str, *, job: str | None = None
     old = JobKeys(data["job"])
     for eid, fields, blobs in data["log"]:
         for key, blob in blobs:  # blob keys carry the job name: re-key them for a renamed job
-            pipe.set(keys.key(*key.decode().split(":")[2:]) if old != keys else key, blob)
+            pipe.set(keys.key(*str(key).split(":")[2:]) if old != keys else key, blob)
         pipe.xadd(keys.update_log, dict(fields), id=eid)
     pipe.set(keys.model_version, data["version"])
     pipe.set(keys.meta, data["meta"])

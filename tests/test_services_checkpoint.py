@@ -98,3 +98,27 @@ def test_checkpoint_cli_and_bad_files(redis: redis_lib.Redis, redis_url: str, fr
     torch.save({"format": "other"}, tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="is not a streamtrain-checkpoint-1 file"):
         restore_checkpoint(fresh, str(tmp_path / "other.pt"))
+
+
+def test_server_saves_a_checkpoint_every_n_versions(redis: redis_lib.Redis, redis_url: str,
+                                                    tmp_path: Path) -> None:
+    ParameterStore(redis, JOB).init_model(small_model(), shard_elems=64)
+    set_membership(redis, JOB, {"a": [0]}, generation=1)
+    pusher = Pusher(redis, JOB, "a")
+    for c in range(1, 6):
+        pusher.push(grads(c), generation=1, clock=c)
+    server = ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, checkpoint_every=2,
+                                            checkpoint_dir=str(tmp_path)), client=redis)
+    server.load()
+    for eid, fields in redis.xrange(JobKeys(JOB).update_log):
+        assert server.apply_entry(eid, fields)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{JOB}-v000000000002.pt", f"{JOB}-v000000000004.pt"]
+    fresh_job = "restored"
+    assert restore_checkpoint(redis, str(tmp_path / f"{JOB}-v000000000004.pt"), job=fresh_job) == 4
+    assert redis.xlen(JobKeys(fresh_job).update_log) == 1  # the 5th update was still pending then
+    restored = ParameterServer(ServerSettings(redis_url=redis_url, job=fresh_job), client=redis)
+    restored.load()
+    (eid, fields), = redis.xrange(JobKeys(fresh_job).update_log)
+    assert restored.apply_entry(eid, fields)  # its re-keyed gradient blobs are there
+    assert torch.equal(ParameterStore(redis, fresh_job).pull().tensors["w"],
+                       ParameterStore(redis, JOB).pull().tensors["w"])
