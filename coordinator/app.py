@@ -88,24 +88,37 @@ async def apply_event(rt: Runtime, event) -> tuple[Membership, list[Action]]:  #
     return state, actions
 
 
-async def check_leases_once(rt: Runtime) -> list[Action]:
+async def check_leases_once(rt: Runtime) -> tuple[Membership, list[Action]]:
     """Remove every member whose lease has expired, reassigning its partitions (one CAS)."""
-    _, actions = await apply_event(rt, CheckLeases(now_ms=now_ms()))
-    return actions
+    return await apply_event(rt, CheckLeases(now_ms=now_ms()))
+
+
+def next_check_s(state: Membership, interval_s: float, now: int) -> float:
+    """Seconds until the next lease check: the checker period, or sooner when a lease
+    runs out before that (so expiry is detected within milliseconds, not a period)."""
+    soonest = min((m.lease_expires_ms for m in state.members.values()), default=None)
+    if soonest is None:
+        return interval_s
+    return min(interval_s, max(0.001, (soonest - now + 1) / 1000))
 
 
 async def lease_checker(rt: Runtime) -> None:
-    """Run :func:`check_leases_once` every quarter lease until cancelled; errors are logged, not fatal."""
+    """Check leases every quarter lease (or at the soonest expiry) until cancelled.
+
+    Errors are logged and retried after a period, never fatal.
+    """
     interval = rt.settings.check_interval_s
     while True:
+        delay = interval
         try:
-            await check_leases_once(rt)
+            state, _ = await check_leases_once(rt)
+            delay = next_check_s(state, interval, now_ms())
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("lease check of job %s failed; retrying in %.2fs",
                              rt.settings.job, interval)
-        await asyncio.sleep(interval)
+        await asyncio.sleep(delay)
 
 
 def initial_config(settings: CoordinatorSettings) -> JobConfig:

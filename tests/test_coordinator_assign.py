@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from coordinator.app import next_check_s
 from coordinator.assign import assign, capability_weight, quotas
 from coordinator.errors import MemberGoneError, UnknownMemberError
 from coordinator.membership import (CheckLeases, Drain, Heartbeat, Leave, Member, MemberExpired,
@@ -222,3 +223,11 @@ def test_heartbeat_body_checks_stats() -> None:
         parse_json(b'{"stats": {"freshness_s": [0.5, "x"]}}', HEARTBEAT)
     with pytest.raises(InvalidBody, match="stats.loss: expected a finite number"):
         parse_json(b'{"stats": {"loss": NaN}}', HEARTBEAT)
+
+
+def test_lease_checker_wakes_at_the_soonest_expiry() -> None:
+    assert next_check_s(empty(range(2)), 0.75, 0) == 0.75
+    s, _ = register(empty(range(2)), "a", now=0, lease=3000)
+    assert next_check_s(s, 0.75, 0) == 0.75
+    assert next_check_s(s, 0.75, 2900) == pytest.approx(0.101)
+    assert next_check_s(s, 0.75, 5000) == 0.001
