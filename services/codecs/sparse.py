@@ -83,7 +83,7 @@ class TopKCodec(Codec):
             raise ValueError(f"topk sample fraction must be in (0, 1], got {sample!r}")
         self.density = float(density)
         self.sample = float(sample)
-        self._rng = torch.Generator().manual_seed(0x5EED)
+        self._rng = np.random.default_rng(0x5EED)
 
     def select(self, values: torch.Tensor) -> torch.Tensor:
         """Sorted indices of (about) the ``k`` largest magnitudes, at most ``k`` of them."""
@@ -94,16 +94,17 @@ class TopKCodec(Codec):
         mag = values.abs()
         if n < _EXACT_BELOW or k * 4 >= n:
             return torch.topk(mag, k, sorted=False).indices.sort().values
+        m = mag.numpy()  # numpy's flatnonzero/argpartition are ~4x cheaper than torch.nonzero here
         s = max(1024, math.ceil(self.sample * n))
-        sample = mag[torch.randint(n, (s,), generator=self._rng)]
+        sample = m[self._rng.integers(0, n, s)]
         keep = min(s, max(1, math.ceil(_OVERSHOOT * self.density * s)))
-        threshold = torch.kthvalue(sample, s - keep + 1).values
-        idx = torch.nonzero(mag >= threshold).squeeze(1)
-        if idx.numel() > k:
-            idx = idx[torch.topk(mag[idx], k, sorted=False).indices].sort().values
-        elif idx.numel() == 0:
-            idx = mag.argmax().reshape(1)
-        return idx
+        threshold = np.partition(sample, s - keep)[s - keep]
+        idx = np.flatnonzero(m >= threshold)
+        if idx.size > k:
+            idx = np.sort(idx[np.argpartition(m[idx], idx.size - k)[idx.size - k:]])
+        elif idx.size == 0:
+            idx = np.array([int(m.argmax())])
+        return torch.from_numpy(idx.astype(np.int64, copy=False))
 
     def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
         idx = self.select(values)
