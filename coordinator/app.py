@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -45,6 +45,9 @@ class Runtime:
     metrics: Metrics
     probe: KafkaProbe
     executor: ThreadPoolExecutor
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serialises this process's membership writes (the CAS still guards against other
+    coordinators); without it concurrent heartbeats would mostly retry each other."""
 
     async def kafka(self, fn, *args):  # type: ignore[no-untyped-def]
         """Run a blocking probe call in the Kafka thread, bounded by the Kafka timeout."""
@@ -81,7 +84,8 @@ def log_actions(actions: list[Action]) -> None:
 
 async def apply_event(rt: Runtime, event) -> tuple[Membership, list[Action]]:  # type: ignore[no-untyped-def]
     """Apply a membership event in Redis, logging its actions first, then count them."""
-    state, actions = await rt.store.apply(event, before_commit=log_actions)
+    async with rt.lock:
+        state, actions = await rt.store.apply(event, before_commit=log_actions)
     if actions:
         rt.metrics.observe_actions(actions, now_ms())
     rt.metrics.observe_state(state)

@@ -199,6 +199,19 @@ async def test_sticky_rebalance_on_join_and_graceful_leave(settings: Coordinator
         assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_member"
 
 
+async def test_two_coordinators_compare_and_set(settings: CoordinatorSettings,
+                                                redis: redis_lib.Redis) -> None:
+    """Concurrent registrations through two coordinators on one Redis: none is lost."""
+    async with coordinator(settings) as one, coordinator(settings) as two:
+        regs = await asyncio.gather(*(register(c) for c in [one, two] * 5))
+    ids = {r["member_id"] for r in regs}
+    assert len(ids) == 10 and sorted(r["generation"] for r in regs) == list(range(1, 11))
+    assert {k.decode() for k in redis.hkeys(KEYS.members)} == ids
+    owners = assignment(redis)
+    assert sorted(owners) == list(range(6)) and {g for _, g in owners.values()} == {10}
+    assert int(redis.get(KEYS.generation)) == 10
+
+
 async def test_restart_keeps_state_and_config(settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
     settings = replace(settings, lease_ms=400, heartbeat_interval_ms=100)
     async with coordinator(settings) as client:
