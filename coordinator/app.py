@@ -13,21 +13,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from aiohttp import web
 
 from .kafka_probe import KafkaProbe
-from .membership import (Action, CheckLeases, Membership, MemberDrained, MemberExpired,
+from .membership import (Action, CheckLeases, Event, Membership, MemberDrained, MemberExpired,
                          MemberJoined, MemberLeft, Rebalanced, RenewLeases)
 from .metrics import Metrics
 from .settings import CoordinatorSettings
 from .state import JobConfig, Store
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def now_ms() -> int:
@@ -49,7 +51,7 @@ class Runtime:
     """Serialises this process's membership writes (the CAS still guards against other
     coordinators); without it concurrent heartbeats would mostly retry each other."""
 
-    async def kafka(self, fn, *args):  # type: ignore[no-untyped-def]
+    async def kafka(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking probe call in the Kafka thread, bounded by the Kafka timeout."""
         loop = asyncio.get_running_loop()
         timeout = self.settings.kafka_timeout_ms / 1000 * 3
@@ -82,7 +84,7 @@ def log_actions(actions: list[Action]) -> None:
                         ",".join(f"{p}:{src}->{dst}" for p, src, dst in a.moved) or "-")
 
 
-async def apply_event(rt: Runtime, event) -> tuple[Membership, list[Action]]:  # type: ignore[no-untyped-def]
+async def apply_event(rt: Runtime, event: Event) -> tuple[Membership, list[Action]]:
     """Apply a membership event in Redis, logging its actions first, then count them."""
     async with rt.lock:
         state, actions = await rt.store.apply(event, before_commit=log_actions)

@@ -22,7 +22,7 @@ from aiohttp import web
 from .app import RUNTIME, Runtime, apply_event, now_ms
 from .assign import capability_weight
 from .errors import ConflictError, MemberGoneError, UnknownMemberError
-from .membership import Drain, Heartbeat, Leave, Membership, Register
+from .membership import Drain, Event, Heartbeat, Leave, Membership, Register
 from .state import JobConfig
 from .status import members_view, partitions_view, summary
 from .validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field, InvalidBody, parse_json
@@ -99,7 +99,7 @@ async def _body(request: web.Request, schema: dict[str, Field], *,
         raise ApiError(400, "invalid_body", str(exc)) from None
 
 
-async def _apply(rt: Runtime, event: Any) -> Membership:
+async def _apply(rt: Runtime, event: Event) -> Membership:
     try:
         state, _ = await apply_event(rt, event)
     except UnknownMemberError as exc:
