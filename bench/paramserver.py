@@ -2,9 +2,10 @@
 
 In one run, against one ``redis-server`` started on loopback:
 
-1. **Client paths.** A 4 MB SET/GET and an MGET of 64 x 64 KB values with
-   redis-py's own serializer and, when ``hiredis`` is importable, with the
-   hiredis packer and parser (the numbers behind not declaring hiredis).
+1. **Client paths.** A 4 MB SET/GET, MGETs of 64 x 64 KB and 40 x 1 MB values
+   with redis-py's own packer and parser, with the hiredis packer and parser,
+   and with ``services.connect`` (redis-py's packer, hiredis's parser): the
+   numbers behind declaring hiredis and overriding its packer.
 2. **Push and pull bandwidth** of a 10M-parameter model (40 MB of float32 in
    1 MiB shards): ``push_update`` (one Lua script: fencing, offset commit,
    and the shards' encoded gradients SET in the same MULTI) against a raw
@@ -77,25 +78,29 @@ def paired(ours: Callable[[], object], raw: Callable[[], object], rounds: int,
 
 
 def client_paths(url: str, rounds: int) -> dict:
-    """4 MB SET/GET and 64 x 64 KB MGET vs GETs, per redis-py packer/parser."""
+    """4 MB SET/GET, MGET of 64 x 64 KB vs 64 GETs and MGET of 40 x 1 MB, per client path:
+    ``python`` (redis-py's packer and parser), ``hiredis`` (redis-py's default when hiredis is
+    installed: hiredis packer and parser) and ``ours`` (:func:`services.connect`: redis-py's
+    packer, hiredis's parser when installed)."""
+    from redis._parsers import _RESP2Parser
     from redis.connection import HIREDIS_AVAILABLE
 
     out: dict = {"hiredis_installed": HIREDIS_AVAILABLE}
-    paths = {"python": connect(url)}
+    paths = {"python": connect(url, parser_class=_RESP2Parser)}
     if HIREDIS_AVAILABLE:
-        from redis._parsers import _HiredisParser
-        from redis.connection import HiredisRespSerializer
-        paths["hiredis"] = redis.Redis.from_url(url, command_packer=HiredisRespSerializer(),
-                                                parser_class=_HiredisParser)
+        paths["hiredis"] = redis.Redis.from_url(url)
+        paths["ours"] = connect(url)
     big = bytes(bytearray(range(256)) * (4 * MB // 256))
     small = [bytes([i]) * (64 * 1024) for i in range(64)]
     ops = {"set_4mb_ms": lambda c: c.set("bench:big", big), "get_4mb_ms": lambda c: c.get("bench:big"),
            "mget_64x64kb_ms": lambda c: c.mget([f"bench:s{i}" for i in range(64)]),
-           "get_64x64kb_ms": lambda c: [c.get(f"bench:s{i}") for i in range(64)]}
+           "get_64x64kb_ms": lambda c: [c.get(f"bench:s{i}") for i in range(64)],
+           "mget_40x1mb_ms": lambda c: c.mget([f"bench:m{i}" for i in range(40)])}
     times: dict[str, dict[str, list[float]]] = {name: {op: [] for op in ops} for name in paths}
     for client in paths.values():
         client.set("bench:big", big)
         client.mset({f"bench:s{i}": v for i, v in enumerate(small)})
+        client.mset({f"bench:m{i}": big[:MB] for i in range(40)})
     for _ in range(rounds * 4):  # the paths alternate, so machine noise hits both alike
         for op, fn in ops.items():
             for name, client in paths.items():
@@ -108,7 +113,9 @@ def client_paths(url: str, rounds: int) -> dict:
     if "hiredis" in out:
         out["hiredis_set_slowdown"] = out["hiredis"]["set_4mb_ms"] / out["python"]["set_4mb_ms"]
         out["hiredis_get_speedup"] = out["python"]["get_4mb_ms"] / out["hiredis"]["get_4mb_ms"]
-    out["mget_vs_gets"] = out["python"]["get_64x64kb_ms"] / out["python"]["mget_64x64kb_ms"]
+        out["hiredis_mget_40x1mb_speedup"] = out["python"]["mget_40x1mb_ms"] / out["hiredis"]["mget_40x1mb_ms"]
+    mine = out["ours" if "ours" in out else "python"]
+    out["mget_vs_gets"] = mine["get_64x64kb_ms"] / mine["mget_64x64kb_ms"]
     return out
 
 
@@ -234,16 +241,19 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
-    py = paths["python"]
-    print(f"client: 4 MB SET {py['set_4mb_ms']:.2f} ms, GET {py['get_4mb_ms']:.2f} ms (redis-py serializer); "
-          f"MGET 64x64KB {py['mget_64x64kb_ms']:.2f} ms vs 64 GETs {py['get_64x64kb_ms']:.2f} ms "
-          f"= {paths['mget_vs_gets']:.1f}x")
+    for name in ("python", "hiredis", "ours"):
+        if name in paths:
+            c = paths[name]
+            print(f"client {name:<7}: 4 MB SET {c['set_4mb_ms']:.2f} ms, GET {c['get_4mb_ms']:.2f} ms; MGET 40x1MB "
+                  f"{c['mget_40x1mb_ms']:.2f} ms; MGET 64x64KB {c['mget_64x64kb_ms']:.2f} ms vs 64 GETs "
+                  f"{c['get_64x64kb_ms']:.2f} ms")
     if "hiredis" in paths:
-        hi = paths["hiredis"]
-        print(f"hiredis: 4 MB SET {hi['set_4mb_ms']:.2f} ms ({paths['hiredis_set_slowdown']:.2f}x the "
-              f"redis-py serializer), GET {hi['get_4mb_ms']:.2f} ms ({paths['hiredis_get_speedup']:.2f}x faster)")
+        print(f"hiredis: packer {paths['hiredis_set_slowdown']:.2f}x slower on a 4 MB SET; parser "
+              f"{paths['hiredis_get_speedup']:.2f}x faster on a 4 MB GET, {paths['hiredis_mget_40x1mb_speedup']:.2f}x "
+              "on MGET 40x1MB -> services.connect uses redis-py's packer with hiredis's parser")
     else:
         print("hiredis: not installed, path not measured")
+    print(f"MGET of 64 x 64 KB vs 64 GETs: {paths['mget_vs_gets']:.1f}x")
     for r in rates:
         print(f"apply: {r['params'] / 1e6:.1f}M params, dense fp32, SGD momentum: {r['updates_per_s']:.1f} updates/s")
     for name, s in sizes.items():
