@@ -268,11 +268,14 @@ class ParameterServer:
         got = self.client.xread({self.keys.update_log: start}, count=self.settings.batch,
                                 block=self.settings.block_ms)
         entries = got[0][1] if got else []
+        handled = 0
         for entry_id, fields in entries:
             if self._stop.is_set() and self._thread is not None:
                 break
-            self.apply_entry(entry_id, fields)
-        return len(entries)
+            if not self.apply_entry(entry_id, fields):
+                break  # lost a compare-and-set and reloaded: read again after the new cursor
+            handled += 1
+        return handled
 
     def apply_entry(self, entry_id: bytes | str, fields: dict[bytes, bytes]) -> bool:
         """Apply one log entry for this group; False when the CAS failed (state reloaded)."""

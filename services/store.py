@@ -114,17 +114,21 @@ class ParameterStore:
     # -- model ---------------------------------------------------------------
     def init_model(self, tensors: Mapping[str, torch.Tensor], *,
                    shard_elems: int = DEFAULT_SHARD_ELEMS,
-                   optimizer: OptimizerConfig | None = None, groups: int = 1) -> ModelMeta:
+                   optimizer: OptimizerConfig | None = None, groups: int | None = None) -> ModelMeta:
         """Store the model's initial parameters unless the job already has a model.
 
         Idempotent: the first writer wins; a later caller gets the stored meta
-        back after checking its tensors have the stored layout.
+        back after checking its tensors have the stored layout. ``groups`` (the
+        number of parameter-server shard groups) defaults to the job config's
+        ``ps_groups`` field, else 1.
 
         Raises:
             LayoutError: the tensors do not match the stored layout (names the difference),
                 or a tensor is not floating point.
             ValueError: ``groups`` < 1 or a bad ``shard_elems``.
         """
+        if groups is None:
+            groups = int(self.client.hget(self.keys.config, "ps_groups") or 1)
         if not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups must be a positive int, got {groups!r}")
         layout = make_layout(tensors, shard_elems)

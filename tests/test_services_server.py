@@ -41,7 +41,7 @@ def expected_params(cfg: OptimizerConfig, clocks: list[int]) -> dict[str, torch.
     return {k: v.view(small_model()[k].shape) for k, v in params.items()}
 
 
-def setup(redis: redis_lib.Redis, cfg: OptimizerConfig, groups: int = 1) -> ParameterStore:
+def setup(redis: redis_lib.Redis, cfg: OptimizerConfig, groups: int | None = 1) -> ParameterStore:
     store = ParameterStore(redis, JOB)
     store.init_model(small_model(), shard_elems=64, optimizer=cfg, groups=groups)
     set_membership(redis, JOB, {"a": [0]}, generation=1)
@@ -132,7 +132,9 @@ def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, f
 
 def test_two_servers_split_the_shards(redis: redis_lib.Redis, redis_url: str, servers: list) -> None:
     cfg = OptimizerConfig(name="sgd", lr=0.05, momentum=0.5)
-    store = setup(redis, cfg, groups=2)
+    redis.hset(JobKeys(JOB).config, "ps_groups", 2)  # the deployment says 2 server groups
+    store = setup(redis, cfg, groups=None)
+    assert store.meta().groups == 2
     push_n(redis, range(1, 9), codec="none")
     for g in (0, 1):
         servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, group=g, groups=2)))
