@@ -18,7 +18,7 @@ from .layout import Layout, ShardSpec, TensorSpec
 from .optim import OptimizerConfig
 from .server import ParameterServer, ServerSettings, ServerStatus
 from .store import ModelMeta, ParameterStore, Snapshot, connect
-from .updates import Update, push_update
+from .updates import Update, push_update, was_committed
 
 __all__ = [
     # store and snapshots
@@ -33,6 +33,7 @@ __all__ = [
     # pushing
     "Update",
     "push_update",
+    "was_committed",
     "Pusher",
     "PushResult",
     # consistency

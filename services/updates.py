@@ -39,7 +39,7 @@ from .wire import DEFAULT_MAX_BYTES, pack, unpack
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Update", "push_update", "parse_entry", "load_gradients", "blob_keys", "validate_gradients",
+__all__ = ["Update", "push_update", "was_committed", "parse_entry", "load_gradients", "blob_keys", "validate_gradients",
            "DEFAULT_MAX_PENDING"]
 
 DEFAULT_MAX_PENDING = 64
@@ -190,6 +190,16 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
 
 
 _REFUSAL = re.compile(r"\b(FENCED|OFFSET|CLOCK|BACKPRESSURE) (.*)", re.S)
+
+
+def was_committed(client: redis.Redis, job: str, member_id: str, clock: int) -> bool:
+    """True when ``member_id``'s push at ``clock`` (or a later one) was committed.
+
+    For a push whose reply was lost (a connection error after sending): the
+    member's clock is set only by a committed push, in the same atomic step.
+    """
+    last = client.hget(JobKeys(job).clocks, member_id)
+    return last is not None and int(last) >= clock
 
 
 def _translate(message: str) -> ParameterPlaneError:

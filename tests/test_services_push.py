@@ -9,7 +9,7 @@ from test_services_util import set_membership, small_model
 
 from services import (
     BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterStore,
-    PayloadError, Pusher, UnknownCodecError, Update, get_codec, push_update,
+    PayloadError, Pusher, UnknownCodecError, Update, get_codec, push_update, was_committed,
 )
 from services.wire import pack
 from streamtrain.keys import JobKeys
@@ -63,8 +63,10 @@ def test_push_commits_offsets_and_appends_atomically(redis: redis_lib.Redis, sto
     assert entry_id.decode() == res.update_id and sorted(fields) == [b"h"]
     assert len(redis.keys(f"st:{{{JOB}}}:grad:*")) == 6  # one gradient blob per shard
     # the next range must start at the committed offset; an offsets-only update is fine
+    assert not was_committed(redis, JOB, "a", 2)
     pusher.push(None, generation=3, clock=2, offsets={0: (5, 9)})
     assert redis.hget(keys.offsets, "0") == b"9"
+    assert was_committed(redis, JOB, "a", 2) and not was_committed(redis, JOB, "b", 1)
 
 
 def test_stale_generation_and_foreign_partition_are_fenced(redis: redis_lib.Redis, store: ParameterStore) -> None:
