@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ps": ("services.cli_ps", "run a parameter server applying a job's update log"),
     "checkpoint": ("services.cli_checkpoint", "save or restore a job's parameter-plane checkpoint"),
     "produce": ("datastream.cli", "stream a source into a training topic as shards"),
+    "trainer": ("trainers.cli", "run a trainer: consume partitions, compute and push gradients"),
     "coordinator": ("coordinator.cli", "run the coordinator: membership, leases, assignment, status"),
     "status": ("coordinator.status_cli", "print the status of a running coordinator"),
 }

@@ -1,0 +1,23 @@
+"""``streamtrain trainer``: run one trainer service until SIGTERM (then drain and leave)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from streamtrain import settings as cfg
+
+from .settings import TrainerSettings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of :class:`TrainerSettings`."""
+    cfg.add_arguments(parser, TrainerSettings)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the trainer from flags and environment and run it."""
+    from .service import Trainer  # torch is imported only when a trainer really starts
+
+    settings = cfg.from_args(TrainerSettings, args)
+    return asyncio.run(Trainer(settings).run())

@@ -1,0 +1,45 @@
+"""Scoring a model on held-out data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .models import LossFn
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Loss and accuracy of one model version on held-out data."""
+
+    version: int
+    """Parameter version that was scored."""
+    loss: float
+    """Mean loss over the held-out set."""
+    accuracy: float | None
+    """Fraction of correct predictions (None for regression)."""
+    samples: int
+    """Number of held-out samples."""
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, *,
+             version: int, classification: bool, batch_size: int = 1024) -> EvalResult:
+    """Score ``model`` on ``(x, y)`` in batches; the model's mode is restored afterwards."""
+    if len(x) != len(y) or len(x) == 0:
+        raise ValueError(f"held-out data must be non-empty with as many labels as rows, got {len(x)} and {len(y)}")
+    was_training = model.training
+    model.eval()
+    total_loss, correct = 0.0, 0
+    try:
+        for start in range(0, len(x), batch_size):
+            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+            out = model(xb)
+            total_loss += float(loss_fn(out, yb)) * len(xb)
+            if classification:
+                correct += int((out.argmax(dim=1) == yb).sum())
+    finally:
+        model.train(was_training)
+    n = len(x)
+    return EvalResult(version, total_loss / n, correct / n if classification else None, n)

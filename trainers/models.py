@@ -1,0 +1,84 @@
+"""Model specs: a name (or ``module:factory``) -> a fresh ``nn.Module`` and its loss.
+
+Built-in specs:
+
+- ``digits-mlp``: 64-256-256-10 MLP for scikit-learn's 8x8 digits (about 85k parameters).
+- ``mlp-2m``: 784-1024-1024-10 MLP (about 1.86M parameters), for synthetic data of width 784.
+
+A custom spec ``package.module:factory`` names a callable taking no arguments
+that returns ``(model, loss_fn)`` — an ``nn.Module`` and a callable
+``loss_fn(output, target) -> scalar tensor``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model built from a spec."""
+
+    name: str
+    """The spec it was built from."""
+    model: nn.Module
+    """The freshly initialised module."""
+    loss_fn: LossFn
+    """Training loss ``loss_fn(output, target)``."""
+    classification: bool
+    """True when outputs are class logits (accuracy is meaningful)."""
+
+
+def mlp(sizes: list[int]) -> nn.Sequential:
+    """A ReLU MLP with the given layer widths (input first, classes last)."""
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        layers.append(nn.Linear(n_in, n_out))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+_BUILTIN: dict[str, list[int]] = {
+    "digits-mlp": [64, 256, 256, 10],
+    "mlp-2m": [784, 1024, 1024, 10],
+}
+
+
+def builtin_specs() -> list[str]:
+    """Names of the built-in model specs."""
+    return sorted(_BUILTIN)
+
+
+def build_model(spec: str, *, seed: int = 0) -> ModelSpec:
+    """Build the model named by ``spec`` with deterministic initial weights.
+
+    Raises:
+        ValueError: ``spec`` is neither built in nor an importable ``module:factory``,
+            or the factory did not return ``(nn.Module, loss_fn)``.
+    """
+    torch.manual_seed(seed)
+    if spec in _BUILTIN:
+        return ModelSpec(spec, mlp(_BUILTIN[spec]), nn.functional.cross_entropy, True)
+    if ":" not in spec:
+        raise ValueError(f"unknown model spec {spec!r}: use one of {', '.join(builtin_specs())} "
+                         "or 'package.module:factory'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"model spec {spec!r}: cannot import {attr!r} from {module_name!r}: {exc}") from exc
+    built = factory()
+    if (not isinstance(built, tuple) or len(built) != 2 or not isinstance(built[0], nn.Module)
+            or not callable(built[1])):
+        raise ValueError(f"model spec {spec!r}: factory must return (nn.Module, loss_fn), got {type(built).__name__}")
+    model, loss_fn = built
+    classification = loss_fn in (nn.functional.cross_entropy,) or isinstance(loss_fn, nn.CrossEntropyLoss)
+    return ModelSpec(spec, model, loss_fn, classification)

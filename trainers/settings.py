@@ -1,0 +1,57 @@
+"""Settings of a trainer service (``streamtrain trainer``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamtrain.settings import setting
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Configuration of one trainer. The job's consistency model, codec and
+    learning rate come from the coordinator, not from here."""
+
+    job: str = setting("default", env="STREAMTRAIN_JOB", help="name of the training job")
+    coordinator_url: str = setting("http://127.0.0.1:8700", env="STREAMTRAIN_COORDINATOR_URL",
+                                   help="base URL of the coordinator")
+    job_token: str = setting("", env="STREAMTRAIN_JOB_TOKEN",
+                             help="bearer token of trainer calls to the coordinator")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", env="STREAMTRAIN_REDIS_URL",
+                             help="Redis holding the parameters")
+    kafka_bootstrap: str = setting("127.0.0.1:9092", env="STREAMTRAIN_KAFKA_BOOTSTRAP",
+                                   help="Kafka bootstrap servers")
+    model: str = setting("digits-mlp", env="STREAMTRAIN_MODEL",
+                         help="built-in model (digits-mlp, mlp-2m) or package.module:factory")
+    batch_size: int = setting(64, env="STREAMTRAIN_BATCH_SIZE", min=1, max=1 << 20,
+                              help="records per training step")
+    device: str = setting("auto", env="STREAMTRAIN_DEVICE",
+                          help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+    threads: int = setting(0, env="STREAMTRAIN_THREADS", min=0, max=1024,
+                           help="CPU threads for compute (0: torch's default)")
+    mixed_precision: bool = setting(True, env="STREAMTRAIN_MIXED_PRECISION",
+                                    help="bf16 autocast on CUDA")
+    topk_density: float = setting(0.01, env="STREAMTRAIN_TOPK_DENSITY", min=1e-6, max=1.0,
+                                  help="fraction of values a topk codec keeps")
+    pull_dtype: str = setting("float32", env="STREAMTRAIN_PULL_DTYPE",
+                              choices=("float32", "float16", "bfloat16"),
+                              help="dtype parameters travel in when pulled")
+    eval_source: str = setting("", env="STREAMTRAIN_EVAL_SOURCE",
+                               help="source spec of held-out data (its test split); empty: no evaluation")
+    eval_every: int = setting(25, env="STREAMTRAIN_EVAL_EVERY", min=1,
+                              help="evaluate every N of this trainer's steps")
+    eval_limit: int = setting(2000, env="STREAMTRAIN_EVAL_LIMIT", min=1,
+                              help="most held-out records to evaluate on")
+    seed: int = setting(0, env="STREAMTRAIN_SEED", help="seed of the initial weights")
+    prefetch: int = setting(4, env="STREAMTRAIN_PREFETCH", min=1, max=1024,
+                            help="batches decoded ahead of compute")
+    max_steps: int = setting(0, env="STREAMTRAIN_MAX_STEPS", min=0,
+                             help="stop after this many steps (0: run until stopped)")
+    max_unapplied: int = setting(4, env="STREAMTRAIN_MAX_UNAPPLIED", min=1, max=1024,
+                                 help="under ASP, most of this trainer's pushed updates not yet applied "
+                                      "(bounds the update log and the staleness it causes)")
+    staleness_timeout_s: float = setting(60.0, env="STREAMTRAIN_STALENESS_TIMEOUT_S", min=0.1,
+                                         help="longest wait for the SSP/BSP clock bound")
+    commit_to_kafka: bool = setting(True, env="STREAMTRAIN_COMMIT_TO_KAFKA",
+                                    help="mirror committed offsets to Kafka (group streamtrain-<job>) "
+                                         "so Kafka's tools show the lag")
