@@ -287,6 +287,23 @@ class LocalCluster:
             proc.stop()
         (self.start_ps if which == "ps" else self.start_coordinator)()
 
+    def quiesce(self, timeout_s: float = 60.0) -> None:
+        """Stop the producer and the trainers (they drain, commit and leave), then wait until
+        the parameter server has applied every pushed update: the job then stands still."""
+        import redis as redis_lib
+
+        from .keys import JobKeys
+
+        for proc in [self.producer, *self.trainers]:
+            if proc is not None:
+                proc.stop()
+        client = redis_lib.Redis.from_url(self.redis_url)
+        try:
+            wait_until(lambda: client.xlen(JobKeys(self.spec.job).update_log) == 0, timeout_s,
+                       what="the parameter server to apply every pushed update")
+        finally:
+            client.close()
+
     def wait_consumed(self, timeout_s: float) -> dict[str, Any]:
         """Wait until the producer is done and every partition's committed offset is at its end."""
         def consumed(st: dict[str, Any]) -> bool:

@@ -1,27 +1,27 @@
-"""``streamtrain up``: bring everything up locally and run the main job.
+"""``streamtrain up``: everything up locally, training a real model from a real stream.
 
-Starts a real Kafka broker and a real Redis server on loopback, streams the
-digits data set through a topic with several partitions, reads every record
-back and prints what it counted. Everything it started is stopped on exit,
-on Ctrl-C and on error.
+Starts a real Kafka broker and Redis server on loopback, the coordinator, a
+parameter server, the trainers and a producer streaming the digits data set
+(:class:`streamtrain.cluster.LocalCluster`); shows a live view; stops when the
+held-out accuracy reaches the target (or the stream is consumed, or time runs
+out); scores the final parameters itself on the held-out split; and stops
+everything it started, also on Ctrl-C and on error.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
 
 from . import settings as cfg
-from .launcher import KafkaBroker, RedisServer
+from .cluster import ClusterSpec, LocalCluster
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +30,26 @@ logger = logging.getLogger(__name__)
 class UpSettings:
     """Settings of the local main job."""
 
+    trainers: int = cfg.setting(2, env="STREAMTRAIN_TRAINERS", min=1, max=64, help="trainer processes")
     partitions: int = cfg.setting(4, env="STREAMTRAIN_PARTITIONS", min=1, max=256,
                                   help="partitions of the training topic")
-    topic: str = cfg.setting("digits", env="STREAMTRAIN_TOPIC", help="training topic name")
+    consistency: str = cfg.setting("ssp", env="STREAMTRAIN_CONSISTENCY", choices=("bsp", "ssp", "asp"),
+                                   help="consistency model")
+    staleness: int = cfg.setting(2, env="STREAMTRAIN_STALENESS", min=0, help="SSP staleness bound")
+    codec: str = cfg.setting("topk+fp16", env="STREAMTRAIN_CODEC", help="gradient codec")
+    source: str = cfg.setting("digits?repeat=30", env="STREAMTRAIN_SOURCE",
+                              help="what the producer streams (its train split)")
+    model: str = cfg.setting("digits-mlp", env="STREAMTRAIN_MODEL", help="model spec of the trainers")
+    eval_source: str = cfg.setting("digits", env="STREAMTRAIN_EVAL_SOURCE",
+                                   help="held-out data (its test split)")
+    target_accuracy: float = cfg.setting(0.95, env="STREAMTRAIN_TARGET_ACCURACY", min=0.0, max=1.0,
+                                         help="stop once the held-out accuracy reaches this")
+    timeout_s: float = cfg.setting(600.0, env="STREAMTRAIN_UP_TIMEOUT_S", min=1.0,
+                                   help="give up after this long")
+    forever: bool = cfg.setting(False, env="STREAMTRAIN_FOREVER",
+                                help="online continuous training: stream forever until Ctrl-C")
     kafka_heap_mb: int = cfg.setting(512, env="STREAMTRAIN_KAFKA_HEAP_MB", min=128,
                                      help="heap of the local Kafka broker")
-    redis_aof: bool = cfg.setting(True, env="STREAMTRAIN_REDIS_AOF", help="turn Redis AOF on")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,76 +57,118 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, UpSettings)
 
 
+def cluster_spec(s: UpSettings) -> ClusterSpec:
+    """The local topology for these settings."""
+    source = s.source
+    if s.forever and "repeat=" not in source and source.startswith("digits"):
+        source = "digits?repeat=0"
+    return ClusterSpec(trainers=s.trainers, partitions=s.partitions, consistency=s.consistency,
+                       staleness=s.staleness, codec=s.codec, source=source, model=s.model,
+                       eval_source=s.eval_source, kafka_heap_mb=s.kafka_heap_mb)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the local main job; returns the process exit code."""
+    """Run the local main job; 0 when the target accuracy was reached (or --forever ended)."""
     settings = cfg.from_args(UpSettings, args)
     console = Console()
-    with contextlib.ExitStack() as stack:
-        with console.status("starting Kafka (KRaft) and Redis on loopback"):
-            redis_server = stack.enter_context(RedisServer(appendonly=settings.redis_aof))
-            kafka = stack.enter_context(KafkaBroker(heap_mb=settings.kafka_heap_mb))
-        console.print(f"Kafka {kafka.bootstrap} ready in {kafka.ready_after_s:.1f}s, "
-                      f"Redis {redis_server.url} ready in {redis_server.ready_after_s:.2f}s")
-        counts = _stream_digits(console, kafka.bootstrap, settings)
-    table = Table(title=f"topic {settings.topic!r}")
-    table.add_column("partition", justify="right")
-    table.add_column("records", justify="right")
-    for partition, n in sorted(counts.items()):
-        table.add_row(str(partition), str(n))
-    table.add_row("total", str(sum(counts.values())))
-    console.print(table)
-    return 0
-
-
-def _stream_digits(console: Console, bootstrap: str, settings: UpSettings) -> Counter[int]:
-    """Produce the digits data set as JSON records and consume it back; count per partition."""
-    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-    from kafka.admin import KafkaAdminClient
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="streamtrain-up")
+    cluster = LocalCluster(cluster_spec(settings))
+    reached = False
     try:
-        admin.create_topics({settings.topic: {"num_partitions": settings.partitions,
-                                              "replication_factor": 1}}, wait_for_metadata=True)
+        with console.status("starting Kafka (KRaft), Redis, coordinator, parameter server, "
+                            f"{settings.trainers} trainers and the producer"):
+            cluster.start()
+        console.print(f"Kafka {cluster.bootstrap} (ready in {cluster.kafka.ready_after_s:.1f}s) · "
+                      f"Redis {cluster.redis_url} · coordinator {cluster.coordinator_url} · "
+                      f"logs in {cluster.workdir}")
+        final: dict[str, Any] = {}
+        reached = _watch(console, cluster, settings, final)  # final: the score that ended it
+        final["status"] = cluster.status()
     finally:
-        admin.close()
-    total = len(digits.target)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[rate]:>9.0f} records/s"), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("produce", total=total, rate=0.0)
-        producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True,
-                                 linger_ms=5)
-        t0 = time.monotonic()
-        try:
-            for i, (x, y) in enumerate(zip(digits.data, digits.target, strict=True)):
-                record = json.dumps({"x": x.tolist(), "y": int(y)}).encode()
-                producer.send(settings.topic, record, partition=i % settings.partitions)
-                if i % 64 == 0:
-                    progress.update(task, completed=i, rate=i / max(time.monotonic() - t0, 1e-9))
-            producer.flush()
-        finally:
-            producer.close()
-        progress.update(task, completed=total, rate=total / (time.monotonic() - t0))
+        with console.status("stopping everything"):
+            cluster.stop()
+    _print_final(console, cluster, settings, final, reached)
+    cluster.cleanup()
+    return 0 if reached or settings.forever else 1
 
-        task = progress.add_task("consume", total=total, rate=0.0)
-        consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-        counts: Counter[int] = Counter()
-        try:
-            consumer.assign([TopicPartition(settings.topic, p) for p in range(settings.partitions)])
-            consumer.seek_to_beginning()
-            t0 = time.monotonic()
-            deadline = t0 + 60
-            while sum(counts.values()) < total and time.monotonic() < deadline:
-                for tp, records in consumer.poll(timeout_ms=500).items():
-                    for rec in records:
-                        json.loads(rec.value)
-                    counts[tp.partition] += len(records)
-                done = sum(counts.values())
-                progress.update(task, completed=done, rate=done / (time.monotonic() - t0))
-        finally:
-            consumer.close()
-    if sum(counts.values()) != total:
-        raise RuntimeError(f"produced {total} records but read back {sum(counts.values())}")
-    return counts
+
+def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[str, Any]) -> bool:
+    """Show the live view until the target, the end of the stream, Ctrl-C or the timeout.
+
+    ``latest`` receives the newest independent score of the stored parameters.
+    """
+    t0 = time.monotonic()
+    status: dict[str, Any] | None = None
+    try:
+        with Live(console=console, refresh_per_second=4) as live:
+            while time.monotonic() - t0 < s.timeout_s or s.forever:
+                cluster.raise_if_crashed()
+                status = cluster.status() or status
+                score = _score(cluster, s)
+                if score is not None:
+                    latest.update(score)
+                if status is not None:
+                    live.update(_view(status, latest, time.monotonic() - t0))
+                    acc = latest.get("accuracy")
+                    if not s.forever and acc is not None and acc >= s.target_accuracy:
+                        return True
+                    if not s.forever and cluster.producer_done() and status.get("lag") == 0 \
+                            and all(p["committed"] is not None for p in status.get("partitions", [])):
+                        return False
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping")
+    return False
+
+
+def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float) -> Group:
+    """The live tables: the job (with the independent held-out score), then one row per trainer."""
+    job = Table(title=f"job {st.get('job')} · {elapsed:.0f}s", expand=False)
+    for col in ("records/s", "loss", "held-out acc", "version", "generation", "lag", "staleness"):
+        job.add_column(col, justify="right")
+    versions = st.get("versions", {})
+    job.add_row(f"{st.get('throughput_records_per_s', 0):,.0f}", _fmt(st.get("loss")),
+                _fmt(score.get("accuracy"), ".1%"), str(versions.get("max", "-")), str(st.get("generation")),
+                str(st.get("lag")), str(st.get("staleness", {}).get("clock_spread", "-")))
+    members = Table(title="trainers", expand=False)
+    for col in ("member", "state", "device", "partitions", "records/s", "loss", "acc", "clock"):
+        members.add_column(col)
+    for m in st.get("members", []):
+        stats = m.get("stats", {})
+        members.add_row(m["member_id"], m["state"], str(m.get("capabilities", {}).get("device", "")),
+                        ",".join(map(str, m.get("partitions", []))),
+                        f"{stats.get('records_per_s', 0):,.0f}", _fmt(stats.get("loss")),
+                        _fmt(stats.get("accuracy"), ".1%"), str(stats.get("clock", "")))
+    return Group(job, members)
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _score(cluster: LocalCluster, s: UpSettings) -> dict[str, Any] | None:
+    """Score the parameters stored in Redis now on the held-out split (not a trainer's word)."""
+    from services import LayoutError
+    from trainers import score_job
+
+    try:
+        result = score_job(cluster.redis_url, cluster.spec.job, s.model, s.eval_source)
+    except LayoutError:  # no model stored yet
+        return None
+    return {"version": result.version, "accuracy": result.accuracy, "loss": result.loss,
+            "samples": result.samples}
+
+
+def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: dict[str, Any],
+                 reached: bool) -> None:
+    st = final.get("status") or {}
+    parts = st.get("partitions", [])
+    committed = sum(p["committed"] or 0 for p in parts)
+    table = Table(title="final", show_header=False)
+    table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%") + f" on {final.get('samples', 0)} records "
+                  f"(target {s.target_accuracy:.0%}: {'reached' if reached else 'NOT reached'})")
+    table.add_row("held-out loss", _fmt(final.get("loss")))
+    table.add_row("model version", str(final.get("version", "-")))
+    table.add_row("messages committed", f"{committed:,} Kafka offsets over {len(parts)} partitions")
+    table.add_row("status endpoints", f"{cluster.coordinator_url}/v1/status · /healthz · /readyz · "
+                  "/metrics · / (page) — served while the job ran")
+    console.print(table)

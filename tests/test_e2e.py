@@ -1,0 +1,126 @@
+"""End to end, everything real: Kafka, Redis, coordinator, parameter server, trainers, producer.
+
+Each test runs the local topology of ``streamtrain up`` (:class:`LocalCluster`),
+then scores the parameters stored in Redis on the held-out digits split and
+audits the accounting record by record (:func:`streamtrain.accounting.audit`).
+Faults are injected at conditions (a version reached), never after sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import pytest
+from kafka import KafkaProducer
+
+from datastream import load_source
+from services import LayoutError
+from streamtrain.accounting import audit
+from streamtrain.cluster import ClusterSpec, LocalCluster
+from trainers import score_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def held_out_accuracy(cluster: LocalCluster) -> float:
+    """Accuracy of the parameters in Redis now, on the digits test split."""
+    result = score_job(cluster.redis_url, cluster.spec.job, cluster.spec.model, "digits")
+    assert result.accuracy is not None
+    return result.accuracy
+
+
+def reaches_accuracy(cluster: LocalCluster, target: float, timeout_s: float) -> float:
+    """Score the stored parameters every second until ``target``; the best score seen."""
+    best = 0.0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cluster.raise_if_crashed()
+        with contextlib.suppress(LayoutError):  # no model stored yet
+            best = max(best, held_out_accuracy(cluster))
+        if best >= target or cluster.producer_done() and (cluster.status() or {}).get("lag") == 0:
+            break
+        time.sleep(1.0)
+    return best
+
+
+def assert_exact(cluster: LocalCluster, *, everything: bool = True) -> None:
+    report = audit(cluster.bootstrap, cluster.spec.topic, cluster.redis_url, cluster.spec.job)
+    if everything:
+        assert report.uncommitted == 0, report
+    assert report.exact, report
+    assert report.applied == report.expected > 0
+    assert report.rejected_updates == 0
+
+
+@pytest.fixture
+def run_cluster(tmp_path):
+    clusters: list[LocalCluster] = []
+
+    def start(**overrides) -> LocalCluster:
+        spec = ClusterSpec(**{"source": "digits?repeat=20", **overrides})
+        cluster = LocalCluster(spec, workdir=tmp_path / f"cluster{len(clusters)}")
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield start
+    for cluster in reversed(clusters):
+        cluster.stop()
+
+
+@pytest.mark.parametrize("consistency", ["ssp", "bsp", "asp"])
+def test_two_trainers_reach_target_accuracy(run_cluster, consistency: str) -> None:
+    cluster = run_cluster(consistency=consistency, codec="topk+fp16", source="digits?repeat=40")
+    assert reaches_accuracy(cluster, 0.95, timeout_s=300) >= 0.95
+    cluster.quiesce()
+    assert_exact(cluster, everything=False)
+
+
+def test_killed_trainer_partitions_move_and_accounting_stays_exact(run_cluster) -> None:
+    cluster = run_cluster(trainers=2)
+    cluster.wait_for(lambda st: (st["versions"]["max"] or 0) >= 50 and len(st["members"]) == 2,
+                     timeout_s=120, what="two trainers to have trained a while")
+    victim = cluster.trainers[0]
+    cluster.kill_trainer(0)
+    cluster.wait_for(lambda st: len(st["members"]) == 1 and all(
+        p["owner"] is not None for p in st["partitions"]), timeout_s=30,
+        what=f"{victim.name}'s partitions to be reassigned")
+    cluster.wait_consumed(timeout_s=300)
+    assert_exact(cluster)
+    assert held_out_accuracy(cluster) >= 0.85  # training went on after the fault
+
+
+@pytest.mark.parametrize("which", ["ps", "coordinator"])
+def test_restarts_keep_accounting_exact(run_cluster, which: str) -> None:
+    cluster = run_cluster()
+    cluster.wait_for(lambda st: (st["versions"]["max"] or 0) >= 50, timeout_s=120,
+                     what="training to be under way")
+    cluster.restart(which)
+    cluster.wait_consumed(timeout_s=300)
+    assert_exact(cluster)
+    assert held_out_accuracy(cluster) >= 0.85  # training went on after the fault
+
+
+def test_poison_records_are_dead_lettered_and_accounted(run_cluster) -> None:
+    cluster = run_cluster(source=None)  # we produce ourselves: good JSON records and poison
+    producer = KafkaProducer(bootstrap_servers=cluster.bootstrap, acks="all")
+    x, y = load_source("digits", split="train").read(limit=300)
+    for i, (row, label) in enumerate(zip(x, y, strict=True)):
+        producer.send(cluster.spec.topic, json.dumps({"x": row.tolist(), "y": int(label)}).encode(),
+                      partition=i % cluster.spec.partitions)
+        if i % 50 == 0:
+            producer.send(cluster.spec.topic, b"\x93not a record", partition=i % cluster.spec.partitions)
+            producer.send(cluster.spec.topic, json.dumps({"x": [float("nan")] * 64, "y": 1}).encode(),
+                          partition=(i + 1) % cluster.spec.partitions)
+    producer.flush()
+    producer.close()
+
+    def all_committed(st) -> bool:
+        return all(p["end"] and p["committed"] == p["end"] for p in st["partitions"])
+
+    cluster.wait_for(all_committed, timeout_s=120, what="every message to be committed")
+    report = audit(cluster.bootstrap, cluster.spec.topic, cluster.redis_url, cluster.spec.job)
+    assert report.exact, report
+    assert report.expected == report.applied == 300
+    assert report.dead_letters == 2 * 6
