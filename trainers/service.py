@@ -75,7 +75,8 @@ class Trainer:
         self.replica = Replica(build_model(settings.model, seed=settings.seed), self.plan)
         self.redis = connect(settings.redis_url)
         self.store = ParameterStore(self.redis, settings.job)
-        self.coordinator = CoordinatorClient(settings.coordinator_url, settings.job_token)
+        # A reply slower than a second is as good as none: the lease is a few seconds.
+        self.coordinator = CoordinatorClient(settings.coordinator_url, settings.job_token, timeout_s=1.0)
         self.consumer: ShardConsumer | None = None
         self.pusher: Pusher | None = None
         self.assignment: Assignment | None = None
@@ -96,6 +97,7 @@ class Trainer:
         self._window = _Window(started=time.monotonic())
         self._eval_data: tuple[torch.Tensor, torch.Tensor] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._background: list[asyncio.Task[None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -120,10 +122,11 @@ class Trainer:
             await self._mirror_offsets_to_kafka()
             return 0
         finally:
-            if self._heartbeat_task is not None:
-                self._heartbeat_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._heartbeat_task
+            for task in [self._heartbeat_task, *self._background]:
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await self._leave()
             await self._close()
 
@@ -158,6 +161,8 @@ class Trainer:
         self.heartbeat_interval_s = reg.heartbeat_interval_ms / 1000
         if self._heartbeat_task is None:  # the lease runs from now on: renew it from now on
             self._heartbeat_task = asyncio.create_task(self._heartbeats(), name="heartbeats")
+            if self.settings.commit_to_kafka:
+                self._background.append(asyncio.create_task(self._kafka_mirror(), name="kafka-mirror"))
         config = reg.assignment.config
         await asyncio.to_thread(
             self.store.init_model, self.replica.initial_tensors(),
@@ -193,6 +198,12 @@ class Trainer:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             await self._heartbeat()
+
+    async def _kafka_mirror(self) -> None:
+        """Every few seconds, copy committed offsets to Kafka's group (never delays heartbeats:
+        the group's first commit waits for Kafka to create its offsets topic)."""
+        while True:
+            await asyncio.sleep(5.0)
             try:
                 await self._mirror_offsets_to_kafka()
             except Exception as exc:  # noqa: BLE001 - informational only: Redis holds the truth
