@@ -41,7 +41,8 @@ def load_command(name: str) -> ModuleType:
 
 def build_parser(name: str) -> argparse.ArgumentParser:
     """The full argument parser of subcommand ``name``."""
-    parser = argparse.ArgumentParser(prog=f"streamtrain {name}", description=COMMANDS[name][1])
+    parser = argparse.ArgumentParser(prog=f"streamtrain {name}", description=COMMANDS[name][1],
+                                     allow_abbrev=False)  # a misspelt flag is an error, not a guess
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
     load_command(name).add_arguments(parser)
