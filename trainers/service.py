@@ -5,7 +5,8 @@ does each step::
 
     batch  = next batch from my partitions        (prefetched, decoded off-thread)
     wait   until the consistency model allows this clock
-    params = pull the shards that changed         (one consistent version)
+    params = pull the shards that changed         (one consistent version; skipped when
+                                                   the replica already meets the SSP bound)
     grads  = forward + backward on the batch
     push   grads + the batch's offsets, atomically (overlaps the next step)
 
@@ -83,6 +84,7 @@ class Trainer:
         self._wanted: Assignment | None = None  # newest assignment from a heartbeat, not yet applied
         self.heartbeat_interval_s = 0.5
         self.snapshot: Snapshot | None = None
+        self._covers = -1  # the replica holds every live member's updates up to this clock
         self.clock = 1
         self._last_pushed_clock = 0
         self.steps = 0
@@ -310,9 +312,13 @@ class Trainer:
         self.last_staleness = waited.staleness
         result = None
         if len(batch):
-            self.snapshot = await asyncio.to_thread(
-                self.store.pull, self.snapshot, dtype=_DTYPES[self.settings.pull_dtype])
-            self.replica.load(self.snapshot, self.store.layout)
+            if self.snapshot is None or waited.required is None or self._covers < waited.required:
+                # The bound needs updates our replica lacks (ASP: always take the newest).
+                self.snapshot = await asyncio.to_thread(
+                    self.store.pull, self.snapshot, dtype=_DTYPES[self.settings.pull_dtype])
+                self.replica.load(self.snapshot, self.store.layout)
+                # Every live member's updates up to min_applied (read before the pull) are in it.
+                self._covers = waited.min_applied if waited.min_applied is not None else -1
             result = await asyncio.to_thread(self.replica.step, batch.x, batch.y)
         await self._settle_push()  # the previous push must have landed before this one
         self._inflight = asyncio.get_running_loop().run_in_executor(
