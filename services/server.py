@@ -2,35 +2,39 @@
 
 Several servers may split the shards: server ``group`` of ``groups`` owns the
 shards ``i`` with ``i % groups == group`` and keeps its own cursor (the last
-update id it applied). For every update in log order it:
+update id it applied). In each round it:
 
-1. reads the update (XREAD after its cursor) and decodes and validates *all*
-   of its gradients, so every group reaches the same verdict on a bad one;
-2. computes the new parameters and optimizer state of its own shards in
-   memory, from a cache of them loaded from Redis;
-3. writes them with ``lua/apply.lua``, which succeeds only if its cursor and
-   the shard versions are still what it read (compare-and-set), and in the same
-   atomic step bumps ``model_version``, sets the cursor to the update, and counts
-   the group in ``apply_progress``. The group that completes the count also
-   raises the member's ``applied_clocks``, appends the ``applied_samples``
-   entry and deletes the update from the log, so those happen exactly once.
+1. reads up to ``batch`` pending updates (XREAD after its cursor);
+2. for each of them in log order, decodes and validates *all* of its
+   gradients (so every group reaches the same verdict on a bad one; a refused
+   update is recorded as rejected and the others still apply) and applies one
+   optimizer step to its own shards in memory, from a cache of them loaded
+   from Redis: exactly the math of applying the updates one by one;
+3. writes the final shards and optimizer state once with ``lua/apply.lua``
+   (:mod:`services.apply`), which succeeds only if its cursor and the shard
+   versions are still what it read (compare-and-set), and in the same atomic
+   step bumps ``model_version`` once, moves the cursor past the batch's last
+   update, and counts the group in ``apply_progress`` of every update. The
+   group that completes an update's count also raises the member's
+   ``applied_clocks``, appends its ``applied_samples`` entry and deletes it
+   from the log, so those happen exactly once per update.
 
-Killed between 1 and 3, nothing was written and the update is redone on
-restart; killed after 3, the cursor has moved past it. A CAS failure (another
-server of the same group won) reloads the cache from Redis.
+Killed before 3, nothing was written and the batch is redone on restart;
+killed after 3, the cursor has moved past it. A CAS failure (another server
+of the same group won) reloads the cache from Redis; so does any failure
+between 2 and 3 (the cache is then ahead of Redis).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import logging
 import os
 import signal
 import threading
 import time
-import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,11 +44,11 @@ import torch
 from streamtrain.keys import JobKeys
 from streamtrain.settings import setting
 
+from .apply import Outcome, ShardWrite, write_batch
 from .errors import LayoutError, ParameterPlaneError
 from .optim import clip_factor, slots, step
-from .scripts import execute_with_script
 from .store import ModelMeta, ParameterStore, connect
-from .updates import Update, blob_keys, load_gradients, parse_entry, validate_gradients
+from .updates import Update, load_gradients, parse_entry, validate_gradients
 from .wire import DEFAULT_MAX_BYTES
 
 logger = logging.getLogger(__name__)
@@ -65,7 +69,7 @@ class ServerSettings:
     block_ms: int = setting(200, env="STREAMTRAIN_PS_BLOCK_MS", min=1, max=60000,
                             help="longest wait for new updates before checking for shutdown")
     batch: int = setting(16, env="STREAMTRAIN_PS_BATCH", min=1, max=10000,
-                         help="updates read from the log per round trip")
+                         help="most pending updates applied per write (one read, one atomic write)")
     max_update_bytes: int = setting(DEFAULT_MAX_BYTES, env="STREAMTRAIN_PS_MAX_UPDATE_BYTES", min=1024,
                                     help="largest gradient accepted per shard")
     checkpoint_every: int = setting(0, env="STREAMTRAIN_PS_CHECKPOINT_EVERY", min=0,
@@ -79,7 +83,8 @@ class ServerSettings:
                          choices=("none", "kill-before-write", "kill-after-write"),
                          help="TESTING ONLY: SIGKILL this process around the write of update number fault_at")
     fault_at: int = setting(0, env="STREAMTRAIN_PS_FAULT_AT", min=0,
-                            help="TESTING ONLY: which update (1-based, counted by this process) faults")
+                            help="TESTING ONLY: which update (1-based, counted by this process) faults: "
+                                 "the kill hits the write of the batch holding it")
 
     def __post_init__(self) -> None:
         if self.group >= self.groups:
@@ -118,11 +123,6 @@ def _tensor(blob: bytes | None, numel: int, what: str) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(blob, dtype=np.float32).copy())
 
 
-def _view(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous float32 tensor (redis-py sends memoryviews as they are)."""
-    return memoryview(t.numpy()).cast("B")
-
-
 class ParameterServer:
     """Applies a job's update log to the shards of one group. Use ``with`` or start()/close().
 
@@ -145,6 +145,8 @@ class ParameterServer:
         """Updates refused at apply time (bad gradient that bypassed push validation)."""
         self._meta: ModelMeta | None = None
         self._state = _GroupState()
+        self._state_valid = False
+        """False while the in-memory shards may be ahead of Redis (a batch computed, not yet written)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_checkpoint = 0
@@ -257,29 +259,75 @@ class ParameterServer:
             state.opt[i] = [torch.zeros(shards[i].numel) if b is None else
                             _tensor(b, shards[i].numel, f"optimizer state of shard {i}") for b in slot_blobs]
         self._state = state
+        self._state_valid = True
 
     # -- applying --------------------------------------------------------------
     def step(self) -> int:
-        """Read up to ``batch`` updates after the cursor (waiting up to ``block_ms``) and apply them.
+        """Read up to ``batch`` updates after the cursor (waiting up to ``block_ms``) and apply them
+        in one write (see :meth:`apply_entries`).
 
-        Returns the number of updates handled.
+        Returns the number of updates handled (0 when the compare-and-set was lost).
         """
+        if not self._state_valid:
+            self.load()  # a failed write left the in-memory shards ahead of Redis
         start = self._state.cursor or "0-0"
         got = self.client.xread({self.keys.update_log: start}, count=self.settings.batch,
                                 block=self.settings.block_ms)
         entries = got[0][1] if got else []
-        handled = 0
+        if not entries:
+            return 0
+        return len(entries) if self.apply_entries(entries) else 0
+
+    def apply_entries(self, entries: Sequence[tuple[bytes | str, Mapping[bytes, bytes]]]) -> bool:
+        """Apply consecutive log entries (the first one right after the cursor) for this group,
+        one after another in memory, then write the result once.
+
+        The math is exactly that of applying them one by one (each update is one
+        optimizer step of the shards it touches); a refused update is recorded as
+        rejected and the others still apply. When the server is stopping, the
+        entries not yet computed are left for the next start. False when the
+        compare-and-set failed: nothing was written and the state was reloaded.
+        """
+        meta = self._meta
+        assert meta is not None
+        st = self._state
+        cursor = st.cursor
+        outcomes: list[Outcome] = []
+        touched: set[int] = set()
+        self._state_valid = False  # the shards are changed in place from here on
         for entry_id, fields in entries:
             if self._stop.is_set() and self._thread is not None:
                 break
-            if not self.apply_entry(entry_id, fields):
-                break  # lost a compare-and-set and reloaded: read again after the new cursor
-            handled += 1
-        return handled
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            outcomes.append(self._compute(eid, fields, touched))
+        if not outcomes:
+            self._state_valid = True  # nothing computed, nothing changed
+            return True
+        k = slots(meta.optimizer)
+        writes = [ShardWrite(i, st.versions[i], st.steps[i], (st.params[i], *st.opt[i])) for i in sorted(touched)]
+        n = len(outcomes)
+        result = write_batch(self.client, self.settings.job, group=self.settings.group,
+                             groups=self.settings.groups, cursor=cursor, outcomes=outcomes, shards=writes,
+                             slots=k, before_exec=lambda: self._fault("kill-before-write", n))
+        self._fault("kill-after-write", n)
+        if not result.ok:
+            logger.warning("ps job=%s group=%d: %d update(s) from %s lost the compare-and-set (%s); reloading",
+                           self.settings.job, self.settings.group, n, outcomes[0].update.log_id, result.conflict)
+            self.load()
+            return False
+        for i in touched:
+            st.versions[i] = result.version
+        st.cursor = outcomes[-1].update.log_id
+        self._state_valid = True
+        self.applied += n
+        logger.debug("ps job=%s group=%d: %d update(s) %s..%s (%d rejected) -> version %d", self.settings.job,
+                     self.settings.group, n, outcomes[0].update.log_id, st.cursor,
+                     sum(o.status == "rejected" for o in outcomes), result.version)
+        self._maybe_checkpoint(result.version)
+        return True
 
-    def apply_entry(self, entry_id: bytes | str, fields: dict[bytes, bytes]) -> bool:
-        """Apply one log entry for this group; False when the CAS failed (state reloaded)."""
-        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    def _compute(self, eid: str, fields: Mapping[bytes, bytes], touched: set[int]) -> Outcome:
+        """Apply one update to the in-memory shards (one optimizer step each); adds them to ``touched``."""
         meta = self._meta
         assert meta is not None
         st = self._state
@@ -289,17 +337,15 @@ class ParameterServer:
         except ParameterPlaneError as exc:
             return self._reject(eid, fields, exc)
         own = [i for i in sorted(update.gradients) if i % self.settings.groups == self.settings.group]
-        grads = {i: decoded[i] for i in own}
-        factor = clip_factor(meta.optimizer, list(grads.values()))
-        written = []
-        for i in own:
-            g = grads[i] if factor == 1.0 else grads[i] * factor
-            t = st.steps[i] + 1
-            step(meta.optimizer, st.params[i], g, st.opt[i], t)  # in place; reloaded if the CAS fails
-            written.append((i, t))
-        return self._write(eid, update, written, status="applied", reason="")
+        grads = [decoded[i] for i in own]
+        factor = clip_factor(meta.optimizer, grads)
+        for i, g in zip(own, grads, strict=True):
+            st.steps[i] += 1
+            step(meta.optimizer, st.params[i], g if factor == 1.0 else g * factor, st.opt[i], st.steps[i])
+            touched.add(i)
+        return Outcome(dataclasses.replace(update, gradients={}), "applied", applied_ms=int(time.time() * 1000))
 
-    def _reject(self, eid: str, fields: dict[bytes, bytes], exc: ParameterPlaneError) -> bool:
+    def _reject(self, eid: str, fields: Mapping[bytes, bytes], exc: ParameterPlaneError) -> Outcome:
         logger.error("ps job=%s group=%d: update %s refused, parameters untouched: %s",
                      self.settings.job, self.settings.group, eid, exc)
         self.rejected += 1
@@ -307,70 +353,12 @@ class ParameterServer:
             update = parse_entry(eid, fields)
         except ParameterPlaneError:
             update = Update(member_id="?", generation=0, clock=1, gradients={}, log_id=eid)
-        update = dataclasses.replace(update, gradients={})
-        return self._write(eid, update, [], status="rejected", reason=str(exc))
+        return Outcome(update, "rejected", reason=str(exc), applied_ms=int(time.time() * 1000))
 
-    def _write(self, eid: str, update: Update, written: list[tuple[int, int]], *, status: str,
-               reason: str) -> bool:
-        meta = self._meta
-        assert meta is not None
-        st = self._state
-        k = slots(meta.optimizer)
-        record = {"update": eid, "member": update.member_id, "generation": str(update.generation),
-                  "clock": str(update.clock), "status": status,
-                  "samples": json.dumps([list(s) for s in update.samples]),
-                  "offsets": json.dumps([[p, f, n] for p, (f, n) in sorted(update.offsets.items())]),
-                  "batch_size": str(update.batch_size), "produced_ts_ms": str(update.produced_ts_ms),
-                  "applied_ms": str(int(time.time() * 1000))}
-        if reason:
-            record["reason"] = reason
-        keys = [self.keys.ps_cursor(self.settings.group), self.keys.versions, self.keys.model_version,
-                self.keys.apply_progress, self.keys.applied_clocks, self.keys.applied_samples,
-                self.keys.update_log, self.keys.optimizer_steps]
-        args: list = [st.cursor, eid, self.settings.groups, update.member_id, update.clock, len(written), k,
-                      len(record)]
-        for name, value in record.items():
-            args += [name, value]
-        token = uuid.uuid4().hex
-        staged: list[tuple[str, memoryview]] = []
-        for i, t in written:
-            for dest, value in ((self.keys.shard(i), st.params[i]),
-                                *((self.keys.optimizer_state(i, s), x) for s, x in enumerate(st.opt[i]))):
-                stage = self.keys.staging(token, len(staged))
-                staged.append((stage, _view(value)))
-                keys += [stage, dest]
-            args += [i, st.versions[i], t]
-        keys += blob_keys(self.settings.job, update)
-
-        def build(pipe: redis.client.Pipeline, sha: str) -> None:
-            for stage, value in staged:
-                pipe.set(stage, value)
-            self._fault("kill-before-write")
-            pipe.evalsha(sha, len(keys), *keys, *args)
-
-        res = execute_with_script(self.client, "apply", build)[-1]
-        self._fault("kill-after-write")
-        tag = res[0].decode() if isinstance(res[0], bytes) else res[0]
-        if tag != "OK":
-            logger.warning("ps job=%s group=%d: update %s lost the compare-and-set (%s); reloading",
-                           self.settings.job, self.settings.group, eid, res)
-            self.load()
-            return False
-        version = int(res[1])
-        for i, t in written:
-            st.versions[i] = version
-            st.steps[i] = t
-        st.cursor = eid
-        self.applied += 1
-        logger.debug("ps job=%s group=%d: %s update %s member=%s clock=%d -> version %d",
-                     self.settings.job, self.settings.group, status, eid, update.member_id, update.clock,
-                     version)
-        self._maybe_checkpoint(version)
-        return True
-
-    def _fault(self, where: str) -> None:
+    def _fault(self, where: str, n: int) -> None:
+        """SIGKILL this process at ``where`` when the write of the next ``n`` updates includes update ``fault_at``."""
         s = self.settings
-        if s.fault == where and self.applied + 1 == s.fault_at:
+        if s.fault == where and self.applied < s.fault_at <= self.applied + n:
             logger.warning("ps: injected fault %s at update %d: SIGKILL", where, s.fault_at)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -88,8 +88,9 @@ def test_ssp_blocks_then_releases_and_a_departed_member_releases(redis: redis_li
 
 
 def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redis, job) -> None:
-    """Every update adds -1 to every value (lr 1, gradient 1), one atomic apply per version:
-    a consistent snapshot at version V has every value equal to -V, in every shard."""
+    """Every update adds -1 to every value (lr 1, gradient 1) and each atomic write (one model
+    version) applies one or more whole updates to every shard: a consistent snapshot has every
+    value equal to -u, in every shard, with u growing with the version."""
     stop = threading.Event()
     pushed = []
 
@@ -106,15 +107,21 @@ def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redi
     snaps = []
     try:
         snap = job.pull()
-        while thread.is_alive() or snap.version < len(pushed):
+        applied_at: dict[int, float] = {}  # version -> updates applied by then
+        while thread.is_alive() or int(redis.hget(JobKeys(JOB).applied_clocks, "fast") or 0) < len(pushed):
             snap = job.pull(since=snap)
             snaps.append(snap)
+            u = -float(next(iter(snap.tensors.values())).reshape(-1)[0])
             for name, t in snap.tensors.items():
-                assert torch.all(t == -float(snap.version)), f"{name} not at version {snap.version}"
+                assert torch.all(t == -u), f"{name} not all at {-u} in version {snap.version}"
+            assert applied_at.setdefault(snap.version, u) == u
+        versions = sorted(applied_at)
+        assert [applied_at[v] for v in versions] == sorted(set(applied_at.values()))  # u grows with v
     finally:
         stop.set()
         thread.join(60)
-    assert snaps[-1].version == len(pushed) == 200
+    snap = job.pull(since=snap)
+    assert len(pushed) == 200 and torch.all(snap.tensors["w"] == -200.0)
     assert len({s.version for s in snaps}) > 3  # the pulls saw the model move
     assert any(0 < len(s.fetched) for s in snaps)
     assert all(s.versions == (s.version,) * 6 for s in snaps)  # every update writes all 6 shards

@@ -71,11 +71,13 @@ def servers(redis_url: str) -> Iterator[list[ParameterServer]]:
 @pytest.mark.parametrize("cfg", [OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.01),
                                  OptimizerConfig(name="adam", lr=0.01, schedule="cosine", warmup_steps=2,
                                                  total_steps=10)], ids=["sgd", "adam"])
+@pytest.mark.parametrize("batch", [1, 16])
 def test_applies_like_the_local_optimizer(redis: redis_lib.Redis, redis_url: str, servers: list,
-                                          cfg: OptimizerConfig) -> None:
+                                          cfg: OptimizerConfig, batch: int) -> None:
+    """Pending updates applied one by one (batch 1) or together in one write (batch 16)."""
     store = setup(redis, cfg)
     push_n(redis, range(1, 6))
-    servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB)))
+    servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, batch=batch)))
     servers[0].start()
     wait_for(lambda: applied(redis) == 5, what="5 updates applied")
     snap = store.pull()
@@ -83,7 +85,9 @@ def test_applies_like_the_local_optimizer(redis: redis_lib.Redis, redis_url: str
     for k in want:
         torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
     keys = JobKeys(JOB)
-    assert snap.version == 5 and redis.xlen(keys.update_log) == 0
+    # one model version per write: 5 single applies, or the 5 pending updates in one batch
+    assert snap.version == (5 if batch == 1 else 1) and redis.xlen(keys.update_log) == 0
+    assert redis.hgetall(keys.optimizer_steps) == {str(i).encode(): b"5" for i in range(6)}
     entries = redis.xrange(keys.applied_samples)
     assert [json.loads(f[b"samples"]) for _, f in entries] == [[["prod", 10 * c, 10]] for c in range(5)]
     assert {f[b"status"] for _, f in entries} == {b"applied"}
@@ -96,21 +100,28 @@ def run_ps(redis_url: str, *extra: str) -> subprocess.Popen:
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+@pytest.mark.parametrize("batch", [1, 4], ids=["single", "batch4"])
 @pytest.mark.parametrize("fault", ["kill-before-write", "kill-after-write"])
-def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, fault: str) -> None:
-    """A `streamtrain ps` SIGKILLs itself just before / just after the atomic write of its 3rd
-    update; a restarted server applies the rest, and every update counts exactly once."""
+def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, fault: str, batch: int) -> None:
+    """A `streamtrain ps` SIGKILLs itself just before / just after the atomic write that holds its
+    3rd update (alone with --batch 1; with updates 1-4 with --batch 4); a restarted server applies
+    the rest, and every update counts exactly once."""
     cfg = OptimizerConfig(name="adam", lr=0.01)
     store = setup(redis, cfg)
     push_n(redis, range(1, 7))
-    proc = run_ps(redis_url, "--fault", fault, "--fault-at", "3")
+    proc = run_ps(redis_url, "--batch", str(batch), "--fault", fault, "--fault-at", "3")
     try:
         rc = proc.wait(timeout=120)
     finally:
         proc.kill()
         proc.stderr.close()
     assert rc == -9  # killed at the crash point, not a clean exit
-    assert applied(redis) == (2 if fault == "kill-before-write" else 3)
+    keys = JobKeys(JOB)
+    # the 6 updates were pending at the start, so the batches are [1], [2], [3] ... or [1-4], [5-6]
+    done = {("kill-before-write", 1): 2, ("kill-after-write", 1): 3,
+            ("kill-before-write", 4): 0, ("kill-after-write", 4): 4}[fault, batch]
+    assert applied(redis) == done and redis.xlen(keys.applied_samples) == done
+    assert redis.xlen(keys.update_log) == 6 - done
     proc = run_ps(redis_url)
     try:
         wait_for(lambda: applied(redis) == 6, timeout_s=120, what="all 6 updates applied after restart")
@@ -123,9 +134,8 @@ def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, f
     want = expected_params(cfg, list(range(1, 7)))
     for k in want:
         torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
-    keys = JobKeys(JOB)
     entries = redis.xrange(keys.applied_samples)
-    assert sorted(int(f[b"clock"]) for _, f in entries) == [1, 2, 3, 4, 5, 6]
+    assert [int(f[b"clock"]) for _, f in entries] == [1, 2, 3, 4, 5, 6]
     assert redis.hgetall(keys.optimizer_steps) == {str(i).encode(): b"6" for i in range(6)}
     assert redis.keys(f"st:{{{JOB}}}:grad:*") == [] and redis.keys(f"st:{{{JOB}}}:stage:*") == []
 
@@ -188,7 +198,8 @@ def test_cas_loser_reloads_and_does_not_double_apply(redis: redis_lib.Redis, red
     entries = redis.xrange(JobKeys(JOB).update_log)
     assert first.step() == 3 and first.applied == 3
     version = store.version()
-    assert second.apply_entry(*entries[0]) is False  # lost the compare-and-set: nothing written
+    assert version == 1  # the three pending updates were written together
+    assert second.apply_entries(entries[:2]) is False  # lost the compare-and-set: nothing written
     assert store.version() == version and second.applied == 0
     assert redis.keys(f"st:{{{JOB}}}:stage:*") == []  # the loser's staged bytes were dropped
     assert second._state.cursor == entries[-1][0].decode()  # reloaded: resumes after the winner
@@ -197,3 +208,69 @@ def test_cas_loser_reloads_and_does_not_double_apply(redis: redis_lib.Redis, red
     snap = store.pull()
     for k in want:
         torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_refused_update_inside_a_batch_is_rejected_and_the_rest_apply(
+        redis: redis_lib.Redis, redis_url: str) -> None:
+    cfg = OptimizerConfig(name="adam", lr=0.01)
+    store = setup(redis, cfg)
+    push_n(redis, range(1, 3))
+    nan = get_codec("none").encode(torch.full((64,), float("nan"))).data
+    push_update(redis, JOB, Update(member_id="a", generation=1, clock=3, gradients={0: nan},
+                                   offsets={0: (20, 30)}, samples=[("prod", 20, 10)]))  # not validated
+    push_n(redis, range(4, 5))
+    server = ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, batch=8), client=redis)
+    server.load()
+    assert server.step() == 4 and server.applied == 4 and server.rejected == 1
+    keys = JobKeys(JOB)
+    entries = [f for _, f in redis.xrange(keys.applied_samples)]
+    assert [(int(f[b"clock"]), f[b"status"]) for f in entries] == [
+        (1, b"applied"), (2, b"applied"), (3, b"rejected"), (4, b"applied")]
+    assert b"64 NaN" in entries[2][b"reason"]
+    assert [json.loads(f[b"offsets"]) for f in entries] == [[[0, 10 * c, 10 * c + 10]] for c in range(4)]
+    snap = store.pull()
+    assert snap.version == 1  # one write for the batch
+    want = expected_params(cfg, [1, 2, 4])  # three optimizer steps: the refused update took none
+    for k in want:
+        torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
+    assert redis.hgetall(keys.optimizer_steps) == {str(i).encode(): b"3" for i in range(6)}
+    assert int(redis.hget(keys.applied_clocks, "a")) == 4 and redis.xlen(keys.update_log) == 0
+    assert redis.keys(f"st:{{{JOB}}}:grad:*") == [] and redis.keys(f"st:{{{JOB}}}:stage:*") == []
+
+
+def test_a_batch_gives_the_same_bytes_as_single_applies(redis: redis_lib.Redis, redis_url: str) -> None:
+    """The same 7 lossy (topk+fp16) gradients applied with --batch 1 and --batch 3 (batches of 3, 3, 1)
+    leave bit-identical shards, Adam state and step counts; two groups split the shards."""
+    cfg = OptimizerConfig(name="adam", lr=0.01, clip_norm=5.0, schedule="cosine", total_steps=20)
+    jobs = {1: "single", 3: "batched"}
+    codec = get_codec("topk+fp16", density=0.2)
+    for job in jobs.values():
+        ParameterStore(redis, job).init_model(small_model(), shard_elems=64, optimizer=cfg, groups=2)
+        set_membership(redis, job, {"a": [0]}, generation=1)
+    layout = ParameterStore(redis, "single").layout
+    for c in range(1, 8):
+        flat = {k: v.reshape(-1) for k, v in grads_for(c).items()}
+        blobs = {s.index: codec.encode(flat[s.name][s.start:s.start + s.numel].clone()).data
+                 for s in layout.shards}
+        for job in jobs.values():
+            push_update(redis, job, Update(member_id="a", generation=1, clock=c, gradients=blobs,
+                                           offsets={0: (c - 1, c)}, samples=[("p", c - 1, 1)]), layout=layout)
+    for batch, job in jobs.items():
+        for group in (0, 1):
+            server = ParameterServer(ServerSettings(redis_url=redis_url, job=job, batch=batch, block_ms=1,
+                                                    group=group, groups=2), client=redis)
+            server.load()
+            while server.step():
+                pass
+            assert server.applied == 7
+    single, batched = JobKeys("single"), JobKeys("batched")
+    for i in range(len(layout.shards)):
+        for key in ("shard", "opt0", "opt1"):
+            a, b = ((k.shard(i) if key == "shard" else k.optimizer_state(i, int(key[-1])))
+                    for k in (single, batched))
+            assert redis.get(a) == redis.get(b), f"{key} of shard {i} differs"
+    assert redis.hgetall(single.optimizer_steps) == redis.hgetall(batched.optimizer_steps)
+    assert redis.get(single.model_version) == b"14" and redis.get(batched.model_version) == b"6"
+    for k in (single, batched):
+        assert redis.xlen(k.applied_samples) == 7 and redis.xlen(k.update_log) == 0
+        assert redis.hlen(k.apply_progress) == 0
