@@ -15,7 +15,10 @@ In one run, against one ``redis-server`` started on loopback:
    MGET of every shard, copied into the trainer's parameter tensors with ``out=``)
    against a raw MGET of the same keys; a pull into fresh tensors is reported too.
 3. **Updates applied per second** by one parameter server (SGD with momentum,
-   dense fp32 gradients) for 1M- and 10M-parameter models.
+   dense fp32 gradients) for 1M- and 10M-parameter models, one update per
+   write (``--batch 1``) and all pending updates in one write; and for the
+   pipeline's 1.86M-parameter MLP (784-1024-1024-10, Adam, topk+fp16 at 1%)
+   with 8 pending updates per read, applied one by one vs in one write.
 4. **Bytes per step** of each codec against fp32 for a 10M-value gradient.
 
 Each timing is the best of ``--rounds``. Writes ``bench/results/paramserver.json``
@@ -179,20 +182,31 @@ def push_pull(url: str, rounds: int) -> dict:
             "push_ratio": set_s / push_s, "push_ratio_new_keys": fresh_s / push_s, "pull_ratio": mget_s / pull_s}
 
 
-def apply_rate(url: str, numel: int, updates: int) -> dict:
-    """Updates/s one server applies (SGD momentum, dense fp32 gradients), synchronously."""
+def mlp() -> dict[str, torch.Tensor]:
+    """The pipeline benchmark's 784-1024-1024-10 MLP (1.86M parameters)."""
+    dims = [784, 1024, 1024, 10]
+    out = {}
+    for j, (a, b) in enumerate(zip(dims, dims[1:]), start=1):
+        out[f"l{j}.weight"] = torch.randn(b, a) * a ** -0.5
+        out[f"l{j}.bias"] = torch.zeros(b)
+    return out
+
+
+def apply_rate(url: str, tensors: dict[str, torch.Tensor], updates: int, batch: int, *,
+               optimizer: OptimizerConfig, codec: str, density: float = 0.01) -> dict:
+    """Updates/s one server applies, synchronously, reading up to ``batch`` pending updates per write."""
     client = connect(url)
-    job = f"bench-apply-{numel}"
+    job = f"bench-apply-{sum(t.numel() for t in tensors.values())}-{optimizer.name}-{codec.replace('+', '_')}-{batch}"
     store = ParameterStore(client, job)
     threads = torch.get_num_threads()
-    store.init_model(model(numel), optimizer=OptimizerConfig(name="sgd", lr=0.01, momentum=0.9))
+    store.init_model(tensors, optimizer=optimizer)
     membership(client, job)
-    codec = get_codec("none")
-    blobs = {s.index: codec.encode(torch.randn(s.numel) * 1e-3).data for s in store.layout.shards}
+    enc = get_codec(codec, density=density) if codec.startswith("topk") else get_codec(codec)
+    blobs = {s.index: enc.encode(torch.randn(s.numel) * 1e-3).data for s in store.layout.shards}
     for c in range(1, updates + 1):
         push_update(client, job, Update(member_id="bench", generation=1, clock=c, gradients=blobs,
                                         offsets={0: (c - 1, c)}), max_pending=updates + 1)
-    settings = ServerSettings(redis_url=url, job=job, block_ms=1, batch=updates)
+    settings = ServerSettings(redis_url=url, job=job, block_ms=1, batch=batch)
     torch.set_num_threads(settings.torch_threads)  # as `streamtrain ps` does
     server = ParameterServer(settings, client=client)
     server.load()
@@ -200,10 +214,13 @@ def apply_rate(url: str, numel: int, updates: int) -> dict:
     while server.applied < updates:
         server.step()
     elapsed = time.perf_counter() - t
-    assert store.version() == updates
+    assert int(client.hget(JobKeys(job).applied_clocks, "bench")) == updates
+    assert store.version() == -(-updates // batch)  # one model version per write
     torch.set_num_threads(threads)
+    client.delete(*client.keys(JobKeys(job).key("*")))
     client.close()
-    return {"params": store.layout.numel, "updates": updates, "updates_per_s": updates / elapsed}
+    return {"params": store.layout.numel, "optimizer": optimizer.name, "codec": codec, "updates": updates,
+            "batch": batch, "updates_per_s": updates / elapsed}
 
 
 def codec_sizes(numel: int) -> dict:
@@ -224,7 +241,9 @@ def codec_sizes(numel: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed repetitions; the best counts")
-    parser.add_argument("--updates", type=int, default=20, help="updates per apply-rate measurement")
+    parser.add_argument("--updates", type=int, default=20, help="updates per dense apply-rate measurement")
+    parser.add_argument("--pending", type=int, default=8,
+                        help="pending updates per read in the batched-apply measurement (3 reads)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
@@ -232,12 +251,18 @@ def main(argv: list[str] | None = None) -> int:
         url = server.url
         paths = client_paths(url, args.rounds)
         pp = push_pull(url, args.rounds)
-        rates = [apply_rate(url, n, args.updates) for n in (1_000_000, 10_000_000)]
+        sgd = OptimizerConfig(name="sgd", lr=0.01, momentum=0.9)
+        rates = [apply_rate(url, model(n), args.updates, batch, optimizer=sgd, codec="none")
+                 for n in (1_000_000, 10_000_000) for batch in (1, args.updates)]
+        adam = OptimizerConfig(name="adam", lr=1e-3)
+        net = mlp()
+        batched = [apply_rate(url, net, 3 * args.pending, batch, optimizer=adam, codec="topk+fp16")
+                   for batch in (1, args.pending)]
     torch.set_num_threads(1)  # encode times single-threaded: torch's 2 spinning threads are 2-3x slower on a shared box
     sizes = codec_sizes(10_000_000)
     result = {"benchmark": "paramserver", "host": platform.node(), "python": platform.python_version(),
               "torch": torch.__version__, "redis_py": redis.__version__, "client_paths": paths,
-              "push_pull": pp, "apply": rates, "codecs": sizes}
+              "push_pull": pp, "apply": rates, "apply_batched": batched, "codecs": sizes}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -255,7 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         print("hiredis: not installed, path not measured")
     print(f"MGET of 64 x 64 KB vs 64 GETs: {paths['mget_vs_gets']:.1f}x")
     for r in rates:
-        print(f"apply: {r['params'] / 1e6:.1f}M params, dense fp32, SGD momentum: {r['updates_per_s']:.1f} updates/s")
+        print(f"apply: {r['params'] / 1e6:.1f}M params, dense fp32, SGD momentum, {r['batch']:>2} per write: "
+              f"{r['updates_per_s']:.1f} updates/s")
+    for r in batched:
+        print(f"apply: {r['params'] / 1e6:.2f}M params (MLP), topk+fp16 at 1%, Adam, {args.pending} pending, "
+              f"{r['batch']} per write: {r['updates_per_s']:.1f} updates/s")
+    print(f"batched apply: {batched[1]['updates_per_s'] / batched[0]['updates_per_s']:.2f}x the one-by-one rate "
+          f"({args.pending} pending updates, 1.86M-param MLP, Adam)")
     for name, s in sizes.items():
         print(f"codec {name:<10} {s['bytes']:>11,} bytes/step  {s['x_smaller']:7.1f}x smaller than fp32  "
               f"(encode {s['encode_ms']:.1f} ms)")

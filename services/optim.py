@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["OptimizerConfig", "learning_rate", "slots", "step", "clip_factor"]
@@ -103,7 +104,10 @@ def clip_factor(cfg: OptimizerConfig, grads: list[torch.Tensor]) -> float:
 
 def step(cfg: OptimizerConfig, param: torch.Tensor, grad: torch.Tensor,
          state: list[torch.Tensor], t: int) -> None:
-    """Apply step ``t`` (1-based) to ``param`` and ``state`` in place (``grad`` is not modified)."""
+    """Apply step ``t`` (1-based) to ``param`` and ``state`` in place (``grad`` is not modified).
+
+    The tensors are float32 on the CPU (where the parameter servers run).
+    """
     if cfg.weight_decay:
         grad = grad + cfg.weight_decay * param
     lr = learning_rate(cfg, t)
@@ -113,7 +117,11 @@ def step(cfg: OptimizerConfig, param: torch.Tensor, grad: torch.Tensor,
         v.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
         bias1 = 1 - cfg.beta1 ** t
         bias2 = 1 - cfg.beta2 ** t
-        denom = (v / bias2).sqrt_().add_(cfg.eps)
+        denom = v / bias2
+        # numpy's sqrt: correctly rounded, and ~15x faster than torch's CPU sqrt on the zeros that
+        # sparse (top-k) gradients leave in v (bench/paramserver.py); the tensors are CPU float32
+        np.sqrt(denom.numpy(), out=denom.numpy())
+        denom.add_(cfg.eps)
         param.addcdiv_(m, denom, value=-lr / bias1)
     elif state:
         buf = state[0]
