@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 import torch
@@ -38,7 +38,7 @@ class Outcome:
     """``applied`` or ``rejected``."""
     reason: str = ""
     """Why it was rejected (empty when applied)."""
-    applied_ms: int = 0
+    applied_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     """When the server applied (or refused) it, ms since the epoch."""
 
     def record(self) -> dict[str, str]:
@@ -49,7 +49,7 @@ class Outcome:
                "samples": json.dumps([list(s) for s in u.samples]),
                "offsets": json.dumps([[p, f, n] for p, (f, n) in sorted(u.offsets.items())]),
                "batch_size": str(u.batch_size), "produced_ts_ms": str(u.produced_ts_ms),
-               "applied_ms": str(self.applied_ms or int(time.time() * 1000))}
+               "applied_ms": str(self.applied_ms)}
         if self.reason:
             rec["reason"] = self.reason
         return rec

@@ -273,20 +273,20 @@ class ParameterServer:
         start = self._state.cursor or "0-0"
         got = self.client.xread({self.keys.update_log: start}, count=self.settings.batch,
                                 block=self.settings.block_ms)
-        entries = got[0][1] if got else []
-        if not entries:
-            return 0
-        return len(entries) if self.apply_entries(entries) else 0
+        return self.apply_entries(got[0][1] if got else [])
 
-    def apply_entries(self, entries: Sequence[tuple[bytes | str, Mapping[bytes, bytes]]]) -> bool:
+    def apply_entries(self, entries: Sequence[tuple[bytes | str, Mapping[bytes, bytes]]]) -> int:
         """Apply consecutive log entries (the first one right after the cursor) for this group,
         one after another in memory, then write the result once.
 
         The math is exactly that of applying them one by one (each update is one
         optimizer step of the shards it touches); a refused update is recorded as
         rejected and the others still apply. When the server is stopping, the
-        entries not yet computed are left for the next start. False when the
-        compare-and-set failed: nothing was written and the state was reloaded.
+        entries not yet computed are left for the next start.
+
+        Returns:
+            The number of entries applied (or recorded as rejected); 0 when the
+            compare-and-set failed: nothing was written and the state was reloaded.
         """
         meta = self._meta
         assert meta is not None
@@ -302,7 +302,7 @@ class ParameterServer:
             outcomes.append(self._compute(eid, fields, touched))
         if not outcomes:
             self._state_valid = True  # nothing computed, nothing changed
-            return True
+            return 0
         k = slots(meta.optimizer)
         writes = [ShardWrite(i, st.versions[i], st.steps[i], (st.params[i], *st.opt[i])) for i in sorted(touched)]
         n = len(outcomes)
@@ -314,7 +314,7 @@ class ParameterServer:
             logger.warning("ps job=%s group=%d: %d update(s) from %s lost the compare-and-set (%s); reloading",
                            self.settings.job, self.settings.group, n, outcomes[0].update.log_id, result.conflict)
             self.load()
-            return False
+            return 0
         for i in touched:
             st.versions[i] = result.version
         st.cursor = outcomes[-1].update.log_id
@@ -324,7 +324,7 @@ class ParameterServer:
                      self.settings.group, n, outcomes[0].update.log_id, st.cursor,
                      sum(o.status == "rejected" for o in outcomes), result.version)
         self._maybe_checkpoint(result.version)
-        return True
+        return n
 
     def _compute(self, eid: str, fields: Mapping[bytes, bytes], touched: set[int]) -> Outcome:
         """Apply one update to the in-memory shards (one optimizer step each); adds them to ``touched``."""
@@ -343,7 +343,7 @@ class ParameterServer:
             st.steps[i] += 1
             step(meta.optimizer, st.params[i], g if factor == 1.0 else g * factor, st.opt[i], st.steps[i])
             touched.add(i)
-        return Outcome(dataclasses.replace(update, gradients={}), "applied", applied_ms=int(time.time() * 1000))
+        return Outcome(dataclasses.replace(update, gradients={}), "applied")
 
     def _reject(self, eid: str, fields: Mapping[bytes, bytes], exc: ParameterPlaneError) -> Outcome:
         logger.error("ps job=%s group=%d: update %s refused, parameters untouched: %s",
@@ -353,7 +353,7 @@ class ParameterServer:
             update = parse_entry(eid, fields)
         except ParameterPlaneError:
             update = Update(member_id="?", generation=0, clock=1, gradients={}, log_id=eid)
-        return Outcome(update, "rejected", reason=str(exc), applied_ms=int(time.time() * 1000))
+        return Outcome(update, "rejected", reason=str(exc))
 
     def _fault(self, where: str, n: int) -> None:
         """SIGKILL this process at ``where`` when the write of the next ``n`` updates includes update ``fault_at``."""

@@ -31,7 +31,7 @@ def drain(client: redis_lib.Redis, url: str, limit: int | None = None) -> None:
     server.load()
     entries = client.xrange(JobKeys(JOB).update_log, count=limit)
     for eid, fields in entries:
-        assert server.apply_entries([(eid, fields)])
+        assert server.apply_entries([(eid, fields)]) == 1
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_server_saves_a_checkpoint_every_n_versions(redis: redis_lib.Redis, redi
                                             checkpoint_dir=str(tmp_path)), client=redis)
     server.load()
     for eid, fields in redis.xrange(JobKeys(JOB).update_log):
-        assert server.apply_entries([(eid, fields)])
+        assert server.apply_entries([(eid, fields)]) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{JOB}-v000000000002.pt", f"{JOB}-v000000000004.pt"]
     fresh_job = "restored"
     assert restore_checkpoint(redis, str(tmp_path / f"{JOB}-v000000000004.pt"), job=fresh_job) == 4
@@ -119,6 +119,6 @@ def test_server_saves_a_checkpoint_every_n_versions(redis: redis_lib.Redis, redi
     restored = ParameterServer(ServerSettings(redis_url=redis_url, job=fresh_job), client=redis)
     restored.load()
     (eid, fields), = redis.xrange(JobKeys(fresh_job).update_log)
-    assert restored.apply_entries([(eid, fields)])  # its re-keyed gradient blobs are there
+    assert restored.apply_entries([(eid, fields)]) == 1  # its re-keyed gradient blobs are there
     assert torch.equal(ParameterStore(redis, fresh_job).pull().tensors["w"],
                        ParameterStore(redis, JOB).pull().tensors["w"])

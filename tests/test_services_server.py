@@ -199,7 +199,7 @@ def test_cas_loser_reloads_and_does_not_double_apply(redis: redis_lib.Redis, red
     assert first.step() == 3 and first.applied == 3
     version = store.version()
     assert version == 1  # the three pending updates were written together
-    assert second.apply_entries(entries[:2]) is False  # lost the compare-and-set: nothing written
+    assert second.apply_entries(entries[:2]) == 0  # lost the compare-and-set: nothing written
     assert store.version() == version and second.applied == 0
     assert redis.keys(f"st:{{{JOB}}}:stage:*") == []  # the loser's staged bytes were dropped
     assert second._state.cursor == entries[-1][0].decode()  # reloaded: resumes after the winner
