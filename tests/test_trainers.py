@@ -1,0 +1,114 @@
+"""Trainer pieces that need no servers: model specs, devices, the step, evaluation, settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from services import Snapshot
+from services.layout import make_layout
+from streamtrain.cli import main
+from streamtrain.settings import SettingsError, from_args
+from trainers import TrainerSettings, build_model, builtin_specs, evaluate, plan_device
+from trainers.step import Replica
+
+
+def good_factory():
+    return nn.Linear(3, 2), nn.functional.cross_entropy
+
+
+def not_a_pair():
+    return nn.Linear(3, 2)
+
+
+def test_builtin_models_have_the_documented_shapes() -> None:
+    assert builtin_specs() == ["digits-mlp", "mlp-2m"]
+    digits = build_model("digits-mlp")
+    assert digits.model(torch.zeros(5, 64)).shape == (5, 10)
+    big = build_model("mlp-2m")
+    assert sum(p.numel() for p in big.model.parameters()) == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 10250
+    assert digits.classification
+
+
+def test_same_seed_same_weights() -> None:
+    a, b = build_model("digits-mlp", seed=3), build_model("digits-mlp", seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
+
+
+def test_custom_factory_and_bad_specs() -> None:
+    spec = build_model(f"{__name__}:good_factory")
+    assert isinstance(spec.model, nn.Linear)
+    with pytest.raises(ValueError, match="unknown model spec 'resnet'"):
+        build_model("resnet")
+    with pytest.raises(ValueError, match="cannot import 'nope'"):
+        build_model(f"{__name__}:nope")
+    with pytest.raises(ValueError, match=r"must return \(nn.Module, loss_fn\)"):
+        build_model(f"{__name__}:not_a_pair")
+
+
+def test_device_plan() -> None:
+    plan = plan_device("cpu", threads=1)
+    assert plan.kind == "cpu" and plan.autocast_dtype is None and plan.threads == 1
+    with pytest.raises(ValueError, match="not a device"):
+        plan_device("tpu-please")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            plan_device("cuda")
+
+
+def test_step_computes_the_true_gradient_and_load_copies_parameters() -> None:
+    spec = build_model("digits-mlp", seed=1)
+    reference = build_model("digits-mlp", seed=2).model
+    replica = Replica(spec, plan_device("cpu"))
+    tensors = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    layout = make_layout(tensors, 1 << 20)
+    replica.load(Snapshot(version=7, versions=(), tensors=tensors, fetched=()), layout)
+    assert replica.version == 7  # the first load copies every tensor
+    assert all(torch.equal(p, tensors[n]) for n, p in replica.model.named_parameters())
+
+    changed = {n: t + 1 for n, t in tensors.items()}
+    first = layout.shards[0]
+    replica.load(Snapshot(version=8, versions=(), tensors=changed, fetched=(first.index,)), layout)
+    for name, p in replica.model.named_parameters():  # later loads copy only the fetched shards' tensors
+        assert torch.equal(p, changed[name] if name == first.name else tensors[name])
+    replica.load(Snapshot(version=9, versions=(), tensors=tensors, fetched=tuple(range(len(layout.shards)))),
+                 layout)
+
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    result = replica.step(x, y)
+    reference.zero_grad()
+    loss = nn.functional.cross_entropy(reference(x), y)
+    loss.backward()
+    assert result.rows == 8 and result.loss == pytest.approx(loss.item())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(result.grads[name], p.grad)
+
+
+def test_evaluate_counts_correct_predictions() -> None:
+    model = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(2))  # predicts the larger coordinate
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 1.0], [0.0, 3.0]])
+    y = torch.tensor([0, 1, 1, 1])  # the third is wrong
+    result = evaluate(model, nn.functional.cross_entropy, x, y, version=3, classification=True)
+    assert result.accuracy == 0.75 and result.samples == 4 and result.version == 3
+    assert model.training  # mode restored
+    with pytest.raises(ValueError, match="non-empty"):
+        evaluate(model, nn.functional.cross_entropy, x[:0], y[:0], version=0, classification=True)
+
+
+def test_settings_flags_environment_and_bad_values() -> None:
+    s = from_args(TrainerSettings, {"batch_size": "128"}, environ={"STREAMTRAIN_MODEL": "mlp-2m"})
+    assert s.batch_size == 128 and s.model == "mlp-2m"
+    with pytest.raises(SettingsError, match="--batch-size / STREAMTRAIN_BATCH_SIZE: must be >= 1, got 0"):
+        from_args(TrainerSettings, {"batch_size": "0"}, environ={})
+    with pytest.raises(SettingsError, match="--pull-dtype"):
+        from_args(TrainerSettings, {}, environ={"STREAMTRAIN_PULL_DTYPE": "float8"})
+
+
+def test_cli_refuses_a_bad_flag_with_its_name(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["trainer", "--topk-density", "2"])
+    assert exc.value.code == 2
+    assert "--topk-density / STREAMTRAIN_TOPK_DENSITY: must be <= 1.0, got 2.0" in capsys.readouterr().err
