@@ -30,6 +30,7 @@ import argparse
 import json
 import logging
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -167,6 +168,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=_HERE / "results" / "pipeline-run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    shutil.rmtree(args.workdir, ignore_errors=True)  # logs of the previous run; data starts empty
     results: dict[str, object] = {"machine": platform.processor() or platform.machine(),
                                   "threads": args.threads}
     table = Table(title="pipeline vs plain local PyTorch loop (samples/s)")

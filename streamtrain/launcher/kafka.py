@@ -158,8 +158,12 @@ class KafkaBroker(ManagedProcess):
         (self.workdir / "server.properties").write_text(
             "".join(f"{k}={v}\n" for k, v in self._properties().items()))
         (self.workdir / "log4j2.properties").write_text(_LOG4J2.format(level=self.log_level))
+        # A broker restarted on the same folder keeps its cluster id (and so its data).
+        id_file = self.workdir / "cluster.id"
+        if not id_file.exists():
+            id_file.write_text(random_cluster_id())
         self._run_tool(self._jvm("kafka.tools.StorageTool", "format", "--ignore-formatted",
-                                 "-t", random_cluster_id(), "-c", "server.properties",
+                                 "-t", id_file.read_text().strip(), "-c", "server.properties",
                                  heap_mb=128, quick=True),
                        "format the KRaft storage")
 
