@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cluster_spec(s: UpSettings) -> ClusterSpec:
     """The local topology for these settings."""
     source = s.source
-    if s.forever and "repeat=" not in source and source.startswith("digits"):
-        source = "digits?repeat=0"
+    if s.forever and source.split("?")[0] == "digits":
+        source = "digits?repeat=0"  # online continuous training: the data set, pass after pass
     return ClusterSpec(trainers=s.trainers, partitions=s.partitions, consistency=s.consistency,
                        staleness=s.staleness, codec=s.codec, source=source, model=s.model,
                        eval_source=s.eval_source, kafka_heap_mb=s.kafka_heap_mb)
@@ -164,8 +164,10 @@ def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: 
     parts = st.get("partitions", [])
     committed = sum(p["committed"] or 0 for p in parts)
     table = Table(title="final", show_header=False)
-    table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%") + f" on {final.get('samples', 0)} records "
-                  f"(target {s.target_accuracy:.0%}: {'reached' if reached else 'NOT reached'})")
+    verdict = ("continuous training (--forever) until stopped" if s.forever else
+               f"target {s.target_accuracy:.0%}: {'reached' if reached else 'NOT reached'}")
+    table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%")
+                  + f" on {final.get('samples', 0)} records ({verdict})")
     table.add_row("held-out loss", _fmt(final.get("loss")))
     table.add_row("model version", str(final.get("version", "-")))
     table.add_row("messages committed", f"{committed:,} Kafka offsets over {len(parts)} partitions")
