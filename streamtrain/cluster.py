@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,8 @@ class LocalCluster:
             raise
         return self
 
-    def _service(self, name: str, args: list[str], ready: Any = None) -> ServiceProcess:
+    def _service(self, name: str, args: list[str],
+                 ready: Callable[[], bool] | None = None) -> ServiceProcess:
         proc = ServiceProcess(name, args, env=self._env(), ready=ready,
                               workdir=self.workdir / name, start_timeout_s=120, stop_timeout_s=30)
         return proc.start()
