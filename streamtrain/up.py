@@ -3,8 +3,8 @@
 Starts a real Kafka broker and Redis server on loopback, the coordinator, a
 parameter server, the trainers and a producer streaming the digits data set
 (:class:`streamtrain.cluster.LocalCluster`); shows a live view; stops when the
-held-out accuracy reaches the target (or the stream is consumed, or time runs
-out); scores the final parameters itself on the held-out split; and stops
+held-out accuracy reaches the target (or the stream, up to ``--max-records``, is
+consumed, or time runs out); scores the final parameters itself on the held-out split; and stops
 everything it started, also on Ctrl-C and on error.
 """
 
@@ -44,6 +44,8 @@ class UpSettings:
                                    help="held-out data (its test split)")
     target_accuracy: float = cfg.setting(0.95, env="STREAMTRAIN_TARGET_ACCURACY", min=0.0, max=1.0,
                                          help="stop once the held-out accuracy reaches this")
+    max_records: int = cfg.setting(0, env="STREAMTRAIN_MAX_RECORDS", min=0,
+                                   help="stop once this many records are produced and trained on (0: no limit)")
     timeout_s: float = cfg.setting(600.0, env="STREAMTRAIN_UP_TIMEOUT_S", min=1.0,
                                    help="give up after this long")
     forever: bool = cfg.setting(False, env="STREAMTRAIN_FOREVER",
@@ -64,7 +66,8 @@ def cluster_spec(s: UpSettings) -> ClusterSpec:
         source = "digits?repeat=0"  # online continuous training: the data set, pass after pass
     return ClusterSpec(trainers=s.trainers, partitions=s.partitions, consistency=s.consistency,
                        staleness=s.staleness, codec=s.codec, source=source, model=s.model,
-                       eval_source=s.eval_source, kafka_heap_mb=s.kafka_heap_mb)
+                       eval_source=s.eval_source, kafka_heap_mb=s.kafka_heap_mb,
+                       limit=s.max_records or None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
                       f"logs in {cluster.workdir}")
         final: dict[str, Any] = {}
         reached = _watch(console, cluster, settings, final)  # final: the score that ended it
+        if not reached:  # the stream ended, time ran out or Ctrl-C: score what training left
+            with console.status("draining trainers and applying their last updates"):
+                cluster.quiesce()
+            final.update(_score(cluster, settings) or {})
         final["status"] = cluster.status()
     finally:
         with console.status("stopping everything"):
