@@ -4,6 +4,12 @@
 it encodes ``g + residual`` and keeps what was not sent as the next residual,
 so nothing of the gradient is lost, only delayed. The residual is committed
 only when the push succeeds; a refused push leaves it as it was.
+
+The next residual is ``g + residual`` with what was sent taken off, computed from
+the codec's own account of what the receiver will decode (:class:`~services.codecs.Sent`:
+for ``topk`` chains, the few kept indices and their decoded values), never by
+decoding the bytes again: a top-k push touches the full shard only to add the
+residual, check it is finite, take magnitudes and pick the kept values.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import numpy as np
 import redis
 import torch
 
-from .codecs import decode_gradient, get_codec
+from .codecs import Sent, get_codec
 from .errors import BadGradientError
 from .store import ParameterStore
 from .updates import DEFAULT_MAX_PENDING, Update, push_update
@@ -85,20 +91,39 @@ class Pusher:
                 raise BadGradientError(f"gradient of {name!r}: shape {list(grad.shape)}, expected {list(spec.shape)}")
             if grad.dtype != torch.float32:
                 raise BadGradientError(f"gradient of {name!r}: dtype {grad.dtype}, expected torch.float32")
-            flat = grad.detach().to("cpu").reshape(-1)
-            finite = np.isfinite(flat.numpy())
-            if not finite.all():
-                raise BadGradientError(f"gradient of {name!r}: {int((~finite).sum())} NaN or infinite value(s)")
-            for shard in self.layout.shards_of(name):
-                part = flat[shard.start:shard.start + shard.numel]
-                if self.error_feedback and shard.index in self.residuals:
-                    part = part + self.residuals[shard.index]
-                enc = self.codec.encode(part)
-                blobs[shard.index] = enc.data
+            flat = grad.detach().to("cpu").reshape(-1).numpy()
+            parts = [self._corrected(flat, shard.start, shard.numel, shard.index)
+                     for shard in self.layout.shards_of(name)]
+            if not all(np.isfinite(part).all() for part, _ in parts):  # one check of g + residual
+                raise BadGradientError(self._not_finite(name, flat))
+            for shard, (part, owned) in zip(self.layout.shards_of(name), parts):
                 raw += 4 * shard.numel
-                if self.error_feedback:
-                    residuals[shard.index] = part - decode_gradient(enc.data, numel=shard.numel)
+                if not self.error_feedback:
+                    blobs[shard.index] = self.codec.encode(torch.from_numpy(part)).data
+                    continue
+                enc, sent = self.codec.encode_sent(torch.from_numpy(part))
+                if not np.isfinite(sent.values).all():
+                    bad = int((~np.isfinite(sent.values)).sum())
+                    raise BadGradientError(f"gradient of {name!r} (shard {shard.index}): {bad} value(s) "
+                                           f"overflow codec {self.codec.name} (NaN or infinite once encoded)")
+                blobs[shard.index] = enc.data
+                residuals[shard.index] = torch.from_numpy(_minus_sent(part, sent, in_place=owned))
         return blobs, residuals, raw
+
+    def _corrected(self, flat: np.ndarray, start: int, numel: int, index: int) -> tuple[np.ndarray, bool]:
+        """Shard ``index`` of a gradient plus its residual, and whether the array is a fresh one
+        (which the next residual may then be built in) rather than a view of the gradient."""
+        part = flat[start:start + numel]
+        residual = self.residuals.get(index) if self.error_feedback else None
+        if residual is None:
+            return part, False
+        return np.add(part, residual.numpy()), True
+
+    def _not_finite(self, name: str, flat: np.ndarray) -> str:
+        bad = int((~np.isfinite(flat)).sum())
+        if bad:
+            return f"gradient of {name!r}: {bad} NaN or infinite value(s)"
+        return f"gradient of {name!r}: finite, but it overflows float32 once its error-feedback residual is added"
 
     def push(self, grads: Mapping[str, torch.Tensor] | None, *, generation: int, clock: int,
              offsets: Mapping[int, tuple[int, int]] | None = None,
@@ -123,3 +148,15 @@ class Pusher:
     def residual_norm(self) -> float:
         """L2 norm of all error-feedback residuals (0 when there are none)."""
         return float(sum(float(r.double().square().sum()) for r in self.residuals.values()) ** 0.5)
+
+
+def _minus_sent(part: np.ndarray, sent: Sent, *, in_place: bool) -> np.ndarray:
+    """``part`` minus what the receiver decodes (``sent``): bit for bit ``part - decode(bytes)``.
+
+    A sparse ``sent`` changes only its few positions (``x - 0`` is ``x``, ``-0.0`` included).
+    """
+    if sent.indices is None:
+        return np.subtract(part, sent.values, out=part if in_place else None)
+    out = part if in_place else part.copy()
+    out[sent.indices] -= sent.values
+    return out

@@ -124,3 +124,75 @@ def test_error_feedback_bounded_and_topk_sgd_converges() -> None:
     assert loss_ef < 0.05 * start
     assert loss_ef < loss_plain
     assert max(norms[400:]) <= 2 * max(norms[:400])  # bounded, not growing
+
+
+def sample_values(kind: str, n: int, seed: int) -> torch.Tensor:
+    """Test data: plain normals, heavy ties, all zeros, or signed zeros among tiny and large values."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen)
+    if kind == "ties":  # few distinct magnitudes: the top-k boundary falls inside a tie
+        return torch.round(x * 2) / 2
+    if kind == "zeros":
+        return torch.zeros(n)
+    if kind == "signed zeros":
+        x = x * torch.exp2(torch.randint(-30, 10, (n,), generator=gen).float())
+        x[::3] = -0.0
+        x[1::3] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("name", CHAINS)
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "signed zeros"])
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000, 70_000])
+def test_encode_sent_is_what_decoding_the_bytes_gives(name: str, kind: str, n: int) -> None:
+    """``encode_sent`` puts the same bytes on the wire as ``encode``, and what it says was sent
+    is bit for bit what the receiver decodes (70 000 values: topk's sampled threshold)."""
+    x = sample_values(kind, n, seed=n)
+    plain, with_sent = get_codec(name), get_codec(name)  # same seed: the same sampled thresholds
+    for step in range(2):
+        data = plain.encode(x).data
+        enc, sent = with_sent.encode_sent(x)
+        assert enc.data == data and enc.numel == n
+        decoded = decode_gradient(data, numel=n).numpy()
+        rebuilt = np.zeros(n, dtype=np.float32)
+        rebuilt[slice(None) if sent.indices is None else sent.indices] = sent.values
+        assert sent.values.dtype == np.float32
+        assert rebuilt.view(np.int32).tolist() == decoded.view(np.int32).tolist()  # -0.0 counts
+        if sent.indices is not None:
+            assert sent.indices.dtype == np.int64 and np.all(np.diff(sent.indices) > 0)
+        x = x * 0.5 - 0.25 * step
+
+
+def test_varint_matches_leb128_bytes() -> None:
+    """The vectorized encoder writes textbook LEB128: low 7 bits first, high bit = more bytes follow."""
+    def leb128(v: int) -> bytes:
+        out = bytearray()
+        while True:
+            byte, v = v & 0x7F, v >> 7
+            out.append(byte | (0x80 if v else 0))
+            if not v:
+                return bytes(out)
+
+    vals = np.random.default_rng(3).integers(0, 2**35, 500) >> np.random.default_rng(4).integers(0, 35, 500)
+    vals = np.concatenate([vals, [0, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**35 - 1]])
+    assert varint_encode(vals) == b"".join(leb128(int(v)) for v in vals)
+    assert varint_encode(np.zeros(0, dtype=np.int64)) == b""
+    assert list(varint_decode(varint_encode(vals))) == list(vals)
+
+
+def test_default_encode_sent_decodes_the_message() -> None:
+    """A codec that does not override ``encode_sent`` gets the decode-based default, which agrees
+    with the cheap override; the default refuses to wrap an inner codec it cannot see into."""
+    from services.codecs import Codec
+    from services.codecs.floating import Float16Codec
+
+    class PlainFp16(Float16Codec):
+        encode_sent = Codec.encode_sent
+
+    x = sample_values("signed zeros", 999, seed=5)
+    msg, sent = PlainFp16().encode_sent(x, None)
+    cheap_msg, cheap = Float16Codec().encode_sent(x, None)
+    assert msg == cheap_msg and sent.indices is None and cheap.indices is None
+    assert sent.values.view(np.int32).tolist() == cheap.values.view(np.int32).tolist()
+    with pytest.raises(TypeError, match="must override encode_sent"):
+        PlainFp16().encode_sent(x, Float16Codec())

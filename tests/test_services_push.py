@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import redis as redis_lib
 import torch
@@ -9,7 +10,7 @@ from test_services_util import set_membership, small_model
 
 from services import (
     BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterStore,
-    PayloadError, Pusher, UnknownCodecError, Update, get_codec, push_update, was_committed,
+    PayloadError, Pusher, UnknownCodecError, Update, decode_gradient, get_codec, push_update, was_committed,
 )
 from services.wire import pack
 from streamtrain.keys import JobKeys
@@ -163,3 +164,50 @@ def test_malformed_header_fields_refused(redis: redis_lib.Redis, store: Paramete
         push_update(redis, JOB, Update(member_id="a", generation=3, clock=1, gradients={}, offsets={0: (5, 2)}))
     with pytest.raises(PayloadError, match="member_id"):
         push_update(redis, JOB, Update(member_id="a|b", generation=3, clock=1, gradients={}))
+
+
+CHAINS = ["none", "fp16", "bf16", "int8", "topk", "topk+fp16", "topk+bf16", "topk+int8"]
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_encoder_bytes_and_residuals_equal_the_decode_based_reference(redis: redis_lib.Redis, name: str) -> None:
+    """Pusher.encode (the codec reports what it sent) gives bit for bit the bytes and residuals of
+    the plain recipe: encode g + residual, decode the bytes, subtract. Tiny tensors, a shard big
+    enough for topk's sampled threshold, ties, zeros, signed zeros, and values growing by 1e6."""
+    shapes = {"big": (300, 300), "w": (10, 20), "b": (20,), "one": (1,), "two": (2,)}
+    ParameterStore(redis, JOB).init_model({k: torch.zeros(s) for k, s in shapes.items()}, shard_elems=70_000)
+    pusher = Pusher(redis, JOB, "a", codec=name, codec_options={"density": 0.01} if "topk" in name else None)
+    layout = pusher.layout
+    codec = get_codec(name, **({"density": 0.01} if "topk" in name else {}))  # same seed as the pusher's
+    residuals: dict[int, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(len(name))
+    for step in range(6):
+        grads = {}
+        for tname, shape in shapes.items():
+            g = torch.randn(shape, generator=gen) * 10.0 ** (step - 2)
+            if step == 1:
+                g = torch.round(g * 4) / 4  # ties at the top-k boundary, many zeros
+            elif step == 2:
+                g = torch.zeros(shape)
+            elif step == 3:
+                g.view(-1)[::2] = -0.0
+            grads[tname] = g
+        blobs, new, raw = pusher.encode(grads)
+        assert raw == 4 * layout.numel
+        for tname, g in grads.items():
+            flat = g.reshape(-1)
+            for shard in layout.shards_of(tname):
+                part = flat[shard.start:shard.start + shard.numel]
+                if codec.lossy and shard.index in residuals:
+                    part = part + residuals[shard.index]
+                data = codec.encode(part).data
+                assert blobs[shard.index] == data, (step, shard)
+                if codec.lossy:
+                    want = part - decode_gradient(data, numel=shard.numel)
+                    got = new[shard.index]
+                    assert got.dtype == torch.float32 and got.shape == want.shape
+                    assert np.array_equal(got.numpy().view(np.int32), want.numpy().view(np.int32)), (step, shard)
+                    residuals[shard.index] = want
+        assert sorted(new) == (sorted(blobs) if codec.lossy else [])
+        pusher.residuals.update(new)  # as a successful push commits them
+    assert (pusher.residual_norm() > 0) == codec.lossy

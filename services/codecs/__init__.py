@@ -1,6 +1,6 @@
 """Gradient codecs by name: ``none``, ``fp16``, ``bf16``, ``int8``, ``topk`` and chains like ``topk+fp16``."""
 
-from .base import Codec, CodecInfo
+from .base import Codec, CodecInfo, Sent
 from .registry import CODECS, CodecChain, Encoded, compression_ratio, decode_gradient, get_codec, register
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "CodecChain",
     "CodecInfo",
     "Encoded",
+    "Sent",
     # helpers
     "compression_ratio",
 ]

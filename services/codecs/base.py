@@ -6,6 +6,10 @@ number of values under ``"n"``, so a receiver decodes a gradient by the names
 recorded in it and never needs to be told the codec. A *sparsifier* (``topk``)
 keeps a subset of the values and hands them to an inner value codec, which is
 how ``topk+fp16`` is two registered codecs composed.
+
+``encode_sent`` encodes and also returns what a receiver will decode, in a
+cheap form (:class:`Sent`: the kept indices and their decoded values), so the
+trainer's error feedback needs no decode of its own bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from ..errors import BadGradientError, PayloadError
 
-__all__ = ["Codec", "CodecInfo", "field_bytes", "expect_len"]
+__all__ = ["Codec", "CodecInfo", "Sent", "field_bytes", "expect_len"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,17 @@ class CodecInfo:
     """One line for ``--help`` and the docs."""
 
 
+@dataclass(frozen=True)
+class Sent:
+    """What a receiver decodes from one encoded gradient, without decoding it."""
+
+    values: np.ndarray
+    """float32 values exactly as the receiver will decode them (one per index); may share
+    memory with the encoder's input, so read, do not modify."""
+    indices: np.ndarray | None = None
+    """Sorted int64 positions of ``values``, zero everywhere else; None: every position."""
+
+
 class Codec(ABC):
     """A gradient codec. Subclasses set ``info`` and accept their options as keywords."""
 
@@ -46,6 +61,17 @@ class Codec(ABC):
     @abstractmethod
     def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
         """Encode a contiguous 1-D float32 tensor into a msgpack-ready dict."""
+
+    def encode_sent(self, values: torch.Tensor, inner: Codec | None) -> tuple[dict[str, Any], Sent]:
+        """:meth:`encode`, plus what the receiver will decode from the result (for error feedback).
+
+        This default decodes the message; codecs override it with something cheaper
+        that gives bit-for-bit the same values.
+        """
+        if inner is not None:
+            raise TypeError(f"{type(self).__name__} must override encode_sent to wrap an inner codec")
+        msg = self.encode(values, None)
+        return msg, Sent(self.decode(msg, None).numpy())
 
     @abstractmethod
     def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
@@ -79,4 +105,4 @@ def check_input(values: torch.Tensor) -> torch.Tensor:
     """Validate what an encoder gets: 1-D float32, finite."""
     if values.dtype != torch.float32:
         raise BadGradientError(f"codec input must be float32, got {values.dtype}")
-    return values.reshape(-1).contiguous()
+    return values.detach().reshape(-1).contiguous()

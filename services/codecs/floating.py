@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Codec, CodecInfo, expect_len, field_bytes
+from .base import Codec, CodecInfo, Sent, expect_len, field_bytes
 
 __all__ = ["NoneCodec", "Float16Codec", "BFloat16Codec"]
 
@@ -28,6 +28,9 @@ class NoneCodec(Codec):
     def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
         return {"c": "none", "n": values.numel(), "d": values.numpy().tobytes()}
 
+    def encode_sent(self, values: torch.Tensor, inner: Codec | None) -> tuple[dict[str, Any], Sent]:
+        return self.encode(values, inner), Sent(values.numpy())
+
     def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
         n = _count(msg, "none")
         arr = expect_len(field_bytes(msg, "d", "none"), n, np.float32, "none")
@@ -40,12 +43,21 @@ class Float16Codec(Codec):
     info = CodecInfo("fp16", lossy=True, sparsifier=False, description="float16, 2 bytes per value")
 
     def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
-        return {"c": "fp16", "n": values.numel(), "d": values.to(torch.float16).numpy().tobytes()}
+        return self._encode(values)[0]
+
+    def encode_sent(self, values: torch.Tensor, inner: Codec | None) -> tuple[dict[str, Any], Sent]:
+        msg, half = self._encode(values)
+        return msg, Sent(half.to(torch.float32).numpy())
+
+    @staticmethod
+    def _encode(values: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        half = values.to(torch.float16)  # torch converts ~30x faster than numpy's astype
+        return {"c": "fp16", "n": values.numel(), "d": half.numpy().tobytes()}, half
 
     def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
         n = _count(msg, "fp16")
         arr = expect_len(field_bytes(msg, "d", "fp16"), n, np.float16, "fp16")
-        return torch.from_numpy(arr.astype(np.float32))
+        return torch.from_numpy(arr.copy()).to(torch.float32)  # copy: the bytes are read-only
 
 
 class BFloat16Codec(Codec):
@@ -54,8 +66,16 @@ class BFloat16Codec(Codec):
     info = CodecInfo("bf16", lossy=True, sparsifier=False, description="bfloat16, 2 bytes per value")
 
     def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
-        raw = values.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
-        return {"c": "bf16", "n": values.numel(), "d": raw}
+        return self._encode(values)[0]
+
+    def encode_sent(self, values: torch.Tensor, inner: Codec | None) -> tuple[dict[str, Any], Sent]:
+        msg, half = self._encode(values)
+        return msg, Sent(half.to(torch.float32).numpy())
+
+    @staticmethod
+    def _encode(values: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        half = values.to(torch.bfloat16)
+        return {"c": "bf16", "n": values.numel(), "d": half.view(torch.int16).numpy().tobytes()}, half
 
     def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
         n = _count(msg, "bf16")

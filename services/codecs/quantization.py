@@ -8,10 +8,19 @@ import numpy as np
 import torch
 
 from ..errors import PayloadError
-from .base import Codec, CodecInfo, expect_len, field_bytes
+from .base import Codec, CodecInfo, Sent, expect_len, field_bytes
 from .floating import _count
 
 __all__ = ["Int8Codec"]
+
+
+def _dequantize(q: np.ndarray, scales: np.ndarray, n: int, block: int) -> torch.Tensor:
+    """``n`` int8 values times their block's scale, as float32 (what the receiver decodes)."""
+    blocks = -(-n // block)
+    out = np.zeros(blocks * block, dtype=np.float32)
+    out[:n] = q
+    out = out.reshape(blocks, block) * scales[:, None]
+    return torch.from_numpy(out.reshape(-1)[:n].copy())
 
 
 class Int8Codec(Codec):
@@ -27,6 +36,13 @@ class Int8Codec(Codec):
         self.block = block
 
     def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
+        return self._encode(values)[0]
+
+    def encode_sent(self, values: torch.Tensor, inner: Codec | None) -> tuple[dict[str, Any], Sent]:
+        msg, q, scales = self._encode(values)
+        return msg, Sent(_dequantize(q, scales, values.numel(), self.block).numpy())
+
+    def _encode(self, values: torch.Tensor) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
         n = values.numel()
         blocks = -(-n // self.block)
         padded = torch.zeros(blocks * self.block, dtype=torch.float32)
@@ -35,8 +51,8 @@ class Int8Codec(Codec):
         scales = padded.abs().amax(dim=1) / 127.0
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(padded / scales[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-        return {"c": "int8", "n": n, "b": self.block,
-                "s": scales.numpy().tobytes(), "d": q.numpy().tobytes()}
+        q_np, scales_np = q.numpy(), scales.numpy()
+        return {"c": "int8", "n": n, "b": self.block, "s": scales_np.tobytes(), "d": q_np.tobytes()}, q_np, scales_np
 
     def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
         n = _count(msg, "int8")
@@ -46,7 +62,4 @@ class Int8Codec(Codec):
         blocks = -(-n // block)
         scales = expect_len(field_bytes(msg, "s", "int8"), blocks, np.float32, "int8", "s")
         q = expect_len(field_bytes(msg, "d", "int8"), n, np.int8, "int8")
-        out = np.zeros(blocks * block, dtype=np.float32)
-        out[:n] = q
-        out = out.reshape(blocks, block) * scales[:, None]
-        return torch.from_numpy(out.reshape(-1)[:n].copy())
+        return _dequantize(q, scales, n, block)

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import BadGradientError, PayloadError, UnknownCodecError
 from ..wire import DEFAULT_MAX_BYTES, pack, unpack
-from .base import Codec, check_input
+from .base import Codec, Sent, check_input
 from .floating import BFloat16Codec, Float16Codec, NoneCodec
 from .quantization import Int8Codec
 from .sparse import TopKCodec
@@ -75,14 +75,21 @@ class CodecChain:
 
     def encode_dict(self, values: torch.Tensor) -> dict[str, Any]:
         """Encode to the msgpack-ready dict."""
-        flat = check_input(values)
-        head = self.parts[0]
-        inner = self.parts[1] if len(self.parts) > 1 else None
-        return head.encode(flat, inner)
+        return self.parts[0].encode(check_input(values), self._inner)
 
     def encode(self, values: torch.Tensor) -> Encoded:
         """Encode a float32 tensor (any shape, flattened) to wire bytes."""
         return Encoded(pack(self.encode_dict(values)), values.numel())
+
+    def encode_sent(self, values: torch.Tensor) -> tuple[Encoded, Sent]:
+        """:meth:`encode`, plus what :func:`decode_gradient` will return for the bytes, in a
+        cheap form (the trainer's error feedback subtracts it without decoding)."""
+        msg, sent = self.parts[0].encode_sent(check_input(values), self._inner)
+        return Encoded(pack(msg), values.numel()), sent
+
+    @property
+    def _inner(self) -> Codec | None:
+        return self.parts[1] if len(self.parts) > 1 else None
 
     def decode(self, data: bytes, numel: int | None = None) -> torch.Tensor:
         """Decode wire bytes produced by any chain (see :func:`decode_gradient`)."""
