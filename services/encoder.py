@@ -117,7 +117,8 @@ class Pusher:
         residual = self.residuals.get(index) if self.error_feedback else None
         if residual is None:
             return part, False
-        return np.add(part, residual.numpy()), True
+        with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN are refused by the caller, by name
+            return np.add(part, residual.numpy()), True
 
     def _not_finite(self, name: str, flat: np.ndarray) -> str:
         bad = int((~np.isfinite(flat)).sum())

@@ -10,7 +10,8 @@ from test_services_util import set_membership, small_model
 
 from services import (
     BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterStore,
-    PayloadError, Pusher, UnknownCodecError, Update, decode_gradient, get_codec, push_update, was_committed,
+    PayloadError, Pusher, UnknownCodecError, Update, decode_gradient, get_codec, push_update,
+    was_committed,
 )
 from services.wire import pack
 from streamtrain.keys import JobKeys
@@ -211,3 +212,27 @@ def test_encoder_bytes_and_residuals_equal_the_decode_based_reference(redis: red
         assert sorted(new) == (sorted(blobs) if codec.lossy else [])
         pusher.residuals.update(new)  # as a successful push commits them
     assert (pusher.residual_norm() > 0) == codec.lossy
+
+
+def test_values_a_codec_cannot_carry_are_refused_before_anything_is_written(redis: redis_lib.Redis,
+                                                                              store: ParameterStore) -> None:
+    """1e6 overflows fp16 (the receiver would decode inf); a finite gradient whose sum with its
+    residual overflows float32 is refused too; either way nothing is written and residuals stay."""
+    pusher = Pusher(redis, JOB, "a", codec="topk+fp16")
+    before = state(redis)
+    g = grads(1e-3)
+    g["w"][2, 3] = 1e6
+    with pytest.raises(BadGradientError, match=r"gradient of 'w' \(shard 0\): 1 value\(s\) overflow codec topk\+fp16"):
+        pusher.push(g, generation=3, clock=1, offsets={0: (0, 5)})
+    assert pusher.residuals == {} and state(redis) == before
+    pusher.push(grads(1e-3), generation=3, clock=1, offsets={0: (0, 5)})
+    kept = {i: r.clone() for i, r in pusher.residuals.items()}
+    pusher.residuals[5] = torch.full((5,), 3e38)  # v's shard
+    kept[5] = pusher.residuals[5].clone()
+    before = state(redis)
+    g = grads(1e-3)
+    g["v"][:] = 3e38
+    with pytest.raises(BadGradientError, match="'v': finite, but it overflows float32 once its error-feedback"):
+        pusher.push(g, generation=3, clock=2, offsets={0: (5, 6)})
+    assert state(redis) == before
+    assert all(torch.equal(pusher.residuals[i], r) for i, r in kept.items())

@@ -52,7 +52,8 @@ class Int8Codec(Codec):
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(padded / scales[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
         q_np, scales_np = q.numpy(), scales.numpy()
-        return {"c": "int8", "n": n, "b": self.block, "s": scales_np.tobytes(), "d": q_np.tobytes()}, q_np, scales_np
+        msg = {"c": "int8", "n": n, "b": self.block, "s": scales_np.tobytes(), "d": q_np.tobytes()}
+        return msg, q_np, scales_np
 
     def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
         n = _count(msg, "int8")
