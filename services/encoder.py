@@ -92,11 +92,11 @@ class Pusher:
             if grad.dtype != torch.float32:
                 raise BadGradientError(f"gradient of {name!r}: dtype {grad.dtype}, expected torch.float32")
             flat = grad.detach().to("cpu").reshape(-1).numpy()
-            parts = [self._corrected(flat, shard.start, shard.numel, shard.index)
-                     for shard in self.layout.shards_of(name)]
+            shards = self.layout.shards_of(name)
+            parts = [self._corrected(flat, shard.start, shard.numel, shard.index) for shard in shards]
             if not all(np.isfinite(part).all() for part, _ in parts):  # one check of g + residual
                 raise BadGradientError(self._not_finite(name, flat))
-            for shard, (part, owned) in zip(self.layout.shards_of(name), parts):
+            for shard, (part, owned) in zip(shards, parts):
                 raw += 4 * shard.numel
                 if not self.error_feedback:
                     blobs[shard.index] = self.codec.encode(torch.from_numpy(part)).data
