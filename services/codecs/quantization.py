@@ -17,6 +17,8 @@ __all__ = ["Int8Codec"]
 def _dequantize(q: np.ndarray, scales: np.ndarray, n: int, block: int) -> torch.Tensor:
     """``n`` int8 values times their block's scale, as float32 (what the receiver decodes)."""
     blocks = -(-n // block)
+    if n == blocks * block:  # whole blocks (the usual shard): no padding, no copies
+        return torch.from_numpy((q.reshape(blocks, block) * scales[:, None]).reshape(-1))
     out = np.zeros(blocks * block, dtype=np.float32)
     out[:n] = q
     out = out.reshape(blocks, block) * scales[:, None]
