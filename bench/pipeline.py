@@ -8,9 +8,11 @@ In one run:
    synthetic data.
 2. **Pipeline**: the same models trained through everything real — Kafka,
    trainers, Redis, the parameter server, the coordinator — with one and with
-   two trainers. The data is produced first, so the producer is not what is
-   measured; samples/s counts the samples the parameter server applied, over
-   the span from the first to the last applied update.
+   two trainers, under SSP with the job default s = 2, and for the larger model
+   with one trainer also at s = 8 and 32. The data is produced first, so the
+   producer is not what is measured; samples/s counts the samples the
+   parameter server applied, over the span from the first to the last applied
+   update.
 3. **Recovery**: with two trainers on an unbounded rate-limited digits stream,
    SIGKILL one and time until every partition it owned is consumed again
    (its committed offset moves), at the default lease.
@@ -91,12 +93,14 @@ def applied_entries(cluster: LocalCluster) -> list[dict[bytes, bytes]]:
         client.close()
 
 
-def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Path) -> dict[str, float]:
-    """Samples/s the parameter server applied with ``trainers`` trainers on pre-produced data."""
+def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Path,
+             staleness: int = 2) -> dict[str, float]:
+    """Samples/s the parameter server applied with ``trainers`` trainers on pre-produced data,
+    under SSP with bound ``staleness``."""
     m = MODELS[model]
     spec = ClusterSpec(job="bench", topic="bench", partitions=4, trainers=0, model=model,
                        batch_size=m["batch"], threads=threads, codec=m["codec"],
-                       topk_density=m["density"], source=None, eval_source="",
+                       topk_density=m["density"], source=None, eval_source="", staleness=staleness,
                        extra_trainer_args=("--prefetch", "8"))
     with LocalCluster(spec, workdir=workdir) as cluster:
         source = m["source"]
@@ -194,9 +198,21 @@ def main() -> None:
         table.add_row(model, str(m["batch"]), f"{ceil:,.0f}", f"{one['samples_per_s']:,.0f}",
                       f"{one['samples_per_s'] / ceil:.2f}", f"{two['samples_per_s']:,.0f}",
                       f"{two['samples_per_s'] / ceil:.2f}")
+    sweep = Table(title="mlp-2m, 1 trainer: SSP bound s against throughput (samples/s)")
+    for col in ("s", "samples/s", "ratio to ceiling"):
+        sweep.add_column(col, justify="right")
+    ceil = results["mlp-2m"]["ceiling_samples_per_s"]
+    results["staleness_sweep"] = {}
+    for s in (2, 8, 32):
+        rate = (results["mlp-2m"]["one_trainer"] if s == 2 else pipeline(
+            "mlp-2m", 1, args.threads, args.records_large, args.workdir / f"mlp-2m-s{s}", staleness=s)
+        )["samples_per_s"]
+        results["staleness_sweep"][s] = rate
+        sweep.add_row(str(s), f"{rate:,.0f}", f"{rate / ceil:.2f}")
     rf = recovery_and_freshness(max(1, args.threads // 2), args.workdir / "recovery", args.rate)
     results["recovery_freshness"] = rf
     console.print(table)
+    console.print(sweep)
     console.print(f"recovery after a trainer SIGKILL (lease 3 s): {rf['recovery_s']:.2f} s "
                   f"until its partitions were consumed again")
     console.print(f"freshness at {args.rate:,.0f} records/s, steady state: p50 {rf['freshness_p50_s']:.3f} s, "

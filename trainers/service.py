@@ -85,6 +85,7 @@ class Trainer:
         self.heartbeat_interval_s = 0.5
         self.snapshot: Snapshot | None = None
         self._covers = -1  # the replica holds every live member's updates up to this clock
+        self._phases: collections.Counter[str] = collections.Counter()  # seconds per step phase
         self.clock = 1
         self._last_pushed_clock = 0
         self.steps = 0
@@ -301,6 +302,7 @@ class Trainer:
         ``tick``: an empty batch that only advances our clock (not counted as a step).
         """
         t0 = time.monotonic()
+        phases = self._phases
         clock, generation = self.clock, self.assignment.generation
         config = self.assignment.config
         consistency = Consistency(config.consistency, config.staleness)
@@ -310,6 +312,8 @@ class Trainer:
             wait_for_clock, self.redis, self.settings.job, self.pusher.member_id, clock,
             consistency=consistency, timeout_s=self.settings.staleness_timeout_s)
         self.last_staleness = waited.staleness
+        t1 = time.monotonic()
+        phases["wait"] += t1 - t0
         result = None
         if len(batch):
             if self.snapshot is None or waited.required is None or self._covers < waited.required:
@@ -319,8 +323,13 @@ class Trainer:
                 self.replica.load(self.snapshot, self.store.layout)
                 # Every live member's updates up to min_applied (read before the pull) are in it.
                 self._covers = waited.min_applied if waited.min_applied is not None else -1
+            t2 = time.monotonic()
+            phases["pull"] += t2 - t1
             result = await asyncio.to_thread(self.replica.step, batch.x, batch.y)
+            phases["compute"] += time.monotonic() - t2
+        t3 = time.monotonic()
         await self._settle_push()  # the previous push must have landed before this one
+        phases["push_wait"] += time.monotonic() - t3
         self._inflight = asyncio.get_running_loop().run_in_executor(
             self._push_pool, self._push, batch, result, clock, generation)
         self.clock += 1
@@ -328,6 +337,10 @@ class Trainer:
             return
         self.steps += 1
         self._window.steps += 1
+        if self.steps % 50 == 0:
+            logger.info("member %s: last 50 steps spent (ms/step) %s", self.pusher.member_id,
+                        ", ".join(f"{k} {v * 20:.1f}" for k, v in sorted(phases.items())))
+            phases.clear()
         self._window.records += len(batch)
         self._window.step_time_s += time.monotonic() - t0
         if result is not None:
