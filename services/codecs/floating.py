@@ -37,47 +37,46 @@ class NoneCodec(Codec):
         return torch.from_numpy(arr.copy())
 
 
-class Float16Codec(Codec):
+class _HalfCodec(Codec):
+    """Two bytes per value: the values cast to ``dtype``, sent as the bytes of ``wire`` (numpy has
+    no bfloat16, so bf16 travels as int16 bit patterns)."""
+
+    dtype: torch.dtype
+    wire_torch: torch.dtype
+    wire_numpy: type
+
+    def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
+        return self._encode(values)[0]
+
+    def encode_sent(self, values: torch.Tensor, inner: Codec | None) -> tuple[dict[str, Any], Sent]:
+        msg, half = self._encode(values)
+        return msg, Sent(half.to(torch.float32).numpy())
+
+    def _encode(self, values: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        half = values.to(self.dtype)  # torch converts ~30x faster than numpy's astype
+        data = half.view(self.wire_torch).numpy().tobytes()
+        return {"c": self.info.name, "n": values.numel(), "d": data}, half
+
+    def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
+        name = self.info.name
+        n = _count(msg, name)
+        arr = expect_len(field_bytes(msg, "d", name), n, self.wire_numpy, name)
+        # copy: the message bytes are read-only
+        return torch.from_numpy(arr.copy()).view(self.dtype).to(torch.float32)
+
+
+class Float16Codec(_HalfCodec):
     """IEEE half precision: 2 bytes per value; values beyond +-65504 become inf and are refused."""
 
     info = CodecInfo("fp16", lossy=True, sparsifier=False, description="float16, 2 bytes per value")
-
-    def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
-        return self._encode(values)[0]
-
-    def encode_sent(self, values: torch.Tensor, inner: Codec | None) -> tuple[dict[str, Any], Sent]:
-        msg, half = self._encode(values)
-        return msg, Sent(half.to(torch.float32).numpy())
-
-    @staticmethod
-    def _encode(values: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
-        half = values.to(torch.float16)  # torch converts ~30x faster than numpy's astype
-        return {"c": "fp16", "n": values.numel(), "d": half.numpy().tobytes()}, half
-
-    def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
-        n = _count(msg, "fp16")
-        arr = expect_len(field_bytes(msg, "d", "fp16"), n, np.float16, "fp16")
-        return torch.from_numpy(arr.copy()).to(torch.float32)  # copy: the bytes are read-only
+    dtype = wire_torch = torch.float16
+    wire_numpy = np.float16
 
 
-class BFloat16Codec(Codec):
+class BFloat16Codec(_HalfCodec):
     """bfloat16: 2 bytes per value with float32's range, 8 bits of mantissa."""
 
     info = CodecInfo("bf16", lossy=True, sparsifier=False, description="bfloat16, 2 bytes per value")
-
-    def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
-        return self._encode(values)[0]
-
-    def encode_sent(self, values: torch.Tensor, inner: Codec | None) -> tuple[dict[str, Any], Sent]:
-        msg, half = self._encode(values)
-        return msg, Sent(half.to(torch.float32).numpy())
-
-    @staticmethod
-    def _encode(values: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
-        half = values.to(torch.bfloat16)
-        return {"c": "bf16", "n": values.numel(), "d": half.view(torch.int16).numpy().tobytes()}, half
-
-    def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
-        n = _count(msg, "bf16")
-        arr = expect_len(field_bytes(msg, "d", "bf16"), n, np.int16, "bf16")
-        return torch.from_numpy(arr.copy()).view(torch.bfloat16).to(torch.float32)
+    dtype = torch.bfloat16
+    wire_torch = torch.int16
+    wire_numpy = np.int16
