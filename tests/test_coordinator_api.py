@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import redis as redis_lib
 import yaml
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.app import create_app
 from coordinator.client import CoordinatorClient
 from coordinator.errors import AuthError, BadRequestError, FencedError, MemberGoneError
 from coordinator.settings import CoordinatorSettings
+from coordinator.testing import running_coordinator
 from coordinator.state import check_fence, parse_assignment
 from streamtrain.keys import JobKeys
 
@@ -51,14 +51,6 @@ def settings(redis_url: str, silent_broker: str) -> CoordinatorSettings:
                                max_request_bytes=4096)
 
 
-@contextlib.asynccontextmanager
-async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[TestClient]:
-    client = TestClient(TestServer(create_app(settings)))
-    await client.start_server()
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 async def wait_for(predicate: Callable[[], Any], timeout_s: float = 15.0) -> Any:
@@ -94,7 +86,7 @@ async def register(client: TestClient, body: dict[str, Any] = CPU) -> dict[str, 
 
 async def test_register_heartbeat_and_redis_contract(settings: CoordinatorSettings,
                                                      redis: redis_lib.Redis) -> None:
-    async with coordinator(settings) as client:
+    async with running_coordinator(settings) as client:
         a = await register(client)
         assert a["member_id"].startswith("host-a-") and a["generation"] == 1
         assert a["partitions"] == [0, 1, 2, 3, 4, 5] and a["state"] == "active"
@@ -135,7 +127,7 @@ async def test_register_heartbeat_and_redis_contract(settings: CoordinatorSettin
 async def test_lease_expiry_reassigns_within_timeout(settings: CoordinatorSettings,
                                                      redis: redis_lib.Redis) -> None:
     settings = replace(settings, lease_ms=400, heartbeat_interval_ms=100)
-    async with coordinator(settings) as client:
+    async with running_coordinator(settings) as client:
         alive = await register(client)
         doomed = await register(client)
         gen = int(redis.get(KEYS.generation))
@@ -176,7 +168,7 @@ async def test_lease_expiry_reassigns_within_timeout(settings: CoordinatorSettin
 
 async def test_sticky_rebalance_on_join_and_graceful_leave(settings: CoordinatorSettings,
                                                            redis: redis_lib.Redis) -> None:
-    async with coordinator(settings) as client:
+    async with running_coordinator(settings) as client:
         a = await register(client)
         b = await register(client)
         before = assignment(redis)
@@ -202,7 +194,7 @@ async def test_sticky_rebalance_on_join_and_graceful_leave(settings: Coordinator
 async def test_two_coordinators_compare_and_set(settings: CoordinatorSettings,
                                                 redis: redis_lib.Redis) -> None:
     """Concurrent registrations through two coordinators on one Redis: none is lost."""
-    async with coordinator(settings) as one, coordinator(settings) as two:
+    async with running_coordinator(settings) as one, running_coordinator(settings) as two:
         regs = await asyncio.gather(*(register(c) for c in [one, two] * 5))
     ids = {r["member_id"] for r in regs}
     assert len(ids) == 10 and sorted(r["generation"] for r in regs) == list(range(1, 11))
@@ -214,7 +206,7 @@ async def test_two_coordinators_compare_and_set(settings: CoordinatorSettings,
 
 async def test_restart_keeps_state_and_config(settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
     settings = replace(settings, lease_ms=400, heartbeat_interval_ms=100)
-    async with coordinator(settings) as client:
+    async with running_coordinator(settings) as client:
         a = await register(client)
         b = await register(client)
         resp = await client.patch("/v1/admin/config", headers=ADMIN_AUTH,
@@ -224,7 +216,7 @@ async def test_restart_keeps_state_and_config(settings: CoordinatorSettings, red
     # down for longer than a lease; the new coordinator has other job flags
     deadline = json.loads(redis.hget(KEYS.members, a["member_id"]))["lease_expires_ms"]
     await wait_for(lambda: time.time() * 1000 > deadline + 200)
-    async with coordinator(replace(settings, consistency="asp", lr=0.1)) as client:
+    async with running_coordinator(replace(settings, consistency="asp", lr=0.1)) as client:
         # stored membership wins and leases were renewed: nobody was expired by the restart
         resp = await client.post(f"/v1/members/{a['member_id']}/heartbeat", headers=JOB_AUTH)
         assert resp.status == 200, await resp.text()
@@ -242,7 +234,7 @@ async def test_restart_keeps_state_and_config(settings: CoordinatorSettings, red
 
 
 async def test_fencing_of_stale_generation(settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
-    async with coordinator(settings) as client:
+    async with running_coordinator(settings) as client:
         client_a = CoordinatorClient(str(client.make_url("")), "job-secret",
                                      session=client.session)
         reg = await client_a.register({"device": "cpu", "threads": 2})
@@ -270,7 +262,7 @@ async def test_fencing_of_stale_generation(settings: CoordinatorSettings, redis:
 
 
 async def test_drain_pause_resume(settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
-    async with coordinator(settings) as client:
+    async with running_coordinator(settings) as client:
         a = await register(client)
         b = await register(client)
         resp = await client.post(f"/v1/admin/members/{a['member_id']}/drain", headers=ADMIN_AUTH)
@@ -314,7 +306,7 @@ async def test_drain_pause_resume(settings: CoordinatorSettings, redis: redis_li
 async def test_refused_requests_change_nothing(settings: CoordinatorSettings, redis: redis_lib.Redis,
                                                method: str, path: str, headers: dict[str, str],
                                                body: Any, status: int, needle: str) -> None:
-    async with coordinator(settings) as client:
+    async with running_coordinator(settings) as client:
         member = await register(client)
         before = dump(redis)
         kwargs: dict[str, Any] = {"headers": headers}
@@ -336,7 +328,7 @@ async def test_refused_requests_change_nothing(settings: CoordinatorSettings, re
 
 
 async def test_metrics_parse_and_freshness(settings: CoordinatorSettings) -> None:
-    async with coordinator(settings) as client:
+    async with running_coordinator(settings) as client:
         a = await register(client)
         await client.post(f"/v1/members/{a['member_id']}/heartbeat", headers=JOB_AUTH,
                           json={"stats": {"records_per_s": 50.0, "freshness_s": [0.1, 0.2, 3.0]}})
@@ -356,7 +348,7 @@ async def test_openapi_documents_every_route(settings: CoordinatorSettings) -> N
     app = create_app(settings)
     served = {(r.method.lower(), r.resource.canonical) for r in app.router.routes()
               if r.method != "HEAD"}
-    async with coordinator(settings) as client:
+    async with running_coordinator(settings) as client:
         resp = await client.get("/v1/openapi.yaml")
         assert resp.status == 200
         doc = yaml.safe_load(await resp.text())

@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-
 import redis as redis_lib
-from aiohttp.test_utils import TestClient, TestServer
 from kafka import KafkaProducer
 
-from coordinator.app import create_app
 from coordinator.settings import CoordinatorSettings
+from coordinator.testing import running_coordinator
 from streamtrain.keys import JobKeys
 
 
-@contextlib.asynccontextmanager
-async def coordinator(settings: CoordinatorSettings) -> AsyncIterator[TestClient]:
-    client = TestClient(TestServer(create_app(settings)))
-    await client.start_server()
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 async def test_readyz_and_partition_lag(kafka, redis_url: str, redis: redis_lib.Redis) -> None:  # type: ignore[no-untyped-def]
@@ -41,7 +29,7 @@ async def test_readyz_and_partition_lag(kafka, redis_url: str, redis: redis_lib.
     settings = CoordinatorSettings(job="lagjob", redis_url=redis_url, kafka_bootstrap=kafka.bootstrap,
                                    topic=topic, partitions=3, admin_token="a", job_token="j",
                                    kafka_timeout_ms=5000)
-    async with coordinator(settings) as client:
+    async with running_coordinator(settings) as client:
         ready = await client.get("/readyz")
         assert ready.status == 200, await ready.text()
         assert (await ready.json())["checks"] == {"redis": "ok", "kafka": "ok"}
