@@ -112,3 +112,17 @@ def test_cli_refuses_a_bad_flag_with_its_name(capsys) -> None:
         main(["trainer", "--topk-density", "2"])
     assert exc.value.code == 2
     assert "--topk-density / STREAMTRAIN_TOPK_DENSITY: must be <= 1.0, got 2.0" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_step_with_bf16_autocast_matches_cpu() -> None:
+    plan = plan_device("auto")
+    assert plan.kind == "cuda" and plan.autocast_dtype in (torch.bfloat16, None)
+    cpu = Replica(build_model("digits-mlp", seed=4), plan_device("cpu"))
+    gpu = Replica(build_model("digits-mlp", seed=4), plan)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    want, got = cpu.step(x, y), gpu.step(x, y)
+    assert got.loss == pytest.approx(want.loss, rel=0.05)
+    for name, grad in want.grads.items():
+        assert got.grads[name].device.type == "cpu" and got.grads[name].dtype == torch.float32
+        torch.testing.assert_close(got.grads[name], grad, rtol=0.1, atol=0.02)
