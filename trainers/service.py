@@ -23,6 +23,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import math
 import signal
 import socket
 import time
@@ -230,7 +231,7 @@ class Trainer:
         elapsed = max(now - w.started, 1e-6)
         stats: dict[str, object] = {"records_per_s": w.records / elapsed, "clock": max(self.clock - 1, 0),
                                     "staleness": self.last_staleness, "samples": w.records}
-        if self.loss_ema is not None:
+        if self.loss_ema is not None and math.isfinite(self.loss_ema):  # JSON has no NaN
             stats["loss"] = self.loss_ema
         if w.steps:
             stats["step_time_s"] = w.step_time_s / w.steps
@@ -266,7 +267,10 @@ class Trainer:
     async def _resync(self, reason: str) -> None:
         """After a refused push: learn the current assignment, restart from committed offsets."""
         logger.info("member %s resynchronising: %s", self.coordinator.member_id, reason)
-        self._inflight = None
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:  # let it land (or fail) before reading the committed offsets
+            with contextlib.suppress(PushRefused):
+                await inflight
         # Steps after the refused push were never pushed: our clock resumes after the last that was,
         # or the clock bound would wait for updates of ours that will never exist.
         self.clock = self._last_pushed_clock + 1
