@@ -117,24 +117,33 @@ def starting_clock(client: redis.Redis, job: str, member_id: str) -> int:
 
 def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
                    consistency: Consistency | None = None, timeout_s: float = 60.0,
-                   poll_s: float = 0.002) -> ClockWait:
+                   poll_s: float = 0.002, max_unapplied: int | None = None) -> ClockWait:
     """Block until a step at ``clock`` is allowed by the job's consistency model.
 
-    Polls with a backoff from ``poll_s`` up to 50 ms; records the measured
-    staleness in ``JobKeys.staleness`` and the Prometheus histograms.
+    Under ASP nobody waits for others; with ``max_unapplied`` a member still waits
+    until at most that many of its own pushed updates are unapplied, which bounds
+    the update log and the staleness it causes. Polls with a backoff from
+    ``poll_s`` up to 50 ms; records the measured staleness in ``JobKeys.staleness``
+    and the Prometheus histograms.
 
     Raises:
         StalenessTimeout: the bound was not met within ``timeout_s`` (names the slowest member).
     """
     cons = consistency or Consistency.from_job(client, job)
     need = required_clock(cons, clock)
+    own_need = clock - 1 - max_unapplied if need is None and max_unapplied is not None else None
+    keys = JobKeys(job)
     start = time.monotonic()
     delay = poll_s
     while True:
         low, who = min_applied_clock(client, job)
-        if need is None or low is None or low >= need:
+        own = None if own_need is None else int(client.hget(keys.applied_clocks, member_id) or 0)
+        if (own is None or own >= own_need) and (need is None or low is None or low >= need):
             break
         if time.monotonic() - start >= timeout_s:
+            if own is not None and own < own_need:
+                raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
+                                       f"its own updates up to clock {own_need} to be applied; at {own}")
             raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
                                    f"applied clock {need}; slowest live member {who} is at {low}")
         time.sleep(delay)

@@ -310,11 +310,10 @@ class Trainer:
         clock, generation = self.clock, self.assignment.generation
         config = self.assignment.config
         consistency = Consistency(config.consistency, config.staleness)
-        if consistency.mode == "asp":
-            await asyncio.to_thread(self._wait_own_applied, clock - 1 - self.settings.max_unapplied)
         waited = await asyncio.to_thread(
             wait_for_clock, self.redis, self.settings.job, self.pusher.member_id, clock,
-            consistency=consistency, timeout_s=self.settings.staleness_timeout_s)
+            consistency=consistency, timeout_s=self.settings.staleness_timeout_s,
+            max_unapplied=self.settings.max_unapplied)
         self.last_staleness = waited.staleness
         t1 = time.monotonic()
         phases["wait"] += t1 - t0
@@ -387,17 +386,6 @@ class Trainer:
                 await self._step(empty, tick=True)
             except PushRefused as exc:
                 await self._resync(str(exc))
-
-    def _wait_own_applied(self, needed: int) -> None:
-        """Block until our own updates up to clock ``needed`` are applied (ASP's only wait)."""
-        deadline = time.monotonic() + self.settings.staleness_timeout_s
-        delay = 0.001
-        while int(self.redis.hget(self.keys.applied_clocks, self.pusher.member_id) or 0) < needed:
-            if time.monotonic() > deadline:
-                raise StalenessTimeout(f"member {self.pusher.member_id}: updates up to clock {needed} "
-                                       f"not applied within {self.settings.staleness_timeout_s:.0f}s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
 
     def _members_and_clocks(self) -> tuple[set[str], dict[str, int]]:
         pipe = self.redis.pipeline(transaction=True)
