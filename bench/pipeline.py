@@ -109,9 +109,7 @@ def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Pat
         for _ in range(trainers):
             cluster.add_trainer()
         t0 = time.monotonic()
-        cluster.wait_for(lambda st: st["partitions"] and all(
-            p["committed"] == p["end"] for p in st["partitions"]), timeout_s=900,
-            what="every produced record to be consumed")
+        cluster.wait_consumed(timeout_s=900)
         wall = time.monotonic() - t0
         cluster.quiesce()
         entries = [e for e in applied_entries(cluster) if int(e[b"batch_size"]) > 0]

@@ -306,11 +306,16 @@ class LocalCluster:
         finally:
             client.close()
 
-    def wait_consumed(self, timeout_s: float) -> dict[str, Any]:
-        """Wait until the producer is done and every partition's committed offset is at its end."""
-        def consumed(st: dict[str, Any]) -> bool:
-            parts = st.get("partitions", [])
-            return self.producer_done() and bool(parts) and all(
-                p["end"] is not None and p["committed"] == p["end"] for p in parts)
+    @staticmethod
+    def all_committed(st: dict[str, Any]) -> bool:
+        """True when the status shows every partition's committed offset at its end."""
+        parts = st.get("partitions", [])
+        return bool(parts) and all(p["end"] is not None and p["committed"] == p["end"] for p in parts)
 
-        return self.wait_for(consumed, timeout_s, "every produced record to be committed")
+    def consumed(self, st: dict[str, Any]) -> bool:
+        """True when our producer (if any) is done and everything it wrote is committed."""
+        return (self.producer is None or self.producer_done()) and self.all_committed(st)
+
+    def wait_consumed(self, timeout_s: float) -> dict[str, Any]:
+        """Wait until :meth:`consumed` holds; return that status."""
+        return self.wait_for(self.consumed, timeout_s, "every produced record to be committed")

@@ -118,8 +118,7 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
                     acc = latest.get("accuracy")
                     if not s.forever and acc is not None and acc >= s.target_accuracy:
                         return True
-                    if not s.forever and cluster.producer_done() and status.get("lag") == 0 \
-                            and all(p["committed"] is not None for p in status.get("partitions", [])):
+                    if not s.forever and cluster.consumed(status):
                         return False
                 time.sleep(1.0)
     except KeyboardInterrupt:

@@ -39,7 +39,7 @@ def reaches_accuracy(cluster: LocalCluster, target: float, timeout_s: float) -> 
         cluster.raise_if_crashed()
         with contextlib.suppress(LayoutError):  # no model stored yet
             best = max(best, held_out_accuracy(cluster))
-        if best >= target or cluster.producer_done() and (cluster.status() or {}).get("lag") == 0:
+        if best >= target or cluster.consumed(cluster.status() or {}):
             break
         time.sleep(1.0)
     return best
@@ -116,10 +116,7 @@ def test_poison_records_are_dead_lettered_and_accounted(run_cluster) -> None:
     producer.flush()
     producer.close()
 
-    def all_committed(st) -> bool:
-        return all(p["end"] and p["committed"] == p["end"] for p in st["partitions"])
-
-    cluster.wait_for(all_committed, timeout_s=120, what="every message to be committed")
+    cluster.wait_consumed(timeout_s=120)
     report = audit(cluster.bootstrap, cluster.spec.topic, cluster.redis_url, cluster.spec.job)
     assert report.exact, report
     assert report.expected == report.applied == 300
