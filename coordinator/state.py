@@ -60,7 +60,7 @@ class JobConfig:
     codec: str
     """Gradient codec name, e.g. ``topk+fp16``."""
     optimizer: str
-    """Server-side optimizer: sgd | adam."""
+    """Optimizer: sgd | adam | lazyadam | dgc (``services.optim``)."""
     lr: float
     """Learning rate."""
     topic: str

@@ -7,7 +7,7 @@ Trainers use :class:`ParameterStore` (``init_model``, ``pull``),
 """
 
 from .checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
-from .codecs import CodecChain, decode_gradient, get_codec
+from .codecs import CodecChain, Sent, decode_gradient, decode_sent, get_codec
 from .consistency import ClockWait, Consistency, StalenessTimeout, starting_clock, wait_for_clock
 from .encoder import Pusher, PushResult
 from .errors import (
@@ -15,10 +15,10 @@ from .errors import (
     ParameterPlaneError, PayloadError, UnknownCodecError,
 )
 from .layout import Layout, ShardSpec, TensorSpec
-from .optim import OptimizerConfig
+from .optim import OPTIMIZERS, OptimizerConfig
 from .server import ParameterServer, ServerSettings, ServerStatus
 from .store import ModelMeta, ParameterStore, Snapshot, connect
-from .updates import Update, push_update, was_committed
+from .updates import Update, push_update, unapplied_updates, was_committed
 
 __all__ = [
     # store and snapshots
@@ -29,11 +29,13 @@ __all__ = [
     "TensorSpec",
     "ShardSpec",
     "OptimizerConfig",
+    "OPTIMIZERS",
     "connect",
     # pushing
     "Update",
     "push_update",
     "was_committed",
+    "unapplied_updates",
     "Pusher",
     "PushResult",
     # consistency
@@ -44,6 +46,8 @@ __all__ = [
     # codecs
     "get_codec",
     "decode_gradient",
+    "decode_sent",
+    "Sent",
     "CodecChain",
     # server
     "ParameterServer",

@@ -1,11 +1,15 @@
 """The atomic write of a batch of applied updates (``lua/apply.lua``), shared by every server group.
 
 A server applies the pending updates it read one after another in memory and
-then writes the result once: the final bytes of every shard it changed (and
-their optimizer state) plus, for *each* update of the batch, what a single
-apply records (``apply_progress``; for the group that completes the update:
-``applied_clocks``, the ``applied_samples`` entry, the XDEL and the gradient
-blob deletes). This module builds that MULTI/EXEC; :mod:`services.server`
+then writes the result once: for every shard it changed, the coordinates the
+batch changed and their new values as a versioned *delta* (and, when the
+shard is due for compaction, its full bytes); for *each* update of the
+batch, what a single apply records (``apply_progress``; for the group that
+completes the update: ``applied_clocks``, the ``applied_samples`` entry and
+the ``unapplied`` count); and, when the server persists its optimizer state,
+that state, the step counts, the group's persisted cursor, and the removal
+of the log entries (and gradient blobs) every group's persisted state now
+includes. This module builds that MULTI/EXEC; :mod:`services.server`
 decides what goes into it.
 """
 
@@ -14,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -23,9 +27,10 @@ import torch
 from streamtrain.keys import JobKeys
 
 from .scripts import execute_with_script
-from .updates import Update, blob_keys
+from .updates import Update
+from .wire import pack
 
-__all__ = ["Outcome", "ShardWrite", "WriteResult", "write_batch"]
+__all__ = ["Outcome", "ShardWrite", "Persist", "WriteResult", "write_batch"]
 
 
 @dataclass(frozen=True)
@@ -57,16 +62,32 @@ class Outcome:
 
 @dataclass(frozen=True)
 class ShardWrite:
-    """One shard's final state after the batch."""
+    """What one write publishes for one shard it changed."""
 
     index: int
     """Shard index."""
     version_read: int
-    """Its version when the server loaded it (compare-and-set)."""
-    step: int
-    """Optimizer steps applied to it after the batch."""
-    values: tuple[torch.Tensor, ...]
-    """The shard's parameters, then its optimizer slots (contiguous float32, sent without a copy)."""
+    """Its version (the model version that last changed it) when the server loaded it
+    (compare-and-set)."""
+    delta: bytes | None
+    """The coordinates the batch changed and their new values (``services.deltas``); None when
+    the whole shard changed (then ``full`` is set and carries it)."""
+    full: torch.Tensor | None = None
+    """The shard's values in full (contiguous float32, sent without a copy) when it is
+    compacted: it becomes the shard's base at the new version."""
+
+
+@dataclass(frozen=True)
+class Persist:
+    """A group's optimizer state as of the batch's last update, and the log entries it covers."""
+
+    state: Sequence[tuple[int, int, torch.Tensor]]
+    """(shard, slot, values) of every optimizer state tensor of the group."""
+    steps: Mapping[int, int]
+    """Shard -> optimizer steps applied."""
+    covered: Sequence[tuple[str, list[str]]]
+    """(update id, its gradient blob keys) of the updates applied since the group's previous
+    persist: removed from the log once every group's persisted state includes them."""
 
 
 @dataclass(frozen=True)
@@ -82,52 +103,76 @@ class WriteResult:
 
 
 def _view(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous float32 tensor (redis-py sends memoryviews as they are)."""
+    """Zero-copy bytes of a contiguous float32 CPU tensor (redis-py sends memoryviews as they are)."""
     return memoryview(t.numpy()).cast("B")
 
 
 def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, cursor: str,
-                outcomes: Sequence[Outcome], shards: Sequence[ShardWrite], slots: int,
+                outcomes: Sequence[Outcome], shards: Sequence[ShardWrite], persist: Persist | None = None,
                 before_exec: Callable[[], None] = lambda: None) -> WriteResult:
-    """Write a batch's shards and per-update records in one MULTI/EXEC, if nothing moved since ``cursor``.
+    """Write a batch's deltas, compactions, per-update records and (optionally) the group's
+    persisted optimizer state in one MULTI/EXEC, if nothing moved since ``cursor``.
 
-    The new values are SET under staging keys in the same transaction and
-    RENAMEd into place by the script (or deleted when the compare-and-set fails).
-    ``before_exec`` runs just before the EVALSHA is queued (fault injection).
-    The cursor moves to the last update of ``outcomes``; the model version is
-    bumped once when any shard is written.
+    Full values are SET under staging keys in the same transaction and RENAMEd
+    into place by the script (or deleted when the compare-and-set fails); deltas
+    travel as script arguments. ``before_exec`` runs just before the EVALSHA is
+    queued (fault injection). The cursor moves to the last update of ``outcomes``
+    (it stays with none, e.g. a persist on its own); the model version is bumped
+    once when any shard is written.
     """
     keys = JobKeys(job)
     fixed = [keys.ps_cursor(group), keys.versions, keys.model_version, keys.apply_progress,
-             keys.applied_clocks, keys.applied_samples, keys.update_log, keys.optimizer_steps]
+             keys.applied_clocks, keys.applied_samples, keys.update_log, keys.optimizer_steps,
+             keys.bases, keys.delta_floors, keys.unapplied, keys.ps_persisted(group),
+             *(keys.ps_persisted(g) for g in range(groups))]
     token = uuid.uuid4().hex
     staged: list[tuple[str, memoryview]] = []
-    pair_keys: list[str] = []
-    args: list = [cursor, groups, len(shards), slots, len(outcomes)]
+    renames: list[str] = []
+
+    def stage(dest: str, value: torch.Tensor) -> None:
+        key = keys.staging(token, len(staged))
+        staged.append((key, _view(value)))
+        renames.extend((key, dest))
+
     for w in shards:
-        if len(w.values) != 1 + slots:
-            raise ValueError(f"shard {w.index}: {len(w.values)} tensors, expected 1 + {slots} slots")
-        dests = [keys.shard(w.index), *(keys.optimizer_state(w.index, s) for s in range(slots))]
-        for dest, value in zip(dests, w.values, strict=True):
-            stage = keys.staging(token, len(staged))
-            staged.append((stage, _view(value)))
-            pair_keys += [stage, dest]
-        args += [w.index, w.version_read, w.step]
-    blobs: list[str] = []
+        if w.full is not None:
+            stage(keys.shard(w.index), w.full)
+        elif w.delta is None:
+            raise ValueError(f"shard {w.index}: a write needs a delta or the full values")
+    if persist is not None:
+        for index, slot, value in persist.state:
+            stage(keys.optimizer_state(index, slot), value)
+    streams = [keys.deltas(w.index) for w in shards]
+    first_stream = len(fixed) + len(renames) + 1  # 1-based KEYS index
+    args: list = []
+    plan_shards = []
+    for j, w in enumerate(shards):
+        if w.delta is not None:
+            args.append(w.delta)
+        plan_shards.append([w.index, w.version_read, len(args) + 1 if w.delta is not None else 0,
+                            int(w.full is not None), first_stream + j])
+    plan_updates = []
     for o in outcomes:
-        own_blobs = blob_keys(job, o.update)
         record = o.record()
-        args += [o.update.log_id, o.update.member_id, o.update.clock, len(own_blobs), len(record)]
-        for name, value in record.items():
-            args += [name, value]
-        blobs += own_blobs
-    all_keys = [*fixed, *pair_keys, *blobs]
+        plan_updates.append([o.update.log_id, o.update.member_id, o.update.clock,
+                             [x for kv in record.items() for x in kv]])
+    trim_keys: list[str] = []
+    plan: dict = {"cursor": cursor, "groups": groups, "renames": len(renames) // 2,
+                  "shards": plan_shards, "updates": plan_updates, "persist": 0}
+    if persist is not None:
+        trims = []
+        for uid, blobs in persist.covered:
+            trims.append([uid, first_stream + len(streams) + len(trim_keys), len(blobs)])
+            trim_keys += blobs
+        plan["persist"] = {"steps": [x for kv in sorted(persist.steps.items()) for x in kv], "trim": trims}
+    all_keys = [*fixed, *renames, *streams, *trim_keys]
+    argv = [pack(plan), *args]
 
     def build(pipe: redis.client.Pipeline, sha: str) -> None:
-        for stage, value in staged:
-            pipe.set(stage, value)
+        for key, value in staged:
+            pipe.set(key, value)
         before_exec()
-        pipe.evalsha(sha, len(all_keys), *all_keys, *args)
+        pipe.evalsha(sha, len(all_keys), *all_keys, *argv)
 
     res = execute_with_script(client, "apply", build)[-1]
     tag = res[0].decode() if isinstance(res[0], bytes) else str(res[0])

@@ -5,6 +5,13 @@ it encodes ``g + residual`` and keeps what was not sent as the next residual,
 so nothing of the gradient is lost, only delayed. The residual is committed
 only when the push succeeds; a refused push leaves it as it was.
 
+With ``momentum`` (the ``dgc`` optimizer) the trainer also keeps a momentum
+buffer per shard, as in Deep Gradient Compression (Lin et al., 2018):
+*momentum correction* accumulates the momentum ``u = m * u + g`` (not the raw
+gradient) into the residual and sends the top-k of that, and *momentum factor
+masking* clears ``u`` where values were sent, so a sent coordinate's stale
+momentum does not keep pushing it. The server then applies plain SGD.
+
 The next residual is ``g + residual`` with what was sent taken off, computed from
 the codec's own account of what the receiver will decode (:class:`~services.codecs.Sent`:
 for ``topk`` chains, the few kept indices and their decoded values), never by
@@ -55,25 +62,41 @@ class Pusher:
         codec_options: e.g. ``{"density": 0.01}``.
         error_feedback: keep residuals for lossy codecs (on by default).
         max_pending: backpressure bound of the update log.
+        momentum: trainer-side momentum with momentum correction and factor masking (the
+            ``dgc`` optimizer's, :attr:`OptimizerConfig.trainer_momentum`); needs a top-k codec.
+
+    Raises:
+        ValueError: ``momentum`` outside [0, 1), or set with a codec that sends every value
+            (factor masking would then clear the momentum at every step).
     """
 
     def __init__(self, client: redis.Redis, job: str, member_id: str, *, codec: str = "none",
                  codec_options: Mapping[str, object] | None = None, error_feedback: bool = True,
-                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
+                 max_pending: int = DEFAULT_MAX_PENDING, momentum: float = 0.0) -> None:
         self.client = client
         self.job = job
         self.member_id = member_id
         self.codec = get_codec(codec, **dict(codec_options or {}))
-        self.error_feedback = error_feedback and self.codec.lossy
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"trainer momentum must be in [0, 1), got {momentum!r}")
+        if momentum and not self.codec.parts[0].info.sparsifier:
+            raise ValueError(f"trainer momentum (optimizer dgc) needs a top-k codec such as topk+fp16; "
+                             f"codec {codec!r} sends every value, so momentum factor masking would clear "
+                             "the momentum at every step")
+        self.momentum = float(momentum)
+        self.error_feedback = (error_feedback and self.codec.lossy) or bool(momentum)
         self.max_pending = max_pending
         self.layout = ParameterStore(client, job).layout
         self.residuals: dict[int, torch.Tensor] = {}
+        self.momenta: dict[int, torch.Tensor] = {}
 
-    def encode(self, grads: Mapping[str, torch.Tensor]) -> tuple[dict[int, bytes], dict[int, torch.Tensor], int]:
+    def encode(self, grads: Mapping[str, torch.Tensor]) -> tuple[dict[int, bytes], dict[int, torch.Tensor],
+                                                                 dict[int, torch.Tensor], int]:
         """Validate and encode ``grads`` (tensor name -> gradient).
 
         Returns:
-            (shard index -> encoded bytes, shard index -> new residual, raw fp32 bytes).
+            (shard index -> encoded bytes, shard index -> new residual, shard index -> new
+            momentum (with ``momentum`` only), raw fp32 bytes).
 
         Raises:
             BadGradientError: an unknown tensor, a wrong shape or dtype, or NaN/inf
@@ -81,6 +104,7 @@ class Pusher:
         """
         blobs: dict[int, bytes] = {}
         residuals: dict[int, torch.Tensor] = {}
+        momenta: dict[int, torch.Tensor] = {}
         raw = 0
         for name, grad in grads.items():
             try:
@@ -93,7 +117,12 @@ class Pusher:
                 raise BadGradientError(f"gradient of {name!r}: dtype {grad.dtype}, expected torch.float32")
             flat = grad.detach().to("cpu").reshape(-1).numpy()
             shards = self.layout.shards_of(name)
-            parts = [self._corrected(flat, shard.start, shard.numel, shard.index) for shard in shards]
+            sources = [flat[s.start:s.start + s.numel] for s in shards]
+            if self.momentum:  # momentum correction: what accumulates is the momentum
+                for s, part in zip(shards, sources, strict=True):
+                    momenta[s.index] = self._momentum(part, s.index)
+                sources = [momenta[s.index].numpy() for s in shards]
+            parts = [self._corrected(part, s.index) for s, part in zip(shards, sources, strict=True)]
             if not all(np.isfinite(part).all() for part, _ in parts):  # one check of g + residual
                 raise BadGradientError(self._not_finite(name, flat))
             for shard, (part, owned) in zip(shards, parts):
@@ -108,17 +137,26 @@ class Pusher:
                                            f"overflow codec {self.codec.name} (NaN or infinite once encoded)")
                 blobs[shard.index] = enc.data
                 residuals[shard.index] = torch.from_numpy(_minus_sent(part, sent, in_place=owned))
-        return blobs, residuals, raw
+                if self.momentum:  # momentum factor masking: sent coordinates start afresh
+                    momenta[shard.index].numpy()[sent.indices] = 0.0
+        return blobs, residuals, momenta, raw
 
-    def _corrected(self, flat: np.ndarray, start: int, numel: int, index: int) -> tuple[np.ndarray, bool]:
-        """Shard ``index`` of a gradient plus its residual, and whether the array is a fresh one
-        (which the next residual may then be built in) rather than a view of the gradient."""
-        part = flat[start:start + numel]
+    def _corrected(self, part: np.ndarray, index: int) -> tuple[np.ndarray, bool]:
+        """Shard ``index``'s values (a view of the gradient, or its momentum) plus its residual,
+        and whether the array is a fresh one (which the next residual may then be built in)."""
         residual = self.residuals.get(index) if self.error_feedback else None
         if residual is None:
             return part, False
         with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN are refused by the caller, by name
             return np.add(part, residual.numpy()), True
+
+    def _momentum(self, part: np.ndarray, index: int) -> torch.Tensor:
+        """The next momentum ``m * u + g`` of shard ``index`` (a new tensor: committed on success)."""
+        previous = self.momenta.get(index)
+        if previous is None:
+            return torch.from_numpy(part.copy())
+        with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN are refused by the caller, by name
+            return torch.from_numpy(previous.numpy() * np.float32(self.momentum) + part)
 
     def _not_finite(self, name: str, flat: np.ndarray) -> str:
         bad = int((~np.isfinite(flat)).sum())
@@ -137,13 +175,14 @@ class Pusher:
             FencedError, OffsetConflictError, BackpressureError, PayloadError: see
                 :func:`services.updates.push_update` (residuals are kept as they were).
         """
-        blobs, residuals, raw = self.encode(grads or {})
+        blobs, residuals, momenta, raw = self.encode(grads or {})
         update = Update(member_id=self.member_id, generation=generation, clock=clock, gradients=blobs,
                         codec=self.codec.name, offsets=dict(offsets or {}), samples=tuple(samples),
                         batch_size=batch_size, produced_ts_ms=produced_ts_ms)
         update_id = push_update(self.client, self.job, update, max_pending=self.max_pending,
                                 backpressure_timeout_s=backpressure_timeout_s)
         self.residuals.update(residuals)
+        self.momenta.update(momenta)
         return PushResult(update_id, sum(len(b) for b in blobs.values()), raw)
 
     def residual_norm(self) -> float:

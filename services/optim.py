@@ -1,8 +1,29 @@
-"""Server-side optimizers (SGD with momentum, Adam), learning-rate schedules, clipping.
+"""Server-side optimizers, learning-rate schedules and clipping (pure functions over tensors).
 
-Pure functions over tensors: the parameter server keeps the state in Redis
-(one bytes value per shard and slot, written in the same atomic step as the
-parameters), so a restarted server resumes exactly where it stopped.
+Four optimizers, two of them *sparse*: their step touches only the
+coordinates a gradient carries, so a top-k gradient costs the server, Redis
+and the trainers' pulls in proportion to the values it keeps.
+
+=============  =========================================================  ===========
+name           step                                                       state/shard
+=============  =========================================================  ===========
+``sgd``        SGD with momentum on the server (dense)                    momentum
+``adam``       Adam (dense: every coordinate moves at every step)         m, v
+``lazyadam``   Adam on the gradient's coordinates only (PyTorch's          m, v
+               ``SparseAdam``, TensorFlow's ``LazyAdam``)
+``dgc``        plain SGD on the server; the momentum lives on the          none
+               trainer, with momentum correction and momentum factor
+               masking (Lin et al., *Deep Gradient Compression*, 2018)
+=============  =========================================================  ===========
+
+A dense optimizer given a sparse gradient fills in the zeros (so its step is
+dense); a sparse optimizer given a dense gradient touches every coordinate.
+
+Weight decay is *decoupled* (AdamW/SGDW: ``p -= lr * wd * p`` on the
+coordinates a step touches). So the optimizer state (momentum, m, v) is a
+function of the gradients alone, never of the parameters: a restarted server
+rebuilds it by replaying the logged gradients since its last persisted state
+(``services.server``), whatever the parameters are.
 """
 
 from __future__ import annotations
@@ -14,7 +35,15 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-__all__ = ["OptimizerConfig", "learning_rate", "slots", "step", "clip_factor"]
+from .codecs import Sent
+
+__all__ = ["OptimizerConfig", "OPTIMIZERS", "learning_rate", "slots", "step", "clip_factor"]
+
+OPTIMIZERS = ("sgd", "adam", "lazyadam", "dgc")
+"""Optimizer names a job may use."""
+
+SPARSE_OPTIMIZERS = ("lazyadam", "dgc")
+"""Optimizers whose step touches only the coordinates of the gradient."""
 
 
 @dataclass(frozen=True)
@@ -22,11 +51,11 @@ class OptimizerConfig:
     """How the parameter servers turn gradients into new parameters (stored in the job's meta)."""
 
     name: str = "sgd"
-    """``sgd`` (with momentum) or ``adam``."""
+    """One of :data:`OPTIMIZERS`."""
     lr: float = 0.01
     """Base learning rate."""
     momentum: float = 0.9
-    """SGD momentum (0 turns it off)."""
+    """SGD momentum (0 turns it off); for ``dgc`` the trainers' momentum."""
     beta1: float = 0.9
     """Adam first-moment decay."""
     beta2: float = 0.999
@@ -34,7 +63,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     """Adam denominator epsilon."""
     weight_decay: float = 0.0
-    """L2 penalty added to the gradient."""
+    """Decoupled weight decay (``p -= lr * wd * p`` where a step touches ``p``)."""
     clip_norm: float = 0.0
     """Clip each update's gradient to this L2 norm over the shards one server applies (0: off)."""
     schedule: str = "constant"
@@ -49,8 +78,8 @@ class OptimizerConfig:
     """Factor of the step schedule."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be sgd or adam, got {self.name!r}")
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
         if self.schedule not in ("constant", "cosine", "step"):
             raise ValueError(f"lr schedule must be constant, cosine or step, got {self.schedule!r}")
         for field in ("lr", "weight_decay", "clip_norm", "eps"):
@@ -65,6 +94,16 @@ class OptimizerConfig:
             if getattr(self, field) < (0 if field == "warmup_steps" else 1):
                 raise ValueError(f"optimizer {field} out of range: {getattr(self, field)!r}")
 
+    @property
+    def sparse(self) -> bool:
+        """True when a step touches only the coordinates the gradient carries."""
+        return self.name in SPARSE_OPTIMIZERS
+
+    @property
+    def trainer_momentum(self) -> float:
+        """Momentum the trainers apply before compressing (``dgc``), else 0."""
+        return self.momentum if self.name == "dgc" else 0.0
+
     def to_json(self) -> str:
         """JSON of every field."""
         return json.dumps(asdict(self), sort_keys=True)
@@ -76,10 +115,10 @@ class OptimizerConfig:
 
 
 def slots(cfg: OptimizerConfig) -> int:
-    """Number of state tensors per shard: 1 for SGD with momentum, 2 for Adam, else 0."""
-    if cfg.name == "adam":
+    """Number of server-side state tensors per shard: 2 for Adam, 1 for SGD with momentum, else 0."""
+    if cfg.name in ("adam", "lazyadam"):
         return 2
-    return 1 if cfg.momentum > 0 else 0
+    return 1 if cfg.name == "sgd" and cfg.momentum > 0 else 0
 
 
 def learning_rate(cfg: OptimizerConfig, t: int) -> float:
@@ -94,27 +133,42 @@ def learning_rate(cfg: OptimizerConfig, t: int) -> float:
     return lr
 
 
-def clip_factor(cfg: OptimizerConfig, grads: list[torch.Tensor]) -> float:
+def clip_factor(cfg: OptimizerConfig, grads: list[Sent]) -> float:
     """Factor that scales ``grads`` to at most ``cfg.clip_norm`` total L2 norm (1.0 when off)."""
     if cfg.clip_norm <= 0 or not grads:
         return 1.0
-    norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    norm = math.sqrt(sum(float(np.dot(g.values.astype(np.float64), g.values)) for g in grads))
     return min(1.0, cfg.clip_norm / (norm + 1e-12))
 
 
-def step(cfg: OptimizerConfig, param: torch.Tensor, grad: torch.Tensor,
-         state: list[torch.Tensor], t: int) -> None:
-    """Apply step ``t`` (1-based) to ``param`` and ``state`` in place (``grad`` is not modified).
+def step(cfg: OptimizerConfig, param: torch.Tensor, grad: Sent, state: list[torch.Tensor], t: int,
+         scale: float = 1.0) -> np.ndarray | None:
+    """Apply step ``t`` (1-based) of ``grad`` times ``scale`` to ``param`` and ``state`` in place.
 
-    The tensors are float32 on the CPU (where the parameter servers run).
+    ``param`` and the state are contiguous float32 CPU tensors of one shard;
+    ``grad`` is dense (``indices`` None) or sparse (sorted unique ``indices``).
+
+    Returns:
+        The sorted indices the step changed, or None when it changed every coordinate.
     """
-    if cfg.weight_decay:
-        grad = grad + cfg.weight_decay * param
+    values = grad.values if scale == 1.0 else grad.values * np.float32(scale)
     lr = learning_rate(cfg, t)
+    if cfg.sparse:
+        idx = grad.indices
+        if idx is None:
+            idx = np.arange(param.numel())
+        _sparse_step(cfg, param.numpy(), idx, values, [s.numpy() for s in state], t, lr)
+        return grad.indices
+    dense = torch.from_numpy(np.ascontiguousarray(values))
+    if grad.indices is not None:  # a dense optimizer fills in the zeros
+        dense = torch.zeros(param.numel(), dtype=torch.float32)
+        dense[torch.from_numpy(grad.indices)] = torch.from_numpy(values)
+    if cfg.weight_decay:
+        param.mul_(1.0 - lr * cfg.weight_decay)
     if cfg.name == "adam":
         m, v = state
-        m.mul_(cfg.beta1).add_(grad, alpha=1 - cfg.beta1)
-        v.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
+        m.mul_(cfg.beta1).add_(dense, alpha=1 - cfg.beta1)
+        v.mul_(cfg.beta2).addcmul_(dense, dense, value=1 - cfg.beta2)
         bias1 = 1 - cfg.beta1 ** t
         bias2 = 1 - cfg.beta2 ** t
         denom = v / bias2
@@ -125,7 +179,29 @@ def step(cfg: OptimizerConfig, param: torch.Tensor, grad: torch.Tensor,
         param.addcdiv_(m, denom, value=-lr / bias1)
     elif state:
         buf = state[0]
-        buf.mul_(cfg.momentum).add_(grad)
+        buf.mul_(cfg.momentum).add_(dense)
         param.add_(buf, alpha=-lr)
     else:
-        param.add_(grad, alpha=-lr)
+        param.add_(dense, alpha=-lr)
+    return None
+
+
+def _sparse_step(cfg: OptimizerConfig, p: np.ndarray, idx: np.ndarray, g: np.ndarray,
+                 state: list[np.ndarray], t: int, lr: float) -> None:
+    """The step of a sparse optimizer at coordinates ``idx`` only (numpy views of the tensors)."""
+    f32 = np.float32
+    w = p[idx]
+    if cfg.weight_decay:
+        w *= f32(1.0 - lr * cfg.weight_decay)
+    if cfg.name == "lazyadam":
+        # the arithmetic of torch.optim.SparseAdam, at the touched coordinates
+        m, v = state
+        m_i, v_i = m[idx], v[idx]
+        m_i += (g - m_i) * f32(1 - cfg.beta1)
+        v_i += (g * g - v_i) * f32(1 - cfg.beta2)
+        m[idx], v[idx] = m_i, v_i
+        step_size = lr * math.sqrt(1 - cfg.beta2 ** t) / (1 - cfg.beta1 ** t)
+        w -= f32(step_size) * (m_i / (np.sqrt(v_i) + f32(cfg.eps)))
+    else:  # dgc: plain SGD; momentum was applied by the trainer
+        w -= f32(lr) * g
+    p[idx] = w

@@ -2,27 +2,46 @@
 
 Several servers may split the shards: server ``group`` of ``groups`` owns the
 shards ``i`` with ``i % groups == group`` and keeps its own cursor (the last
-update id it applied). In each round it:
+update id it applied). It holds its shards and their optimizer state in
+memory; Redis holds the published parameters (full shards plus versioned
+deltas), the state persisted at the group's last persist, and every update
+the persisted state does not include yet. In each round it:
 
 1. reads up to ``batch`` pending updates (XREAD after its cursor);
 2. for each of them in log order, decodes and validates *all* of its
    gradients (so every group reaches the same verdict on a bad one; a refused
    update is recorded as rejected and the others still apply) and applies one
-   optimizer step to its own shards in memory, from a cache of them loaded
-   from Redis: exactly the math of applying the updates one by one;
-3. writes the final shards and optimizer state once with ``lua/apply.lua``
-   (:mod:`services.apply`), which succeeds only if its cursor and the shard
-   versions are still what it read (compare-and-set), and in the same atomic
-   step bumps ``model_version`` once, moves the cursor past the batch's last
+   optimizer step to its own shards in memory: exactly the math of applying
+   the updates one by one. A sparse optimizer (``lazyadam``, ``dgc``) touches
+   only the coordinates a top-k gradient carries;
+3. writes once with ``lua/apply.lua`` (:mod:`services.apply`), which succeeds
+   only if its cursor and the shard versions are still what it read
+   (compare-and-set), and in the same atomic step bumps ``model_version``
+   once, publishes each changed shard's *delta* (the coordinates the batch
+   changed and their new values) at that version, rewrites the full bytes of
+   a shard that is due for compaction (its deltas since its last full write
+   outgrew ``compact_fraction`` of it, it is ``compact_every`` versions old,
+   or the whole shard changed), moves the cursor past the batch's last
    update, and counts the group in ``apply_progress`` of every update. The
    group that completes an update's count also raises the member's
-   ``applied_clocks``, appends its ``applied_samples`` entry and deletes it
-   from the log, so those happen exactly once per update.
+   ``applied_clocks``, appends its ``applied_samples`` entry and lowers the
+   ``unapplied`` count, so those happen exactly once per update.
+4. Every ``persist_every`` updates (or once the gradients applied since hold
+   as many bytes as the optimizer state; at every write for optimizers
+   without state, and on a clean stop) the same write also persists the
+   group's optimizer state and step counts and its *persisted cursor*; the
+   updates every group's persisted state includes then leave the log with
+   their gradient blobs.
 
 Killed before 3, nothing was written and the batch is redone on restart;
-killed after 3, the cursor has moved past it. A CAS failure (another server
-of the same group won) reloads the cache from Redis; so does any failure
-between 2 and 3 (the cache is then ahead of Redis).
+killed after 3, the cursor has moved past it. A restarted server reads its
+shards (full bytes plus deltas), its persisted optimizer state, and replays
+the updates between its persisted cursor and its cursor to rebuild the
+optimizer state exactly, without writing or counting them again (the state
+depends on the gradients only: weight decay is decoupled, see
+:mod:`services.optim`). A CAS failure (another server of the same group won)
+reloads from Redis; so does any failure between 2 and 3 (memory is then
+ahead of Redis).
 """
 
 from __future__ import annotations
@@ -44,11 +63,13 @@ import torch
 from streamtrain.keys import JobKeys
 from streamtrain.settings import setting
 
-from .apply import Outcome, ShardWrite, write_batch
+from .apply import Outcome, Persist, ShardWrite, write_batch
+from .codecs import Sent
+from .deltas import apply_deltas, encode_delta
 from .errors import LayoutError, ParameterPlaneError
 from .optim import clip_factor, slots, step
 from .store import ModelMeta, ParameterStore, connect
-from .updates import Update, load_gradients, parse_entry, validate_gradients
+from .updates import Update, blob_keys, load_gradients, parse_entry, validate_gradients
 from .wire import DEFAULT_MAX_BYTES
 
 logger = logging.getLogger(__name__)
@@ -72,6 +93,16 @@ class ServerSettings:
                          help="most pending updates applied per write (one read, one atomic write)")
     max_update_bytes: int = setting(DEFAULT_MAX_BYTES, env="STREAMTRAIN_PS_MAX_UPDATE_BYTES", min=1024,
                                     help="largest gradient accepted per shard")
+    compact_fraction: float = setting(0.5, env="STREAMTRAIN_PS_COMPACT_FRACTION", min=0.0, max=1000.0,
+                                      help="rewrite a shard in full once its deltas since its last full write "
+                                           "hold this fraction of its bytes")
+    compact_every: int = setting(1000, env="STREAMTRAIN_PS_COMPACT_EVERY", min=1,
+                                 help="rewrite a changed shard in full once its last full write is this many "
+                                      "model versions old")
+    persist_every: int = setting(256, env="STREAMTRAIN_PS_PERSIST_EVERY", min=1,
+                                 help="persist the optimizer state after this many updates (or once the "
+                                      "gradients applied since hold as many bytes as the state); the log "
+                                      "keeps every update until then, and a restart replays them")
     checkpoint_every: int = setting(0, env="STREAMTRAIN_PS_CHECKPOINT_EVERY", min=0,
                                     help="group 0 saves a checkpoint every N model versions (0: off)")
     checkpoint_dir: str = setting("checkpoints", env="STREAMTRAIN_PS_CHECKPOINT_DIR",
@@ -107,20 +138,56 @@ class ServerStatus(str, enum.Enum):
 
 
 @dataclass
+class _Shard:
+    """One of the group's shards, in memory."""
+
+    params: torch.Tensor
+    """Its values (contiguous float32)."""
+    opt: list[torch.Tensor]
+    """Its optimizer state tensors."""
+    step: int
+    """Optimizer steps applied."""
+    version: int
+    """The model version that last changed it (compare-and-set)."""
+    base: int
+    """The model version of its full bytes in Redis."""
+    delta_bytes: int
+    """Bytes of its deltas published after ``base``."""
+
+
+@dataclass
 class _GroupState:
-    """The server's cache of its shards (source of truth is Redis)."""
+    """The group's shards and optimizer state (the server's own; Redis has what it published)."""
 
     cursor: str = ""
-    params: dict[int, torch.Tensor] = field(default_factory=dict)
-    opt: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    steps: dict[int, int] = field(default_factory=dict)
-    versions: dict[int, int] = field(default_factory=dict)
+    """Last update applied."""
+    persisted: str = ""
+    """Last update the persisted optimizer state includes."""
+    version: int = 0
+    """Newest model version seen."""
+    shards: dict[int, _Shard] = field(default_factory=dict)
+    unpersisted: list[tuple[str, list[str]]] = field(default_factory=list)
+    """(update id, gradient blob keys) of the updates applied since the last persist."""
+    unpersisted_bytes: int = 0
+    """Gradient bytes of those updates."""
+
+
+class _LogMoved(Exception):
+    """The log changed under a load (another server of the group persisted): load again."""
 
 
 def _tensor(blob: bytes | None, numel: int, what: str) -> torch.Tensor:
     if blob is None or len(blob) != 4 * numel:
         raise LayoutError(f"{what}: missing or {0 if blob is None else len(blob)} bytes, expected {4 * numel}")
     return torch.from_numpy(np.frombuffer(blob, dtype=np.float32).copy())
+
+
+def _id(entry_id: str) -> tuple[int, int]:
+    """A stream id as a comparable pair ('' sorts first)."""
+    if not entry_id:
+        return (-1, -1)
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq)
 
 
 class ParameterServer:
@@ -177,13 +244,21 @@ class ParameterServer:
                     self.settings.groups, self._state.cursor)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the apply thread (finishing the update in hand) and release the client. Idempotent."""
+        """Stop the apply thread (finishing the update in hand), persist the optimizer state (so
+        the next start replays nothing) and release the client. Idempotent."""
+        running = self.status is ServerStatus.RUNNING
         if self.status in (ServerStatus.RUNNING, ServerStatus.FAILED):
-            self.status = ServerStatus.CLOSING if self.status is ServerStatus.RUNNING else self.status
+            self.status = ServerStatus.CLOSING if running else self.status
         self._stop.set()
         try:
             if self._thread is not None:
                 self._thread.join(timeout_s)
+            if running and (self._thread is None or not self._thread.is_alive()) and self._state.unpersisted:
+                try:
+                    self.persist()
+                except (redis.RedisError, ParameterPlaneError) as exc:
+                    logger.warning("ps job=%s group=%d: could not persist the optimizer state on stop (%s); "
+                                   "the next start replays the log", self.settings.job, self.settings.group, exc)
         finally:
             if self._own_client:
                 self.client.close()
@@ -232,34 +307,84 @@ class ParameterServer:
         return [s.index for s in meta.layout.shards if s.index % self.settings.groups == self.settings.group]
 
     def load(self) -> None:
-        """(Re)load the group's cursor, shards, versions and optimizer state from Redis in one MULTI."""
+        """(Re)load the group's shards, cursors and persisted optimizer state from Redis (one
+        MULTI), then replay the updates applied since the persist to rebuild the optimizer state."""
         meta = self.store.meta(refresh=True)
         if meta.groups != self.settings.groups:
             raise LayoutError(f"job {self.settings.job} is split into {meta.groups} shard groups, "
                               f"this server was started with --groups {self.settings.groups}")
         self._meta = meta
+        for attempt in range(8):
+            try:
+                self._state = self._read_state(meta)
+                break
+            except _LogMoved:
+                if attempt == 7:
+                    raise
+        self._state_valid = True
+
+    def _read_state(self, meta: ModelMeta) -> _GroupState:
         own = self.own_shards()
         k = slots(meta.optimizer)
+        g = self.settings.group
         pipe = self.client.pipeline(transaction=True)
-        pipe.get(self.keys.ps_cursor(self.settings.group))
+        pipe.get(self.keys.ps_cursor(g))
+        pipe.get(self.keys.ps_persisted(g))
+        pipe.get(self.keys.model_version)
         pipe.hgetall(self.keys.versions)
+        pipe.hgetall(self.keys.bases)
         pipe.hgetall(self.keys.optimizer_steps)
         pipe.mget([self.keys.shard(i) for i in own] or [self.keys.shard(0)])
-        if k:
-            pipe.mget([self.keys.optimizer_state(i, s) for i in own for s in range(k)] or [self.keys.shard(0)])
-        res = pipe.execute()
-        cursor, versions, steps, blobs = res[:4]
-        state = _GroupState(cursor=(cursor or b"").decode())
-        shards = meta.layout.shards
+        pipe.mget([self.keys.optimizer_state(i, s) for i in own for s in range(k)] or [self.keys.shard(0)])
+        for i in own:
+            pipe.xrange(self.keys.deltas(i))
+        pipe.xrange(self.keys.update_log)
+        cursor, persisted, version, versions, bases, steps, blobs, opt_blobs, *streams, log = pipe.execute()
+        st = _GroupState(cursor=(cursor or b"").decode(), persisted=(persisted or b"").decode(),
+                         version=int(version or 0))
+        layout = meta.layout
         for j, i in enumerate(own):
-            state.params[i] = _tensor(blobs[j], shards[i].numel, f"shard {i} ({shards[i].name})")
-            state.versions[i] = int(versions.get(str(i).encode(), 0))
-            state.steps[i] = int(steps.get(str(i).encode(), 0))
-            slot_blobs = res[4][j * k:(j + 1) * k] if k else []
-            state.opt[i] = [torch.zeros(shards[i].numel) if b is None else
-                            _tensor(b, shards[i].numel, f"optimizer state of shard {i}") for b in slot_blobs]
-        self._state = state
-        self._state_valid = True
+            spec = layout.shards[i]
+            params = _tensor(blobs[j], spec.numel, f"shard {i} ({spec.name})")
+            base = int(bases.get(str(i).encode(), 0))
+            delta_bytes = apply_deltas(params, streams[j], after=base, upto=st.version,
+                                       what=f"delta of shard {i} ({spec.name})")
+            opt = [torch.zeros(spec.numel) if b is None else _tensor(b, spec.numel, f"optimizer state of shard {i}")
+                   for b in opt_blobs[j * k:(j + 1) * k]]
+            st.shards[i] = _Shard(params, opt, int(steps.get(str(i).encode(), 0)),
+                                  int(versions.get(str(i).encode(), 0)), base, delta_bytes)
+        done, persisted_at = _id(st.cursor), _id(st.persisted)
+        replay = [(eid.decode(), fields) for eid, fields in log if persisted_at < _id(eid.decode()) <= done]
+        self._replay(st, replay)
+        return st
+
+    def _replay(self, st: _GroupState, entries: list[tuple[str, Mapping[bytes, bytes]]]) -> None:
+        """Rebuild the optimizer state of the updates applied since the persist, in order, on
+        scratch parameters (Redis already publishes their effect; nothing is written or counted)."""
+        if not entries:
+            return
+        scratch = {i: sh.params.clone() for i, sh in st.shards.items()}
+        for eid, fields in entries:
+            try:
+                update = parse_entry(eid, fields)
+            except ParameterPlaneError:
+                st.unpersisted.append((eid, []))
+                continue  # refused when applied: no step
+            st.unpersisted.append((eid, blob_keys(self.settings.job, update)))
+            try:
+                update = load_gradients(self.client, self.settings.job, update)
+            except ParameterPlaneError:
+                if not self.client.xrange(self.keys.update_log, eid, eid):
+                    raise _LogMoved(f"update {eid} left the log during a load") from None
+                continue  # its blobs were missing when applied too: refused, no step
+            st.unpersisted_bytes += sum(len(b) for b in update.gradients.values())
+            try:
+                decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
+            except ParameterPlaneError:
+                continue  # refused when applied: no step
+            self._steps(st, decoded, scratch)
+        logger.info("ps job=%s group=%d: replayed %d update(s) after persisted %r to rebuild the optimizer "
+                    "state", self.settings.job, self.settings.group, len(entries), st.persisted)
 
     # -- applying --------------------------------------------------------------
     def step(self) -> int:
@@ -288,36 +413,50 @@ class ParameterServer:
             The number of entries applied (or recorded as rejected); 0 when the
             compare-and-set failed: nothing was written and the state was reloaded.
         """
-        meta = self._meta
-        assert meta is not None
         st = self._state
-        cursor = st.cursor
         outcomes: list[Outcome] = []
-        touched: set[int] = set()
+        touched: dict[int, list[np.ndarray | None]] = {}
+        covered: list[tuple[str, list[str]]] = []
+        grad_bytes = 0
         self._state_valid = False  # the shards are changed in place from here on
         for entry_id, fields in entries:
             if self._stop.is_set() and self._thread is not None:
                 break
             eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            outcomes.append(self._compute(eid, fields, touched))
+            outcome, nbytes = self._compute(eid, fields, touched)
+            outcomes.append(outcome)
+            covered.append((eid, blob_keys(self.settings.job, outcome.update)))
+            grad_bytes += nbytes
         if not outcomes:
             self._state_valid = True  # nothing computed, nothing changed
             return 0
-        k = slots(meta.optimizer)
-        writes = [ShardWrite(i, st.versions[i], st.steps[i], (st.params[i], *st.opt[i])) for i in sorted(touched)]
+        writes = [self._shard_write(i, changes) for i, changes in sorted(touched.items())]
+        persist = self._persist_due(len(covered), grad_bytes)
         n = len(outcomes)
         result = write_batch(self.client, self.settings.job, group=self.settings.group,
-                             groups=self.settings.groups, cursor=cursor, outcomes=outcomes, shards=writes,
-                             slots=k, before_exec=lambda: self._fault("kill-before-write", n))
+                             groups=self.settings.groups, cursor=st.cursor, outcomes=outcomes, shards=writes,
+                             persist=self._persist(covered) if persist else None,
+                             before_exec=lambda: self._fault("kill-before-write", n))
         self._fault("kill-after-write", n)
         if not result.ok:
             logger.warning("ps job=%s group=%d: %d update(s) from %s lost the compare-and-set (%s); reloading",
                            self.settings.job, self.settings.group, n, outcomes[0].update.log_id, result.conflict)
             self.load()
             return 0
-        for i in touched:
-            st.versions[i] = result.version
+        for w in writes:
+            sh = st.shards[w.index]
+            sh.version = result.version
+            if w.full is not None:
+                sh.base, sh.delta_bytes = result.version, 0
+            else:
+                sh.delta_bytes += len(w.delta)
+        st.version = max(st.version, result.version)
         st.cursor = outcomes[-1].update.log_id
+        if persist:
+            st.persisted, st.unpersisted, st.unpersisted_bytes = st.cursor, [], 0
+        else:
+            st.unpersisted += covered
+            st.unpersisted_bytes += grad_bytes
         self._state_valid = True
         self.applied += n
         logger.debug("ps job=%s group=%d: %d update(s) %s..%s (%d rejected) -> version %d", self.settings.job,
@@ -326,24 +465,79 @@ class ParameterServer:
         self._maybe_checkpoint(result.version)
         return n
 
-    def _compute(self, eid: str, fields: Mapping[bytes, bytes], touched: set[int]) -> Outcome:
-        """Apply one update to the in-memory shards (one optimizer step each); adds them to ``touched``."""
-        meta = self._meta
-        assert meta is not None
+    def persist(self) -> bool:
+        """Persist the optimizer state now, on its own write (a clean stop does this, so the next
+        start replays nothing). False when another server of the group moved the cursor."""
+        if not self._state_valid or self._meta is None:
+            return False
         st = self._state
+        result = write_batch(self.client, self.settings.job, group=self.settings.group,
+                             groups=self.settings.groups, cursor=st.cursor, outcomes=[], shards=[],
+                             persist=self._persist([]))
+        if result.ok:
+            st.persisted, st.unpersisted, st.unpersisted_bytes = st.cursor, [], 0
+        return result.ok
+
+    def _persist_due(self, updates: int, grad_bytes: int) -> bool:
+        st = self._state
+        k = slots(self._meta.optimizer)
+        if k == 0:
+            return True  # only step counts to write
+        state_bytes = 4 * k * sum(sh.params.numel() for sh in st.shards.values())
+        return (len(st.unpersisted) + updates >= self.settings.persist_every
+                or st.unpersisted_bytes + grad_bytes >= state_bytes)
+
+    def _persist(self, covered: list[tuple[str, list[str]]]) -> Persist:
+        st = self._state
+        return Persist(state=[(i, j, t) for i, sh in sorted(st.shards.items()) for j, t in enumerate(sh.opt)],
+                       steps={i: sh.step for i, sh in st.shards.items()},
+                       covered=[*st.unpersisted, *covered])
+
+    def _shard_write(self, i: int, changes: list[np.ndarray | None]) -> ShardWrite:
+        """What to publish for shard ``i`` after a batch changed it: a delta, and the full bytes
+        when it is due for compaction (or changed everywhere)."""
+        sh = self._state.shards[i]
+        if any(c is None for c in changes):
+            return ShardWrite(i, sh.version, delta=None, full=sh.params)
+        idx = changes[0] if len(changes) == 1 else np.unique(np.concatenate(changes))
+        delta = encode_delta(idx, sh.params.numpy()[idx])
+        s = self.settings
+        compact = (sh.delta_bytes + len(delta) > s.compact_fraction * 4 * sh.params.numel()
+                   or self._state.version + 1 - sh.base >= s.compact_every)
+        return ShardWrite(i, sh.version, delta=delta, full=sh.params if compact else None)
+
+    def _compute(self, eid: str, fields: Mapping[bytes, bytes],
+                 touched: dict[int, list[np.ndarray | None]]) -> tuple[Outcome, int]:
+        """Apply one update to the in-memory shards (one optimizer step each); records what it
+        changed in ``touched``. Returns its outcome and its gradient bytes."""
         try:
             update = load_gradients(self.client, self.settings.job, parse_entry(eid, fields))
-            decoded = validate_gradients(update, meta.layout, max_bytes=self.settings.max_update_bytes)
         except ParameterPlaneError as exc:
-            return self._reject(eid, fields, exc)
-        own = [i for i in sorted(update.gradients) if i % self.settings.groups == self.settings.group]
+            return self._reject(eid, fields, exc), 0
+        nbytes = sum(len(b) for b in update.gradients.values())
+        try:
+            decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
+        except ParameterPlaneError as exc:
+            return self._reject(eid, fields, exc), nbytes
+        for i, changed in self._steps(self._state, decoded).items():
+            touched.setdefault(i, []).append(changed)
+        return Outcome(dataclasses.replace(update, gradients={}), "applied"), nbytes
+
+    def _steps(self, st: _GroupState, decoded: Mapping[int, Sent],
+               scratch: Mapping[int, torch.Tensor] | None = None) -> dict[int, np.ndarray | None]:
+        """One optimizer step of one update on the group's shards (on ``scratch`` parameters
+        when given). Returns shard -> the indices it changed (None: all of them)."""
+        cfg = self._meta.optimizer
+        own = [i for i in sorted(decoded) if i % self.settings.groups == self.settings.group]
         grads = [decoded[i] for i in own]
-        factor = clip_factor(meta.optimizer, grads)
+        factor = clip_factor(cfg, grads)
+        changed = {}
         for i, g in zip(own, grads, strict=True):
-            st.steps[i] += 1
-            step(meta.optimizer, st.params[i], g if factor == 1.0 else g * factor, st.opt[i], st.steps[i])
-            touched.add(i)
-        return Outcome(dataclasses.replace(update, gradients={}), "applied")
+            sh = st.shards[i]
+            sh.step += 1
+            params = sh.params if scratch is None else scratch[i]
+            changed[i] = step(cfg, params, g, sh.opt, sh.step, factor)
+        return changed
 
     def _reject(self, eid: str, fields: Mapping[bytes, bytes], exc: ParameterPlaneError) -> Outcome:
         logger.error("ps job=%s group=%d: update %s refused, parameters untouched: %s",

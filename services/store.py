@@ -3,16 +3,21 @@
 Data model (all keys from :class:`streamtrain.keys.JobKeys`):
 
 * ``meta`` — JSON ``{"layout": ..., "optimizer": ..., "groups": n}``, written once.
-* ``shard:<i>`` — float32 little-endian bytes of shard ``i``.
-* ``versions`` — hash ``i -> model version that last wrote shard i``.
-* ``model_version`` — integer, bumped by every atomic apply that writes shards.
+* ``shard:<i>`` — full float32 little-endian bytes of shard ``i`` as of its base version.
+* ``bases`` — hash ``i -> the model version shard:<i> is as of`` (moved by compaction only).
+* ``deltas:<i>`` — stream of shard ``i``'s deltas, entry ``<version>-0`` (``services.deltas``).
+* ``delta_floors`` — hash ``i -> every delta above this version is kept`` (<= the base).
+* ``versions`` — hash ``i -> model version that last changed shard i``.
+* ``model_version`` — integer, bumped by every atomic apply that changes shards.
 
+Shard ``i`` at model version V is ``shard:<i>`` plus its deltas in (base, V].
 A snapshot at version V holds every shard as it was when ``model_version``
-was V (invariant 3): every write of a shard bumps ``model_version`` in the same
-atomic step, so reading ``model_version`` and the shards in one MULTI/EXEC is
-consistent. A pull that already holds a snapshot first reads the versions, then
-fetches only the changed shards together with ``model_version`` in one
-MULTI/EXEC, and retries if the model moved in between.
+was V (invariant 3): every apply bumps ``model_version`` in the same atomic
+step that publishes its deltas, so one MULTI/EXEC reads a consistent state.
+A pull that already holds a snapshot at S reads, in one MULTI/EXEC, the
+versions and the deltas after S, and moves only the changed coordinates; a
+shard whose deltas since S were compacted away is read in full (a second
+MULTI/EXEC, which the deltas' versions let it align on V).
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import torch
 
 from streamtrain.keys import JobKeys
 
+from .deltas import apply_deltas
 from .errors import LayoutError
-from .layout import DEFAULT_SHARD_ELEMS, Layout, make_layout
+from .layout import DEFAULT_SHARD_ELEMS, Layout, ShardSpec, make_layout
 from .optim import OptimizerConfig
 from .scripts import script
 
@@ -90,12 +96,14 @@ class Snapshot:
     version: int
     """The model version it names."""
     versions: tuple[int, ...]
-    """Version of each shard (the model version that last wrote it)."""
+    """Version of each shard (the model version that last changed it)."""
     tensors: dict[str, torch.Tensor]
-    """Tensors by name (float32 unless pulled as fp16/bf16). Treat as read-only:
-    a later pull shares the tensors that did not change."""
+    """Tensors by name (float32). Treat as read-only: a later pull shares the tensors that did
+    not change (or, pulled with ``out=``, writes into them)."""
     fetched: tuple[int, ...]
-    """Shard indices this pull fetched (all of them on a first pull)."""
+    """Shard indices this pull changed (all of them on a first pull)."""
+    wire_bytes: int = 0
+    """Shard and delta bytes this pull read from Redis."""
 
 
 class ParameterStore:
@@ -136,8 +144,8 @@ class ParameterStore:
         flat = {name: t.detach().to("cpu", torch.float32).reshape(-1).contiguous()
                 for name, t in tensors.items()}
         blobs = [flat[s.name][s.start:s.start + s.numel].numpy().tobytes() for s in layout.shards]
-        keys = [self.keys.meta, self.keys.versions, self.keys.model_version,
-                *(self.keys.shard(s.index) for s in layout.shards)]
+        keys = [self.keys.meta, self.keys.versions, self.keys.bases, self.keys.delta_floors,
+                self.keys.model_version, *(self.keys.shard(s.index) for s in layout.shards)]
         stored = ModelMeta.from_json(script(self.client, "init")(keys=keys, args=[meta.to_json(), *blobs]))
         diff = stored.layout.describe_difference(layout)
         if diff is not None:
@@ -171,93 +179,134 @@ class ParameterStore:
         return int(self.client.get(self.keys.model_version) or 0)
 
     # -- pull ----------------------------------------------------------------
-    def pull(self, since: Snapshot | None = None, *, dtype: torch.dtype = torch.float32,
+    def pull(self, since: Snapshot | None = None, *,
              out: Mapping[str, torch.Tensor] | None = None) -> Snapshot:
-        """A consistent snapshot; with ``since``, only shards whose version changed are fetched.
+        """A consistent snapshot; with ``since``, only the coordinates changed after it are moved.
 
-        ``dtype`` (float32, float16 or bfloat16) converts the tensors after
-        fetching; ``since`` must have been pulled with the same dtype.
-
-        ``out`` (tensor name -> float32 contiguous CPU tensor of the model's
-        shape, e.g. the trainer's own parameters) is filled in place instead of
-        allocating: the snapshot then holds those tensors. With ``since``, ``out``
-        must already hold ``since``'s values (it was pulled into the same ``out``).
+        ``out`` (tensor name -> contiguous float32 tensor of the model's shape, on
+        any device, e.g. the trainer's own parameters) is filled in place instead of
+        allocating, so the snapshot holds those tensors. With ``since``, ``out`` must
+        already hold ``since``'s values (it was pulled into the same ``out``).
 
         Raises:
-            LayoutError: no model, or a shard is missing; ValueError: a bad ``out`` or ``dtype``.
+            LayoutError: no model, or a shard is missing; ValueError: a bad ``out``.
         """
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"pull dtype must be float32, float16 or bfloat16, got {dtype}")
         layout = self.layout
         if out is not None:
-            if dtype != torch.float32:
-                raise ValueError("pull into out= tensors is float32 only")
             for spec in layout.tensors:
                 t = out.get(spec.name)
-                if (t is None or t.dtype != torch.float32 or tuple(t.shape) != spec.shape
-                        or t.device.type != "cpu" or not t.is_contiguous()):
-                    raise ValueError(f"out[{spec.name!r}] must be a contiguous float32 CPU tensor of shape "
+                if t is None or t.dtype != torch.float32 or tuple(t.shape) != spec.shape or not t.is_contiguous():
+                    raise ValueError(f"out[{spec.name!r}] must be a contiguous float32 tensor of shape "
                                      f"{list(spec.shape)}, got {None if t is None else (t.dtype, list(t.shape))}")
-        n = len(layout.shards)
         for _ in range(_PULL_RETRIES if since is not None else 0):
-            pipe = self.client.pipeline(transaction=True)
-            pipe.get(self.keys.model_version)
-            pipe.hgetall(self.keys.versions)
-            raw_version, raw_versions = pipe.execute()
-            versions = self._versions(raw_versions, n)
-            changed = [i for i in range(n) if versions[i] != since.versions[i]]
-            if not changed:
-                return Snapshot(int(raw_version or 0), versions, since.tensors, ())
-            pipe = self.client.pipeline(transaction=True)
-            pipe.get(self.keys.model_version)
-            pipe.mget([self.keys.shard(i) for i in changed])
-            again, blobs = pipe.execute()
-            if again == raw_version:
-                return self._assemble(int(again or 0), versions, changed, blobs, since, dtype, out)
+            snap = self._pull_since(since, out)
+            if snap is not None:
+                return snap
+        return self._pull_full(out)
+
+    def _pull_full(self, out: Mapping[str, torch.Tensor] | None) -> Snapshot:
+        """Every shard: full bytes plus the deltas after its base, in one MULTI/EXEC."""
+        shards = self.layout.shards
         pipe = self.client.pipeline(transaction=True)
         pipe.get(self.keys.model_version)
         pipe.hgetall(self.keys.versions)
-        pipe.mget([self.keys.shard(i) for i in range(n)])
-        raw_version, raw_versions, blobs = pipe.execute()
-        return self._assemble(int(raw_version or 0), self._versions(raw_versions, n),
-                              list(range(n)), blobs, None, dtype, out)
+        pipe.hgetall(self.keys.bases)
+        pipe.mget([self.keys.shard(s.index) for s in shards])
+        for s in shards:
+            pipe.xrange(self.keys.deltas(s.index))
+        raw_version, raw_versions, raw_bases, blobs, *streams = pipe.execute()
+        version = int(raw_version or 0)
+        versions, bases = self._versions(raw_versions), self._versions(raw_bases)
+        tensors, flats = self._targets(None, out, [s.index for s in shards])
+        moved = 0
+        for s in shards:
+            moved += self._rebuild(flats[s.name], s, blobs[s.index], bases[s.index], streams[s.index], version)
+        return Snapshot(version, versions, tensors, tuple(range(len(shards))), moved)
 
-    def _versions(self, raw: Mapping[bytes, bytes], n: int) -> tuple[int, ...]:
+    def _pull_since(self, since: Snapshot, out: Mapping[str, torch.Tensor] | None) -> Snapshot | None:
+        """The deltas after ``since`` (one MULTI/EXEC), and the full bytes of shards whose deltas
+        were compacted away (a second one); None when a compaction in between forces a retry."""
+        shards = self.layout.shards
+        pipe = self.client.pipeline(transaction=True)
+        pipe.get(self.keys.model_version)
+        pipe.hgetall(self.keys.versions)
+        pipe.hgetall(self.keys.delta_floors)
+        for s in shards:
+            pipe.xrange(self.keys.deltas(s.index), min=str(since.version + 1))
+        raw_version, raw_versions, raw_floors, *streams = pipe.execute()
+        version = int(raw_version or 0)
+        versions, floors = self._versions(raw_versions), self._versions(raw_floors)
+        changed = [i for i in range(len(shards)) if versions[i] != since.versions[i]]
+        if not changed:
+            return Snapshot(version, versions, since.tensors, ())
+        full = [i for i in changed if floors[i] > since.version]
+        blobs: dict[int, tuple[bytes | None, int, list]] = {}
+        if full:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hgetall(self.keys.bases)
+            pipe.mget([self.keys.shard(i) for i in full])
+            for i in full:
+                pipe.xrange(self.keys.deltas(i))
+            raw_bases, full_blobs, *full_streams = pipe.execute()
+            bases = self._versions(raw_bases)
+            if any(bases[i] > version for i in full):
+                return None  # compacted after the first read: its deltas up to `version` may be gone
+            blobs = {i: (b, bases[i], st) for i, b, st in zip(full, full_blobs, full_streams, strict=True)}
+        tensors, flats = self._targets(since, out, changed)
+        moved = 0
+        for i in changed:
+            s = shards[i]
+            if i in blobs:
+                blob, base, entries = blobs[i]
+                moved += self._rebuild(flats[s.name], s, blob, base, entries, version)
+            else:
+                seg = flats[s.name][s.start:s.start + s.numel]
+                moved += apply_deltas(seg, streams[i], after=since.version, upto=version,
+                                      what=f"delta of shard {i} ({s.name})")
+        return Snapshot(version, versions, tensors, tuple(changed), moved)
+
+    def _targets(self, since: Snapshot | None, out: Mapping[str, torch.Tensor] | None,
+                 changed: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The snapshot's tensors, and flat views of those the changed shards are written into
+        (``out``'s own, or fresh copies: a snapshot's tensors are never modified)."""
+        layout = self.layout
+        names = {layout.shards[i].name for i in changed}
+        tensors: dict[str, torch.Tensor] = {}
+        flats: dict[str, torch.Tensor] = {}
+        for spec in layout.tensors:
+            if out is not None:
+                tensors[spec.name] = out[spec.name]
+            elif spec.name not in names:
+                tensors[spec.name] = since.tensors[spec.name]
+            elif since is not None:  # deltas apply to since's values
+                tensors[spec.name] = since.tensors[spec.name].clone()
+            else:
+                tensors[spec.name] = torch.empty(spec.shape, dtype=torch.float32)
+            if spec.name in names:
+                flats[spec.name] = tensors[spec.name].detach().view(-1)
+        return tensors, flats
+
+    def _rebuild(self, flat: torch.Tensor, s: ShardSpec, blob: bytes | None, base: int,
+                 entries: list, version: int) -> int:
+        """Shard ``s`` at ``version`` into ``flat``: its full bytes (as of ``base``), then its
+        deltas in (base, version]. Returns the bytes read."""
+        if blob is None or len(blob) != 4 * s.numel:
+            raise LayoutError(f"job {self.keys.job}: shard {s.index} ({s.name}) is missing or "
+                              f"has {0 if blob is None else len(blob)} bytes, expected {4 * s.numel}")
+        seg = flat[s.start:s.start + s.numel]
+        values = np.frombuffer(blob, dtype=np.float32)
+        if seg.device.type == "cpu":
+            seg.numpy()[:] = values
+        else:
+            seg.copy_(torch.from_numpy(values.copy()))
+        return len(blob) + apply_deltas(seg, entries, after=base, upto=version,
+                                        what=f"delta of shard {s.index} ({s.name})")
+
+    def _versions(self, raw: Mapping[bytes, bytes]) -> tuple[int, ...]:
+        n = len(self.layout.shards)
         if len(raw) != n:
             raise LayoutError(f"job {self.keys.job}: {len(raw)} shard versions stored, layout has {n}")
         out = [0] * n
         for k, v in raw.items():
             out[int(k)] = int(v)
         return tuple(out)
-
-    def _assemble(self, version: int, versions: tuple[int, ...], fetched: list[int],
-                  blobs: list[bytes | None], since: Snapshot | None, dtype: torch.dtype,
-                  out: Mapping[str, torch.Tensor] | None) -> Snapshot:
-        layout = self.layout
-        got = dict(zip(fetched, blobs, strict=True))
-        tensors: dict[str, torch.Tensor] = {}
-        for spec in layout.tensors:
-            shards = layout.shards_of(spec.name)
-            mine = [s for s in shards if s.index in got]
-            if since is not None and not mine:
-                tensors[spec.name] = out[spec.name] if out is not None else since.tensors[spec.name]
-                continue
-            if out is not None:
-                flat = out[spec.name].view(-1).numpy()
-            else:
-                flat = np.empty(spec.numel, dtype=np.float32)
-                if len(mine) < len(shards):
-                    assert since is not None
-                    flat[:] = since.tensors[spec.name].reshape(-1).float().numpy()
-            for s in mine:
-                blob = got[s.index]
-                if blob is None or len(blob) != 4 * s.numel:
-                    raise LayoutError(f"job {self.keys.job}: shard {s.index} ({s.name}) is missing or "
-                                      f"has {0 if blob is None else len(blob)} bytes, expected {4 * s.numel}")
-                flat[s.start:s.start + s.numel] = np.frombuffer(blob, dtype=np.float32)
-            if out is not None:
-                tensors[spec.name] = out[spec.name]
-                continue
-            t = torch.from_numpy(flat).view(spec.shape)
-            tensors[spec.name] = t if dtype == torch.float32 else t.to(dtype)
-        return Snapshot(version, versions, tensors, tuple(fetched))

@@ -2,9 +2,10 @@
 
 A push is one Lua script (``lua/push.lua``) that, atomically: checks the
 generation and partition ownership (fencing), checks every offset range starts
-at the committed offset, checks the clock advances, refuses when the log is
-full (backpressure), appends the update to ``update_log`` and commits the
-offsets and the member's clock. Either all of it happens or none of it.
+at the committed offset, checks the clock advances, refuses when
+``max_pending`` updates are still unapplied (backpressure), appends the update
+to ``update_log``, commits the offsets and the member's clock, and counts the
+update in ``unapplied``. Either all of it happens or none of it.
 
 The gradient bytes do not pass through Lua (which would copy every argument
 into a Lua string): the push is one MULTI/EXEC that SETs each shard's encoded
@@ -24,11 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
-import torch
 
 from streamtrain.keys import JobKeys
 
-from .codecs import decode_gradient
+from .codecs import Sent, decode_sent
 from .errors import (
     BackpressureError, BadGradientError, FencedError, OffsetConflictError, ParameterPlaneError,
     PayloadError,
@@ -39,8 +39,8 @@ from .wire import DEFAULT_MAX_BYTES, pack, unpack
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Update", "push_update", "was_committed", "parse_entry", "load_gradients", "blob_keys", "validate_gradients",
-           "DEFAULT_MAX_PENDING"]
+__all__ = ["Update", "push_update", "was_committed", "unapplied_updates", "parse_entry", "load_gradients",
+           "blob_keys", "validate_gradients", "DEFAULT_MAX_PENDING"]
 
 DEFAULT_MAX_PENDING = 64
 """Unapplied updates the log may hold before pushes are refused with BackpressureError."""
@@ -112,11 +112,11 @@ class Update:
 
 
 def validate_gradients(update: Update, layout: Layout, *,
-                       max_bytes: int = DEFAULT_MAX_BYTES) -> dict[int, torch.Tensor]:
+                       max_bytes: int = DEFAULT_MAX_BYTES) -> dict[int, Sent]:
     """Decode every gradient of ``update`` and check it against ``layout``.
 
     Returns:
-        Shard index -> decoded float32 gradient.
+        Shard index -> decoded gradient, sparse as it was sent.
 
     Raises:
         BadGradientError: unknown shard, wrong number of values, NaN/inf (names the shard).
@@ -129,7 +129,7 @@ def validate_gradients(update: Update, layout: Layout, *,
             raise BadGradientError(f"update from {update.member_id}: shard {i} does not exist "
                                    f"(the model has shards 0..{n - 1})")
         spec = layout.shards[i]
-        out[i] = decode_gradient(bytes(blob), numel=spec.numel, max_bytes=max_bytes,
+        out[i] = decode_sent(bytes(blob), numel=spec.numel, max_bytes=max_bytes,
                                  what=f"gradient of shard {i} ({spec.name}[{spec.start}:{spec.start + spec.numel}])")
     return out
 
@@ -168,7 +168,8 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
     for p, (first, nxt) in sorted(update.offsets.items()):
         args += [p, first, nxt]
     args += ["h", pack(update.header())]
-    push_keys = [keys.generation, keys.assignment, keys.offsets, keys.update_log, keys.clocks, *blob_keys]
+    push_keys = [keys.generation, keys.assignment, keys.offsets, keys.update_log, keys.clocks, keys.unapplied,
+                 *blob_keys]
 
     def build(pipe: redis.client.Pipeline, sha: str) -> None:
         for key, i in zip(blob_keys, order, strict=True):
@@ -200,6 +201,11 @@ def was_committed(client: redis.Redis, job: str, member_id: str, clock: int) -> 
     """
     last = client.hget(JobKeys(job).clocks, member_id)
     return last is not None and int(last) >= clock
+
+
+def unapplied_updates(client: redis.Redis, job: str) -> int:
+    """Pushed updates not yet applied by every parameter-server group (what backpressure counts)."""
+    return int(client.get(JobKeys(job).unapplied) or 0)
 
 
 def _translate(message: str) -> ParameterPlaneError:

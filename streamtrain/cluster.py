@@ -294,14 +294,14 @@ class LocalCluster:
         the parameter server has applied every pushed update: the job then stands still."""
         import redis as redis_lib
 
-        from .keys import JobKeys
+        from services import unapplied_updates
 
         for proc in [self.producer, *self.trainers]:
             if proc is not None:
                 proc.stop()
         client = redis_lib.Redis.from_url(self.redis_url)
         try:
-            wait_until(lambda: client.xlen(JobKeys(self.spec.job).update_log) == 0, timeout_s,
+            wait_until(lambda: unapplied_updates(client, self.spec.job) == 0, timeout_s,
                        what="the parameter server to apply every pushed update")
         finally:
             client.close()

@@ -42,17 +42,33 @@ class JobKeys:
         return self.key("meta")
 
     def shard(self, index: int) -> str:
-        """Bytes of parameter shard ``index``."""
+        """Full float32 bytes of parameter shard ``index`` as of its base version (:attr:`bases`)."""
         return self.key("shard", index)
 
     @property
     def versions(self) -> str:
-        """Hash: shard index -> version."""
+        """Hash: shard index -> the model version that last changed it."""
         return self.key("versions")
 
     @property
+    def bases(self) -> str:
+        """Hash: shard index -> the model version its full bytes (:meth:`shard`) are as of."""
+        return self.key("bases")
+
+    @property
+    def delta_floors(self) -> str:
+        """Hash: shard index -> every delta of the shard above this version is kept (<= its base)."""
+        return self.key("delta_floors")
+
+    def deltas(self, index: int) -> str:
+        """Stream of shard ``index``'s deltas: entry id ``<model version>-0``, field ``d`` the
+        coordinates that version changed and their new values (``services.deltas``)."""
+        return self.key("deltas", index)
+
+    @property
     def update_log(self) -> str:
-        """Stream of pushed updates (compressed gradients with their offsets)."""
+        """Stream of pushed updates (compressed gradients with their offsets), kept until every
+        group's persisted optimizer state includes them."""
         return self.key("log")
 
     @property
@@ -84,20 +100,32 @@ class JobKeys:
         return self.key("model_version")
 
     def optimizer_state(self, index: int, slot: int) -> str:
-        """Bytes of optimizer state ``slot`` (momentum, Adam's m and v) of shard ``index``."""
+        """Bytes of optimizer state ``slot`` (momentum, Adam's m and v) of shard ``index``, as of
+        its group's :meth:`ps_persisted` update."""
         return self.key("opt", index, slot)
 
     @property
     def optimizer_steps(self) -> str:
-        """Hash: shard index -> number of optimizer steps applied to it (Adam, lr schedule)."""
+        """Hash: shard index -> optimizer steps (Adam, lr schedule) as of its group's :meth:`ps_persisted`."""
         return self.key("opt_steps")
 
     def ps_cursor(self, group: int) -> str:
         """Stream id of the last update applied by parameter-server shard group ``group``."""
         return self.key("ps_cursor", group)
 
+    def ps_persisted(self, group: int) -> str:
+        """Stream id of the last update that group ``group``'s persisted optimizer state
+        (:meth:`optimizer_state`, :attr:`optimizer_steps`) includes."""
+        return self.key("ps_persisted", group)
+
+    @property
+    def unapplied(self) -> str:
+        """Integer: pushed updates not yet applied by every group (the backpressure count)."""
+        return self.key("unapplied")
+
     def update_blob(self, token: str, index: int) -> str:
-        """Encoded gradient of shard ``index`` of the pushed update ``token`` (deleted once applied)."""
+        """Encoded gradient of shard ``index`` of the pushed update ``token`` (deleted with its log
+        entry, once every group's persisted optimizer state includes the update)."""
         return self.key("grad", token, index)
 
     def staging(self, token: str, slot: int) -> str:

@@ -11,9 +11,9 @@ from test_services_util import set_membership, small_model
 
 from services import (
     OffsetConflictError, OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings,
-    restore_checkpoint, save_checkpoint,
+    restore_checkpoint, save_checkpoint, unapplied_updates,
 )
-from services.checkpoint import CheckpointError
+from services.checkpoint import FORMAT, CheckpointError
 from streamtrain import cli
 from streamtrain.keys import JobKeys
 
@@ -25,13 +25,17 @@ def grads(c: int) -> dict[str, torch.Tensor]:
     return {k: torch.randn(v.shape, generator=g) for k, v in small_model().items()}
 
 
-def drain(client: redis_lib.Redis, url: str, limit: int | None = None) -> None:
-    """Apply (up to ``limit``) pending updates synchronously with one server."""
-    server = ParameterServer(ServerSettings(redis_url=url, job=JOB, block_ms=1), client=client)
+def drain(client: redis_lib.Redis, url: str, limit: int | None = None, *, persist: bool = False) -> None:
+    """Apply (up to ``limit``) pending updates synchronously with a new server (which first
+    replays what its persisted optimizer state lacks); ``persist`` then persists its state."""
+    server = ParameterServer(ServerSettings(redis_url=url, job=JOB, block_ms=1, batch=1, persist_every=1000),
+                             client=client)
     server.load()
-    entries = client.xrange(JobKeys(JOB).update_log, count=limit)
-    for eid, fields in entries:
-        assert server.apply_entries([(eid, fields)]) == 1
+    applied = 0
+    while (limit is None or applied < limit) and server.step():
+        applied += 1
+    if persist:
+        assert server.persist()
 
 
 @pytest.fixture
@@ -53,7 +57,7 @@ def test_restore_into_an_empty_redis_resumes_from_committed_offsets(
     pusher = Pusher(redis, JOB, "a", codec="fp16")
     for c in range(1, 5):
         pusher.push(grads(c), generation=1, clock=c, offsets={0: (10 * (c - 1), 10 * c)})
-    drain(redis, redis_url, limit=2)  # 2 applied, 2 pending in the log
+    drain(redis, redis_url, limit=2)  # 2 applied (the log keeps them: not persisted), 2 pending
     path = tmp_path / "ckpt.pt"
     assert save_checkpoint(redis, JOB, str(path)) == 2
 
@@ -62,7 +66,7 @@ def test_restore_into_an_empty_redis_resumes_from_committed_offsets(
     assert restore_checkpoint(fresh, str(path)) == 2
     keys = JobKeys(JOB)
     assert fresh.hgetall(keys.offsets) == {b"0": b"40"}
-    assert fresh.xlen(keys.update_log) == 2
+    assert fresh.xlen(keys.update_log) == 4 and unapplied_updates(fresh, JOB) == 2
     with pytest.raises(CheckpointError, match="already has a model"):
         restore_checkpoint(fresh, str(path))
 
@@ -73,12 +77,15 @@ def test_restore_into_an_empty_redis_resumes_from_committed_offsets(
         with pytest.raises(OffsetConflictError, match="duplicate"):
             resumed.push(grads(5), generation=2, clock=5, offsets={0: (30, 40)})
         resumed.push(grads(5), generation=2, clock=5, offsets={0: (40, 50)})
-        drain(client, url)
+        drain(client, url, persist=True)  # replays updates 1-2 into Adam's state, applies 3-5
     original, restored = ParameterStore(redis, JOB).pull(), ParameterStore(fresh, JOB).pull()
     assert original.version == restored.version == 5
     for k in original.tensors:
         assert torch.equal(original.tensors[k], restored.tensors[k])
-    assert fresh.hgetall(keys.optimizer_steps) == redis.hgetall(keys.optimizer_steps)
+    assert fresh.hgetall(keys.optimizer_steps) == redis.hgetall(keys.optimizer_steps) != {}
+    state = [keys.optimizer_state(i, s) for i in range(6) for s in (0, 1)]
+    assert fresh.mget(state) == redis.mget(state) and None not in redis.mget(state)
+    assert fresh.xlen(keys.update_log) == redis.xlen(keys.update_log) == 0
 
 
 def test_checkpoint_cli_and_bad_files(redis: redis_lib.Redis, redis_url: str, fresh: redis_lib.Redis,
@@ -96,7 +103,7 @@ def test_checkpoint_cli_and_bad_files(redis: redis_lib.Redis, redis_url: str, fr
     with pytest.raises(CheckpointError, match="cannot read checkpoint"):
         restore_checkpoint(fresh, str(junk))
     torch.save({"format": "other"}, tmp_path / "other.pt")
-    with pytest.raises(CheckpointError, match="is not a streamtrain-checkpoint-1 file"):
+    with pytest.raises(CheckpointError, match=f"is not a {FORMAT} file"):
         restore_checkpoint(fresh, str(tmp_path / "other.pt"))
 
 
@@ -115,10 +122,9 @@ def test_server_saves_a_checkpoint_every_n_versions(redis: redis_lib.Redis, redi
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{JOB}-v000000000002.pt", f"{JOB}-v000000000004.pt"]
     fresh_job = "restored"
     assert restore_checkpoint(redis, str(tmp_path / f"{JOB}-v000000000004.pt"), job=fresh_job) == 4
-    assert redis.xlen(JobKeys(fresh_job).update_log) == 1  # the 5th update was still pending then
+    assert unapplied_updates(redis, fresh_job) == 1  # the 5th update was still pending then
     restored = ParameterServer(ServerSettings(redis_url=redis_url, job=fresh_job), client=redis)
     restored.load()
-    (eid, fields), = redis.xrange(JobKeys(fresh_job).update_log)
-    assert restored.apply_entries([(eid, fields)]) == 1  # its re-keyed gradient blobs are there
+    assert restored.step() == 1  # its re-keyed gradient blobs are there
     assert torch.equal(ParameterStore(redis, fresh_job).pull().tensors["w"],
                        ParameterStore(redis, JOB).pull().tensors["w"])

@@ -193,7 +193,7 @@ def test_encoder_bytes_and_residuals_equal_the_decode_based_reference(redis: red
             elif step == 3:
                 g.view(-1)[::2] = -0.0
             grads[tname] = g
-        blobs, new, raw = pusher.encode(grads)
+        blobs, new, _, raw = pusher.encode(grads)
         assert raw == 4 * layout.numel
         for tname, g in grads.items():
             flat = g.reshape(-1)

@@ -15,8 +15,8 @@ import torch
 from test_services_util import set_membership, small_model, wait_for
 
 from services import (
-    OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, ServerStatus, Update,
-    get_codec, push_update,
+    OptimizerConfig, ParameterServer, ParameterStore, Pusher, Sent, ServerSettings, ServerStatus, Update,
+    get_codec, push_update, unapplied_updates,
 )
 from services.optim import step
 from streamtrain.keys import JobKeys
@@ -37,7 +37,7 @@ def expected_params(cfg: OptimizerConfig, clocks: list[int]) -> dict[str, torch.
     state = {k: [torch.zeros_like(v) for _ in range(n_slots)] for k, v in params.items()}
     for t, c in enumerate(clocks, start=1):
         for k, g in grads_for(c).items():
-            step(cfg, params[k], g.reshape(-1), state[k], t)
+            step(cfg, params[k], Sent(g.reshape(-1).numpy()), state[k], t)
     return {k: v.view(small_model()[k].shape) for k, v in params.items()}
 
 
@@ -86,7 +86,9 @@ def test_applies_like_the_local_optimizer(redis: redis_lib.Redis, redis_url: str
         torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
     keys = JobKeys(JOB)
     # one model version per write: 5 single applies, or the 5 pending updates in one batch
-    assert snap.version == (5 if batch == 1 else 1) and redis.xlen(keys.update_log) == 0
+    assert snap.version == (5 if batch == 1 else 1) and unapplied_updates(redis, JOB) == 0
+    servers[0].close()  # a clean stop persists the optimizer state: the log is then empty
+    assert redis.xlen(keys.update_log) == 0 and redis.keys(f"st:{{{JOB}}}:grad:*") == []
     assert redis.hgetall(keys.optimizer_steps) == {str(i).encode(): b"5" for i in range(6)}
     entries = redis.xrange(keys.applied_samples)
     assert [json.loads(f[b"samples"]) for _, f in entries] == [[["prod", 10 * c, 10]] for c in range(5)]
@@ -100,16 +102,49 @@ def run_ps(redis_url: str, *extra: str) -> subprocess.Popen:
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-@pytest.mark.parametrize("batch", [1, 4], ids=["single", "batch4"])
+def push_encoded(redis: redis_lib.Redis, jobs: list[str], clocks: range, codec: str) -> None:
+    """The same encoded gradients (one error-feedback Pusher's bytes) pushed to every job."""
+    layout = ParameterStore(redis, jobs[0]).layout
+    pusher = Pusher(redis, jobs[0], "a", codec=codec, codec_options={"density": 0.05} if "topk" in codec else {})
+    for c in clocks:
+        blobs, residuals, _, _ = pusher.encode(grads_for(c))
+        pusher.residuals.update(residuals)
+        for job in jobs:
+            push_update(redis, job, Update(member_id="a", generation=1, clock=c, gradients=blobs,
+                                           offsets={0: (10 * (c - 1), 10 * c)}, samples=[("prod", 10 * (c - 1), 10)],
+                                           batch_size=10), layout=layout)
+
+
+def published(redis: redis_lib.Redis, job: str) -> tuple[dict[str, torch.Tensor], list[bytes | None]]:
+    """The job's parameters (a full pull) and every optimizer state value persisted in Redis."""
+    keys = JobKeys(job)
+    return (ParameterStore(redis, job).pull().tensors,
+            redis.mget([keys.optimizer_state(i, s) for i in range(6) for s in range(2)]))
+
+
+@pytest.mark.parametrize(("optimizer", "codec", "batch"), [("lazyadam", "topk+fp16", 1), ("lazyadam", "topk+fp16", 4),
+                                                           ("adam", "none", 1)], ids=["lazy-single", "lazy-batch4",
+                                                                                      "adam-single"])
 @pytest.mark.parametrize("fault", ["kill-before-write", "kill-after-write"])
-def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, fault: str, batch: int) -> None:
+def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, fault: str, optimizer: str,
+                                       codec: str, batch: int) -> None:
     """A `streamtrain ps` SIGKILLs itself just before / just after the atomic write that holds its
-    3rd update (alone with --batch 1; with updates 1-4 with --batch 4); a restarted server applies
-    the rest, and every update counts exactly once."""
-    cfg = OptimizerConfig(name="adam", lr=0.01)
-    store = setup(redis, cfg)
-    push_n(redis, range(1, 7))
-    proc = run_ps(redis_url, "--batch", str(batch), "--fault", fault, "--fault-at", "3")
+    3rd update (alone with --batch 1; with updates 1-4 with --batch 4); a restarted server rebuilds
+    its optimizer state by replaying the updates its persisted state lacks, applies the rest, and
+    every update counts exactly once: the parameters and optimizer state are bit-identical to
+    those of a server that was never killed."""
+    cfg = OptimizerConfig(name=optimizer, lr=0.01)
+    reference = "psjob-ref"
+    for job in (JOB, reference):
+        ParameterStore(redis, job).init_model(small_model(), shard_elems=64, optimizer=cfg, groups=1)
+        set_membership(redis, job, {"a": [0]}, generation=1)
+    push_encoded(redis, [JOB, reference], range(1, 7), codec)
+    ref = ParameterServer(ServerSettings(redis_url=redis_url, job=reference, batch=batch, block_ms=1), client=redis)
+    ref.load()
+    while ref.step():
+        pass
+    ref.persist()
+    proc = run_ps(redis_url, "--batch", str(batch), "--persist-every", "1000", "--fault", fault, "--fault-at", "3")
     try:
         rc = proc.wait(timeout=120)
     finally:
@@ -121,7 +156,9 @@ def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, f
     done = {("kill-before-write", 1): 2, ("kill-after-write", 1): 3,
             ("kill-before-write", 4): 0, ("kill-after-write", 4): 4}[fault, batch]
     assert applied(redis) == done and redis.xlen(keys.applied_samples) == done
-    assert redis.xlen(keys.update_log) == 6 - done
+    assert unapplied_updates(redis, JOB) == 6 - done
+    if optimizer == "lazyadam":  # nothing persisted yet: the log still holds every update
+        assert redis.xlen(keys.update_log) == 6 and redis.get(keys.ps_persisted(0)) is None
     proc = run_ps(redis_url)
     try:
         wait_for(lambda: applied(redis) == 6, timeout_s=120, what="all 6 updates applied after restart")
@@ -130,13 +167,14 @@ def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, f
     finally:
         proc.kill()
         proc.stderr.close()
-    snap = store.pull()
-    want = expected_params(cfg, list(range(1, 7)))
-    for k in want:
-        torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
+    ours, theirs = published(redis, JOB), published(redis, reference)
+    for k in ours[0]:
+        assert torch.equal(ours[0][k], theirs[0][k]), f"parameters of {k} differ from the reference"
+    assert ours[1] == theirs[1], "optimizer state differs from the reference"
     entries = redis.xrange(keys.applied_samples)
     assert [int(f[b"clock"]) for _, f in entries] == [1, 2, 3, 4, 5, 6]
     assert redis.hgetall(keys.optimizer_steps) == {str(i).encode(): b"6" for i in range(6)}
+    assert redis.xlen(keys.update_log) == 0  # the clean stop persisted: every update left the log
     assert redis.keys(f"st:{{{JOB}}}:grad:*") == [] and redis.keys(f"st:{{{JOB}}}:stage:*") == []
 
 
@@ -153,6 +191,8 @@ def test_two_servers_split_the_shards(redis: redis_lib.Redis, redis_url: str, se
     assert applied(redis) == 0  # group 1 has not applied anything: no update is complete
     assert redis.xlen(JobKeys(JOB).applied_samples) == 0
     assert servers[0].own_shards() == [0, 2, 4]
+    servers[0].close()  # group 0 persisted its state; the log keeps what group 1 has not
+    assert redis.get(JobKeys(JOB).ps_persisted(0)) is not None and redis.xlen(JobKeys(JOB).update_log) == 8
     servers[1].start()
     wait_for(lambda: applied(redis) == 8, what="both groups applied 8")
     want = expected_params(cfg, list(range(1, 9)))
@@ -160,8 +200,10 @@ def test_two_servers_split_the_shards(redis: redis_lib.Redis, redis_url: str, se
     for k in want:
         torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
     keys = JobKeys(JOB)
-    assert redis.xlen(keys.applied_samples) == 8 and redis.xlen(keys.update_log) == 0
+    assert redis.xlen(keys.applied_samples) == 8 and unapplied_updates(redis, JOB) == 0
     assert redis.hlen(keys.apply_progress) == 0
+    servers[1].close()
+    assert redis.xlen(keys.update_log) == 0
     assert redis.keys(f"st:{{{JOB}}}:grad:*") == [] and redis.keys(f"st:{{{JOB}}}:stage:*") == []
     with pytest.raises(Exception, match="split into 2 shard groups"):
         ParameterServer(ServerSettings(redis_url=redis_url, job=JOB), client=redis).load()
@@ -222,6 +264,7 @@ def test_a_refused_update_inside_a_batch_is_rejected_and_the_rest_apply(
     server = ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, batch=8), client=redis)
     server.load()
     assert server.step() == 4 and server.applied == 4 and server.rejected == 1
+    assert server.persist()
     keys = JobKeys(JOB)
     entries = [f for _, f in redis.xrange(keys.applied_samples)]
     assert [(int(f[b"clock"]), f[b"status"]) for f in entries] == [
@@ -263,12 +306,15 @@ def test_a_batch_gives_the_same_bytes_as_single_applies(redis: redis_lib.Redis, 
             while server.step():
                 pass
             assert server.applied == 7
+            assert server.persist()
     single, batched = JobKeys("single"), JobKeys("batched")
+    one, other = ParameterStore(redis, "single").pull(), ParameterStore(redis, "batched").pull()
+    for name in one.tensors:
+        assert torch.equal(one.tensors[name], other.tensors[name]), f"parameters of {name} differ"
     for i in range(len(layout.shards)):
-        for key in ("shard", "opt0", "opt1"):
-            a, b = ((k.shard(i) if key == "shard" else k.optimizer_state(i, int(key[-1])))
-                    for k in (single, batched))
-            assert redis.get(a) == redis.get(b), f"{key} of shard {i} differs"
+        for slot in (0, 1):
+            a, b = (k.optimizer_state(i, slot) for k in (single, batched))
+            assert redis.get(a) == redis.get(b), f"optimizer state {slot} of shard {i} differs"
     assert redis.hgetall(single.optimizer_steps) == redis.hgetall(batched.optimizer_steps)
     assert redis.get(single.model_version) == b"14" and redis.get(batched.model_version) == b"6"
     for k in (single, batched):

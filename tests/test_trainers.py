@@ -1,4 +1,5 @@
-"""Trainer pieces that need no servers: model specs, devices, the step, evaluation, settings."""
+"""Trainer pieces: model specs, devices, the step (on parameters pulled from the real Redis), evaluation,
+settings."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from services import Snapshot
-from services.layout import make_layout
+from services import ParameterStore
 from streamtrain.cli import main
 from streamtrain.settings import SettingsError, from_args
 from trainers import TrainerSettings, build_model, builtin_specs, evaluate, plan_device
@@ -57,23 +57,17 @@ def test_device_plan() -> None:
             plan_device("cuda")
 
 
-def test_step_computes_the_true_gradient_and_load_copies_parameters() -> None:
+def test_step_computes_the_true_gradient_on_parameters_pulled_into_the_replica(redis) -> None:
     spec = build_model("digits-mlp", seed=1)
     reference = build_model("digits-mlp", seed=2).model
     replica = Replica(spec, plan_device("cpu"))
-    tensors = {name: p.detach().clone() for name, p in reference.named_parameters()}
-    layout = make_layout(tensors, 1 << 20)
-    replica.load(Snapshot(version=7, versions=(), tensors=tensors, fetched=()), layout)
-    assert replica.version == 7  # the first load copies every tensor
-    assert all(torch.equal(p, tensors[n]) for n, p in replica.model.named_parameters())
-
-    changed = {n: t + 1 for n, t in tensors.items()}
-    first = layout.shards[0]
-    replica.load(Snapshot(version=8, versions=(), tensors=changed, fetched=(first.index,)), layout)
-    for name, p in replica.model.named_parameters():  # later loads copy only the fetched shards' tensors
-        assert torch.equal(p, changed[name] if name == first.name else tensors[name])
-    replica.load(Snapshot(version=9, versions=(), tensors=tensors, fetched=tuple(range(len(layout.shards)))),
-                 layout)
+    store = ParameterStore(redis, "replica")
+    store.init_model({name: p.detach() for name, p in reference.named_parameters()})
+    storage = {name: p.data_ptr() for name, p in replica.params.items()}
+    snap = store.pull(out=replica.tensors)
+    assert all(torch.equal(p, snap.tensors[n]) for n, p in reference.named_parameters())
+    for name, p in replica.model.named_parameters():  # written in place: no second copy
+        assert torch.equal(p, dict(reference.named_parameters())[name]) and p.data_ptr() == storage[name]
 
     x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
     result = replica.step(x, y)
@@ -103,8 +97,8 @@ def test_settings_flags_environment_and_bad_values() -> None:
     assert s.batch_size == 128 and s.model == "mlp-2m"
     with pytest.raises(SettingsError, match="--batch-size / STREAMTRAIN_BATCH_SIZE: must be >= 1, got 0"):
         from_args(TrainerSettings, {"batch_size": "0"}, environ={})
-    with pytest.raises(SettingsError, match="--pull-dtype"):
-        from_args(TrainerSettings, {}, environ={"STREAMTRAIN_PULL_DTYPE": "float8"})
+    with pytest.raises(SettingsError, match="--prefetch"):
+        from_args(TrainerSettings, {}, environ={"STREAMTRAIN_PREFETCH": "lots"})
 
 
 def test_cli_refuses_a_bad_flag_with_its_name(capsys) -> None:

@@ -49,9 +49,6 @@ from .step import Replica, StepResult
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 class PushRefused(Exception):
     """The parameter plane refused a push (fenced, or offsets out of line): resynchronise."""
 
@@ -168,12 +165,12 @@ class Trainer:
             if self.settings.commit_to_kafka:
                 self._background.append(asyncio.create_task(self._kafka_mirror(), name="kafka-mirror"))
         config = reg.assignment.config
-        await asyncio.to_thread(
+        meta = await asyncio.to_thread(
             self.store.init_model, self.replica.initial_tensors(),
             optimizer=OptimizerConfig(name=config.optimizer, lr=config.lr))
         options = {"density": self.settings.topk_density} if "topk" in config.codec else {}
         self.pusher = Pusher(self.redis, self.settings.job, reg.member_id, codec=config.codec,
-                             codec_options=options)
+                             codec_options=options, momentum=meta.optimizer.trainer_momentum)
         self.clock = await asyncio.to_thread(starting_clock, self.redis, self.settings.job, reg.member_id)
         self._last_pushed_clock = self.clock - 1
         if self.consumer is None:
@@ -321,9 +318,7 @@ class Trainer:
         if len(batch):
             if self.snapshot is None or waited.required is None or self._covers < waited.required:
                 # The bound needs updates our replica lacks (ASP: always take the newest).
-                self.snapshot = await asyncio.to_thread(
-                    self.store.pull, self.snapshot, dtype=_DTYPES[self.settings.pull_dtype])
-                self.replica.load(self.snapshot, self.store.layout)
+                self.snapshot = await asyncio.to_thread(self.store.pull, self.snapshot, out=self.replica.tensors)
                 # Every live member's updates up to min_applied (read before the pull) are in it.
                 self._covers = waited.min_applied if waited.min_applied is not None else -1
             t2 = time.monotonic()

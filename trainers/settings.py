@@ -33,9 +33,6 @@ class TrainerSettings:
                                     help="bf16 autocast on CUDA")
     topk_density: float = setting(0.01, env="STREAMTRAIN_TOPK_DENSITY", min=1e-6, max=1.0,
                                   help="fraction of values a topk codec keeps")
-    pull_dtype: str = setting("float32", env="STREAMTRAIN_PULL_DTYPE",
-                              choices=("float32", "float16", "bfloat16"),
-                              help="dtype parameters travel in when pulled")
     eval_source: str = setting("", env="STREAMTRAIN_EVAL_SOURCE",
                                help="source spec of held-out data (its test split); empty: no evaluation")
     eval_every: int = setting(25, env="STREAMTRAIN_EVAL_EVERY", min=1,

@@ -1,4 +1,4 @@
-"""One training step on a local replica: load fresh parameters, forward, backward.
+"""One training step on a local replica: forward and backward on parameters pulled into it.
 
 The trainer service (``trainers/service.py``) owns the I/O; this module owns
 the arithmetic, so it can be read (and tested) on its own.
@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from services import Layout, Snapshot
 
 from .device import DevicePlan
 from .models import ModelSpec
@@ -29,7 +27,8 @@ class StepResult:
 
 
 class Replica:
-    """A trainer's local copy of the model, refreshed from parameter snapshots."""
+    """A trainer's local copy of the model; pulls write straight into its parameters
+    (``ParameterStore.pull(out=replica.tensors)``), with no second copy."""
 
     def __init__(self, spec: ModelSpec, plan: DevicePlan) -> None:
         self.spec = spec
@@ -37,22 +36,15 @@ class Replica:
         self.model = spec.model.to(plan.device)
         self.model.train()
         self.params = dict(self.model.named_parameters())
-        self.version = -1
 
     def initial_tensors(self) -> dict[str, torch.Tensor]:
         """The freshly initialised parameters (what ``init_model`` stores), on the CPU."""
         return {name: p.detach().to("cpu", torch.float32) for name, p in self.params.items()}
 
-    @torch.no_grad()
-    def load(self, snapshot: Snapshot, layout: Layout) -> None:
-        """Copy the tensors that changed in ``snapshot`` into the model."""
-        if self.version < 0:
-            names = set(self.params)
-        else:
-            names = {layout.shards[i].name for i in snapshot.fetched}
-        for name in names:
-            self.params[name].copy_(snapshot.tensors[name], non_blocking=True)
-        self.version = snapshot.version
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The parameters' own storage (no autograd), for a pull to write into in place."""
+        return {name: p.data for name, p in self.params.items()}
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         """Forward and backward on one batch; the parameters themselves are not changed here."""

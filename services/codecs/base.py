@@ -50,6 +50,14 @@ class Sent:
     indices: np.ndarray | None = None
     """Sorted int64 positions of ``values``, zero everywhere else; None: every position."""
 
+    def dense(self, numel: int) -> np.ndarray:
+        """All ``numel`` values as one float32 array (a new array when sparse)."""
+        if self.indices is None:
+            return self.values
+        out = np.zeros(numel, dtype=np.float32)
+        out[self.indices] = self.values
+        return out
+
 
 class Codec(ABC):
     """A gradient codec. Subclasses set ``info`` and accept their options as keywords."""
@@ -71,13 +79,15 @@ class Codec(ABC):
         if inner is not None:
             raise TypeError(f"{type(self).__name__} must override encode_sent to wrap an inner codec")
         msg = self.encode(values, None)
-        return msg, Sent(self.decode(msg, None).numpy())
+        return msg, self.decode(msg, None)
 
     @abstractmethod
-    def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
-        """Decode ``msg`` (already size-checked) into a 1-D float32 tensor.
+    def decode(self, msg: dict[str, Any], inner_decode: Any) -> Sent:
+        """Decode ``msg`` (already size-checked) into the values it carries: every value
+        (``indices`` None), or a sparsifier's kept values and their positions. The arrays
+        are new (writable) float32 and int64 arrays.
 
-        ``inner_decode(dict) -> Tensor`` decodes a nested message (sparsifiers).
+        ``inner_decode(dict) -> Sent`` decodes a nested message (sparsifiers).
 
         Raises:
             PayloadError: a field is missing or has the wrong length.

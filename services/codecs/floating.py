@@ -31,10 +31,9 @@ class NoneCodec(Codec):
     def encode_sent(self, values: torch.Tensor, inner: Codec | None) -> tuple[dict[str, Any], Sent]:
         return self.encode(values, inner), Sent(values.numpy())
 
-    def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
+    def decode(self, msg: dict[str, Any], inner_decode: Any) -> Sent:
         n = _count(msg, "none")
-        arr = expect_len(field_bytes(msg, "d", "none"), n, np.float32, "none")
-        return torch.from_numpy(arr.copy())
+        return Sent(expect_len(field_bytes(msg, "d", "none"), n, np.float32, "none").copy())
 
 
 class _HalfCodec(Codec):
@@ -57,12 +56,12 @@ class _HalfCodec(Codec):
         data = half.view(self.wire_torch).numpy().tobytes()
         return {"c": self.info.name, "n": values.numel(), "d": data}, half
 
-    def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
+    def decode(self, msg: dict[str, Any], inner_decode: Any) -> Sent:
         name = self.info.name
         n = _count(msg, name)
         arr = expect_len(field_bytes(msg, "d", name), n, self.wire_numpy, name)
         # copy: the message bytes are read-only
-        return torch.from_numpy(arr.copy()).view(self.dtype).to(torch.float32)
+        return Sent(torch.from_numpy(arr.copy()).view(self.dtype).to(torch.float32).numpy())
 
 
 class Float16Codec(_HalfCodec):

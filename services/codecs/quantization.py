@@ -14,15 +14,15 @@ from .floating import _count
 __all__ = ["Int8Codec"]
 
 
-def _dequantize(q: np.ndarray, scales: np.ndarray, n: int, block: int) -> torch.Tensor:
-    """``n`` int8 values times their block's scale, as float32 (what the receiver decodes)."""
+def _dequantize(q: np.ndarray, scales: np.ndarray, n: int, block: int) -> np.ndarray:
+    """``n`` int8 values times their block's scale, as a new float32 array (what the receiver decodes)."""
     blocks = -(-n // block)
     if n == blocks * block:  # whole blocks (the usual shard): no padding, no copies
-        return torch.from_numpy((q.reshape(blocks, block) * scales[:, None]).reshape(-1))
+        return (q.reshape(blocks, block) * scales[:, None]).reshape(-1)
     out = np.zeros(blocks * block, dtype=np.float32)
     out[:n] = q
     out = out.reshape(blocks, block) * scales[:, None]
-    return torch.from_numpy(out.reshape(-1)[:n].copy())
+    return out.reshape(-1)[:n].copy()
 
 
 class Int8Codec(Codec):
@@ -42,7 +42,7 @@ class Int8Codec(Codec):
 
     def encode_sent(self, values: torch.Tensor, inner: Codec | None) -> tuple[dict[str, Any], Sent]:
         msg, q, scales = self._encode(values)
-        return msg, Sent(_dequantize(q, scales, values.numel(), self.block).numpy())
+        return msg, Sent(_dequantize(q, scales, values.numel(), self.block))
 
     def _encode(self, values: torch.Tensor) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
         n = values.numel()
@@ -57,7 +57,7 @@ class Int8Codec(Codec):
         msg = {"c": "int8", "n": n, "b": self.block, "s": scales_np.tobytes(), "d": q_np.tobytes()}
         return msg, q_np, scales_np
 
-    def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
+    def decode(self, msg: dict[str, Any], inner_decode: Any) -> Sent:
         n = _count(msg, "int8")
         block = msg.get("b")
         if not isinstance(block, int) or block < 1 or block > 1 << 20:
@@ -65,4 +65,4 @@ class Int8Codec(Codec):
         blocks = -(-n // block)
         scales = expect_len(field_bytes(msg, "s", "int8"), blocks, np.float32, "int8", "s")
         q = expect_len(field_bytes(msg, "d", "int8"), n, np.int8, "int8")
-        return _dequantize(q, scales, n, block)
+        return Sent(_dequantize(q, scales, n, block))

@@ -7,7 +7,6 @@ gradient by the codec names recorded inside it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ from .floating import BFloat16Codec, Float16Codec, NoneCodec
 from .quantization import Int8Codec
 from .sparse import TopKCodec
 
-__all__ = ["CODECS", "CodecChain", "Encoded", "get_codec", "decode_gradient", "register"]
+__all__ = ["CODECS", "CodecChain", "Encoded", "get_codec", "decode_gradient", "decode_sent", "register"]
 
 CODECS: dict[str, type[Codec]] = {}
 """Registered codec classes by name."""
@@ -91,10 +90,6 @@ class CodecChain:
     def _inner(self) -> Codec | None:
         return self.parts[1] if len(self.parts) > 1 else None
 
-    def decode(self, data: bytes, numel: int | None = None) -> torch.Tensor:
-        """Decode wire bytes produced by any chain (see :func:`decode_gradient`)."""
-        return decode_gradient(data, numel=numel)
-
 
 def get_codec(name: str, **options: Any) -> CodecChain:
     """The codec chain ``name`` (``none``, ``fp16``, ``bf16``, ``int8``, ``topk``,
@@ -129,7 +124,7 @@ def get_codec(name: str, **options: Any) -> CodecChain:
     return CodecChain(name, parts)
 
 
-def _decode_dict(msg: Any) -> torch.Tensor:
+def _decode_dict(msg: Any) -> Sent:
     if not isinstance(msg, dict):
         raise PayloadError(f"gradient: expected a msgpack map, got {type(msg).__name__}")
     name = msg.get("c")
@@ -139,25 +134,34 @@ def _decode_dict(msg: Any) -> torch.Tensor:
     return cls().decode(msg, _decode_dict)
 
 
-def decode_gradient(data: bytes, *, numel: int | None = None,
-                    max_bytes: int = DEFAULT_MAX_BYTES, what: str = "gradient") -> torch.Tensor:
-    """Decode one encoded gradient to a 1-D float32 tensor and validate it.
+def decode_sent(data: bytes, *, numel: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                what: str = "gradient") -> Sent:
+    """Decode one encoded gradient into the values it carries, sparse as it was sent
+    (a top-k gradient stays its kept indices and values), and validate it.
 
     Raises:
         PayloadError: truncated/oversized/malformed bytes.
         UnknownCodecError: a codec named inside is not registered.
         BadGradientError: it has ``!= numel`` values or NaN/inf values (named by ``what``).
     """
-    values = _decode_dict(unpack(data, max_bytes=max_bytes, what=what))
-    if numel is not None and values.numel() != numel:
-        raise BadGradientError(f"{what}: has {values.numel()} values, expected {numel}")
-    finite = np.isfinite(values.numpy())  # numpy's check is ~10x cheaper than torch.isfinite here
+    return _decode(data, numel, max_bytes, what)[0]
+
+
+def decode_gradient(data: bytes, *, numel: int | None = None,
+                    max_bytes: int = DEFAULT_MAX_BYTES, what: str = "gradient") -> torch.Tensor:
+    """:func:`decode_sent` as one dense 1-D float32 tensor."""
+    sent, count = _decode(data, numel, max_bytes, what)
+    return torch.from_numpy(sent.dense(count))
+
+
+def _decode(data: bytes, numel: int | None, max_bytes: int, what: str) -> tuple[Sent, int]:
+    msg = unpack(data, max_bytes=max_bytes, what=what)
+    sent = _decode_dict(msg)
+    count = msg["n"]  # every codec checked its "n"
+    if numel is not None and count != numel:
+        raise BadGradientError(f"{what}: has {count} values, expected {numel}")
+    finite = np.isfinite(sent.values)  # numpy's check is ~10x cheaper than torch.isfinite here
     if not finite.all():
         bad = int((~finite).sum())
         raise BadGradientError(f"{what}: {bad} NaN or infinite value(s)")
-    return values
-
-
-def compression_ratio(raw_numel: int, wire_bytes: int) -> float:
-    """fp32 bytes over wire bytes (how many times smaller)."""
-    return (4 * raw_numel) / max(1, wire_bytes) if raw_numel else math.inf
+    return sent, count

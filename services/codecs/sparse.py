@@ -117,7 +117,7 @@ class TopKCodec(Codec):
         msg = {"c": "topk", "n": values.numel(), "k": int(idx.size), "i": varint_encode(deltas), "v": inner_msg}
         return msg, Sent(kept.values, idx)
 
-    def decode(self, msg: dict[str, Any], inner_decode: Any) -> torch.Tensor:
+    def decode(self, msg: dict[str, Any], inner_decode: Any) -> Sent:
         n = _count(msg, "topk")
         k = msg.get("k")
         if not isinstance(k, int) or not 0 <= k <= n:
@@ -131,8 +131,6 @@ class TopKCodec(Codec):
         if not isinstance(inner, dict):
             raise PayloadError("codec topk: field 'v' (the kept values) missing")
         vals = inner_decode(inner)
-        if vals.numel() != k:
-            raise PayloadError(f"codec topk: {vals.numel()} values for k={k}")
-        out = torch.zeros(n, dtype=torch.float32)
-        out[torch.from_numpy(idx)] = vals
-        return out
+        if vals.indices is not None or vals.values.size != k:
+            raise PayloadError(f"codec topk: {vals.values.size} values for k={k}")
+        return Sent(vals.values, idx)

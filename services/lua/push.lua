@@ -2,15 +2,15 @@
 -- Runs in the MULTI/EXEC that first SETs the update's gradient blobs (KEYS[6..]); a refused push
 -- deletes them again, so a refusal leaves nothing behind.
 -- KEYS[1] generation, KEYS[2] assignment, KEYS[3] offsets, KEYS[4] update_log, KEYS[5] clocks,
--- KEYS[6..] the update's gradient blob keys
+-- KEYS[6] unapplied (updates not yet applied by every group), KEYS[7..] the update's gradient blob keys
 -- ARGV[1] member id, ARGV[2] generation, ARGV[3] clock, ARGV[4] max pending log entries,
 -- ARGV[5] number of offset ranges n, ARGV[6 .. 5+3n] partition, first, next (per range),
 -- ARGV[6+3n ..] stream field, value pairs of the log entry (the header).
 -- Returns the new log entry id, or an error reply starting with FENCED, OFFSET, CLOCK or BACKPRESSURE.
 local member, gen, clock = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local function refuse(message)
-  if #KEYS >= 6 then
-    redis.call('DEL', unpack(KEYS, 6))
+  if #KEYS >= 7 then
+    redis.call('DEL', unpack(KEYS, 7))
   end
   return redis.error_reply(message)
 end
@@ -43,7 +43,7 @@ if clock <= last then
   return refuse('CLOCK member ' .. member .. ' pushed clock ' .. ARGV[3] ..
     ' but its last pushed clock is ' .. last .. ' (a duplicate or out-of-order push)')
 end
-if redis.call('XLEN', KEYS[4]) >= tonumber(ARGV[4]) then
+if tonumber(redis.call('GET', KEYS[6]) or '0') >= tonumber(ARGV[4]) then
   return refuse('BACKPRESSURE update log holds ' .. ARGV[4] ..
     ' unapplied updates; parameter servers are behind')
 end
@@ -56,4 +56,5 @@ for i = 0, n - 1 do
   redis.call('HSET', KEYS[3], ARGV[6 + 3 * i], ARGV[8 + 3 * i])
 end
 redis.call('HSET', KEYS[5], member, ARGV[3])
+redis.call('INCR', KEYS[6])
 return id

@@ -1,0 +1,76 @@
+"""Versioned deltas: the coordinates one model version changed in one shard, and their new values.
+
+A parameter server publishes one delta per shard it changed in an apply
+(``JobKeys.deltas(i)``, entry id ``<model version>-0``); trainers rebuild a
+shard at version V from its full bytes at its base version plus the deltas
+after the base, or move their replica from version S to V with the deltas in
+(S, V]. A delta carries *new values*, not increments, so applying one twice,
+or applying a delta the replica already holds, changes nothing.
+
+Wire form: msgpack ``{"i": indices, "v": values}``; indices sorted, delta +
+LEB128-varint encoded (as the top-k codec's), values float32 little-endian.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .codecs.sparse import varint_decode, varint_encode
+from .errors import PayloadError
+from .wire import pack, unpack
+
+__all__ = ["encode_delta", "decode_delta", "apply_deltas", "delta_version"]
+
+
+def encode_delta(indices: np.ndarray, values: np.ndarray) -> bytes:
+    """The delta setting ``values`` (float32) at the sorted, unique ``indices``."""
+    gaps = indices.astype(np.int64, copy=True)
+    gaps[1:] -= indices[:-1]
+    return pack({"i": varint_encode(gaps), "v": np.ascontiguousarray(values, dtype=np.float32).tobytes()})
+
+
+def decode_delta(blob: bytes, numel: int, what: str = "delta") -> tuple[np.ndarray, np.ndarray]:
+    """(indices, values) of a delta of a ``numel``-value shard.
+
+    Raises:
+        PayloadError: malformed, or indices outside the shard or not increasing.
+    """
+    msg = unpack(blob, what=what)
+    if not isinstance(msg, dict) or not isinstance(msg.get("i"), bytes) or not isinstance(msg.get("v"), bytes):
+        raise PayloadError(f"{what}: expected a map with bytes fields 'i' and 'v'")
+    idx = np.cumsum(varint_decode(msg["i"], codec=what))
+    if len(msg["v"]) != 4 * idx.size:
+        raise PayloadError(f"{what}: {idx.size} indices but {len(msg['v'])} bytes of float32 values")
+    if idx.size and (idx[-1] >= numel or idx[0] < 0 or np.any(np.diff(idx) <= 0)):
+        raise PayloadError(f"{what}: indices outside 0..{numel - 1} or not increasing")
+    return idx, np.frombuffer(msg["v"], dtype=np.float32)
+
+
+def delta_version(entry_id: bytes | str) -> int:
+    """The model version of a delta stream entry (its id is ``<version>-0``)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.partition("-")[0])
+
+
+def apply_deltas(flat: torch.Tensor, entries: list[tuple[bytes, dict[bytes, bytes]]], *, after: int,
+                 upto: int, what: str = "delta") -> int:
+    """Write the deltas of ``entries`` (a shard's stream, in order) with versions in
+    (``after``, ``upto``] into ``flat`` (the shard's values, any device), in order.
+
+    Returns:
+        The bytes of the deltas applied.
+    """
+    moved = 0
+    for entry_id, fields in entries:
+        version = delta_version(entry_id)
+        if version <= after or version > upto:
+            continue
+        blob = fields[b"d"]
+        idx, values = decode_delta(blob, flat.numel(), what=f"{what} at version {version}")
+        moved += len(blob)
+        if flat.device.type == "cpu":
+            flat.detach().numpy()[idx] = values
+        else:
+            flat[torch.from_numpy(idx).to(flat.device)] = torch.from_numpy(values.copy()).to(flat.device)
+    return moved
