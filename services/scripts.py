@@ -24,6 +24,9 @@ def script(client: redis.Redis, name: str) -> redis.commands.core.Script:
         client._streamtrain_scripts = cached  # type: ignore[attr-defined]
     if name not in cached:
         cached[name] = client.register_script(_source(name))
+        # load it now: an EVALSHA answered NOSCRIPT costs more than the round trip (redis-py
+        # formats the error with every argument of the transaction, megabytes of it)
+        client.script_load(_source(name))
     return cached[name]
 
 

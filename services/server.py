@@ -172,6 +172,11 @@ class _GroupState:
     """Gradient bytes of those updates."""
 
 
+_CHUNK_BYTES = 64 << 20
+"""Decoded gradients a batch holds before applying them (dense fp32 gradients of a large model
+are applied a few updates at a time; top-k ones a whole batch at a time)."""
+
+
 class _LogMoved(Exception):
     """The log changed under a load (another server of the group persisted): load again."""
 
@@ -364,25 +369,18 @@ class ParameterServer:
         if not entries:
             return
         scratch = {i: sh.params.clone() for i, sh in st.shards.items()}
-        for eid, fields in entries:
-            try:
-                update = parse_entry(eid, fields)
-            except ParameterPlaneError:
-                st.unpersisted.append((eid, []))
-                continue  # refused when applied: no step
-            st.unpersisted.append((eid, blob_keys(self.settings.job, update)))
-            try:
-                update = load_gradients(self.client, self.settings.job, update)
-            except ParameterPlaneError:
-                if not self.client.xrange(self.keys.update_log, eid, eid):
-                    raise _LogMoved(f"update {eid} left the log during a load") from None
-                continue  # its blobs were missing when applied too: refused, no step
+        for eid, update, error in self._load(entries):
+            st.unpersisted.append((eid, blob_keys(self.settings.job, update) if update is not None else []))
+            if error is not None:
+                if update is not None and not self.client.xrange(self.keys.update_log, eid, eid):
+                    raise _LogMoved(f"update {eid} left the log during a load")
+                continue  # refused when applied (a bad header, or its blobs were missing then too): no step
             st.unpersisted_bytes += sum(len(b) for b in update.gradients.values())
             try:
                 decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
             except ParameterPlaneError:
                 continue  # refused when applied: no step
-            self._steps(st, decoded, scratch)
+            self._steps(st, [decoded], scratch)
         logger.info("ps job=%s group=%d: replayed %d update(s) after persisted %r to rebuild the optimizer "
                     "state", self.settings.job, self.settings.group, len(entries), st.persisted)
 
@@ -418,15 +416,23 @@ class ParameterServer:
         touched: dict[int, list[np.ndarray | None]] = {}
         covered: list[tuple[str, list[str]]] = []
         grad_bytes = 0
+        chunk: list[dict[int, Sent]] = []  # decoded, not yet applied
+        chunk_bytes = 0
         self._state_valid = False  # the shards are changed in place from here on
-        for entry_id, fields in entries:
+        for eid, update, error in self._load(entries):
             if self._stop.is_set() and self._thread is not None:
                 break
-            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            outcome, nbytes = self._compute(eid, fields, touched)
+            outcome, nbytes, decoded = self._validate(eid, update, error)
             outcomes.append(outcome)
             covered.append((eid, blob_keys(self.settings.job, outcome.update)))
             grad_bytes += nbytes
+            if decoded is not None:
+                chunk.append(decoded)
+                chunk_bytes += sum(d.values.nbytes for d in decoded.values())
+            if chunk_bytes >= _CHUNK_BYTES:
+                self._merge(touched, self._steps(st, chunk))
+                chunk, chunk_bytes = [], 0
+        self._merge(touched, self._steps(st, chunk))
         if not outcomes:
             self._state_valid = True  # nothing computed, nothing changed
             return 0
@@ -499,55 +505,85 @@ class ParameterServer:
         sh = self._state.shards[i]
         if any(c is None for c in changes):
             return ShardWrite(i, sh.version, delta=None, full=sh.params)
-        idx = changes[0] if len(changes) == 1 else np.unique(np.concatenate(changes))
+        if len(changes) == 1:
+            idx = changes[0]
+        else:  # the union of sorted index sets: a mask is ~10x cheaper than np.unique here
+            mask = np.zeros(sh.params.numel(), dtype=bool)
+            for c in changes:
+                mask[c] = True
+            idx = np.flatnonzero(mask)
         delta = encode_delta(idx, sh.params.numpy()[idx])
         s = self.settings
         compact = (sh.delta_bytes + len(delta) > s.compact_fraction * 4 * sh.params.numel()
                    or self._state.version + 1 - sh.base >= s.compact_every)
         return ShardWrite(i, sh.version, delta=delta, full=sh.params if compact else None)
 
-    def _compute(self, eid: str, fields: Mapping[bytes, bytes],
-                 touched: dict[int, list[np.ndarray | None]]) -> tuple[Outcome, int]:
-        """Apply one update to the in-memory shards (one optimizer step each); records what it
-        changed in ``touched``. Returns its outcome and its gradient bytes."""
-        try:
-            update = load_gradients(self.client, self.settings.job, parse_entry(eid, fields))
-        except ParameterPlaneError as exc:
-            return self._reject(eid, fields, exc), 0
+    def _load(self, entries: Sequence[tuple[bytes | str, Mapping[bytes, bytes]]]
+              ) -> list[tuple[str, Update | None, ParameterPlaneError | None]]:
+        """(id, update, error) of each entry: the update with its gradient bytes (one MGET for all
+        of them), or, when it is refused, the error and the update as far as it parsed."""
+        parsed: list[tuple[str, Update | None, ParameterPlaneError | None]] = []
+        for entry_id, fields in entries:
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            try:
+                parsed.append((eid, parse_entry(eid, fields), None))
+            except ParameterPlaneError as exc:
+                parsed.append((eid, None, exc))
+        loaded = iter(load_gradients(self.client, self.settings.job, [u for _, u, _ in parsed if u is not None]))
+        out = []
+        for eid, update, error in parsed:
+            if update is not None:
+                got = next(loaded)
+                update, error = (update, got) if isinstance(got, ParameterPlaneError) else (got, None)
+            out.append((eid, update, error))
+        return out
+
+    def _validate(self, eid: str, update: Update | None, error: ParameterPlaneError | None
+                  ) -> tuple[Outcome, int, dict[int, Sent] | None]:
+        """Decode and check every gradient of one update: its outcome, its gradient bytes, and
+        its decoded gradients (None when refused)."""
+        if error is not None:
+            return self._reject(eid, error, update), 0, None
         nbytes = sum(len(b) for b in update.gradients.values())
         try:
             decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
         except ParameterPlaneError as exc:
-            return self._reject(eid, fields, exc), nbytes
-        for i, changed in self._steps(self._state, decoded).items():
-            touched.setdefault(i, []).append(changed)
-        return Outcome(dataclasses.replace(update, gradients={}), "applied"), nbytes
+            return self._reject(eid, exc, update), nbytes, None
+        return Outcome(dataclasses.replace(update, gradients={}), "applied"), nbytes, decoded
 
-    def _steps(self, st: _GroupState, decoded: Mapping[int, Sent],
-               scratch: Mapping[int, torch.Tensor] | None = None) -> dict[int, np.ndarray | None]:
-        """One optimizer step of one update on the group's shards (on ``scratch`` parameters
-        when given). Returns shard -> the indices it changed (None: all of them)."""
+    def _steps(self, st: _GroupState, updates: Sequence[Mapping[int, Sent]],
+               scratch: Mapping[int, torch.Tensor] | None = None) -> dict[int, list[np.ndarray | None]]:
+        """One optimizer step per update, in order, on the group's shards (``scratch`` parameters
+        when given): shard by shard, so a shard's values and state stay in the CPU cache across
+        the updates (the same math as update by update: a shard's steps keep their order, and each
+        update's clipping factor is its own). Returns shard -> the indices each step changed
+        (None: all of them)."""
         cfg = self._meta.optimizer
-        own = [i for i in sorted(decoded) if i % self.settings.groups == self.settings.group]
-        grads = [decoded[i] for i in own]
-        factor = clip_factor(cfg, grads)
-        changed = {}
-        for i, g in zip(own, grads, strict=True):
+        g, groups = self.settings.group, self.settings.groups
+        mine = [{i: d for i, d in decoded.items() if i % groups == g} for decoded in updates]
+        factors = [clip_factor(cfg, list(m.values())) for m in mine]
+        changed: dict[int, list[np.ndarray | None]] = {}
+        for i in sorted({i for m in mine for i in m}):
             sh = st.shards[i]
-            sh.step += 1
             params = sh.params if scratch is None else scratch[i]
-            changed[i] = step(cfg, params, g, sh.opt, sh.step, factor)
+            for m, factor in zip(mine, factors, strict=True):
+                if i in m:
+                    sh.step += 1
+                    changed.setdefault(i, []).append(step(cfg, params, m[i], sh.opt, sh.step, factor))
         return changed
 
-    def _reject(self, eid: str, fields: Mapping[bytes, bytes], exc: ParameterPlaneError) -> Outcome:
+    @staticmethod
+    def _merge(touched: dict[int, list[np.ndarray | None]], changed: Mapping[int, list[np.ndarray | None]]) -> None:
+        for i, changes in changed.items():
+            touched.setdefault(i, []).extend(changes)
+
+    def _reject(self, eid: str, exc: ParameterPlaneError, update: Update | None = None) -> Outcome:
         logger.error("ps job=%s group=%d: update %s refused, parameters untouched: %s",
                      self.settings.job, self.settings.group, eid, exc)
         self.rejected += 1
-        try:
-            update = parse_entry(eid, fields)
-        except ParameterPlaneError:
+        if update is None:  # not even its header parsed
             update = Update(member_id="?", generation=0, clock=1, gradients={}, log_id=eid)
-        return Outcome(update, "rejected", reason=str(exc))
+        return Outcome(dataclasses.replace(update, gradients={}), "rejected", reason=str(exc))
 
     def _fault(self, where: str, n: int) -> None:
         """SIGKILL this process at ``where`` when the write of the next ``n`` updates includes update ``fault_at``."""

@@ -252,14 +252,17 @@ def blob_keys(job: str, update: Update) -> list[str]:
     return [keys.update_blob(update.token, i) for i in update.shards]
 
 
-def load_gradients(client: redis.Redis, job: str, update: Update) -> Update:
-    """``update`` with its gradient bytes read from Redis (one MGET).
-
-    Raises:
-        PayloadError: a blob is missing.
-    """
-    blobs = client.mget(blob_keys(job, update)) if update.shards else []
-    missing = [i for i, b in zip(update.shards, blobs, strict=True) if b is None]
-    if missing:
-        raise PayloadError(f"update {update.log_id}: gradient blob of shard(s) {missing} missing")
-    return dataclasses.replace(update, gradients=dict(zip(update.shards, blobs, strict=True)))
+def load_gradients(client: redis.Redis, job: str, updates: Sequence[Update]) -> list[Update | PayloadError]:
+    """Each of ``updates`` with its gradient bytes read from Redis (one MGET for all of them), or,
+    for an update whose blobs are missing, a PayloadError naming them."""
+    keys = [k for u in updates for k in blob_keys(job, u)]
+    blobs = iter(client.mget(keys) if keys else [])
+    out: list[Update | PayloadError] = []
+    for u in updates:
+        mine = [next(blobs) for _ in u.shards]
+        missing = [i for i, b in zip(u.shards, mine, strict=True) if b is None]
+        if missing:
+            out.append(PayloadError(f"update {u.log_id}: gradient blob of shard(s) {missing} missing"))
+        else:
+            out.append(dataclasses.replace(u, gradients=dict(zip(u.shards, mine, strict=True))))
+    return out

@@ -31,15 +31,41 @@ def model() -> dict[str, torch.Tensor]:
     return {"w": torch.zeros(300), "b": torch.zeros(7)}
 
 
+def start_job(redis: redis_lib.Redis, redis_url: str, cfg: OptimizerConfig, compact_fraction: float = 0.5):
+    store = ParameterStore(redis, JOB)
+    store.init_model(model(), shard_elems=64, optimizer=cfg)
+    set_membership(redis, JOB, {"fast": [0], "slow": [1]}, generation=1)
+    server = ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, block_ms=20,
+                                            compact_fraction=compact_fraction))
+    server.start()
+    return store, server
+
+
 @pytest.fixture
 def job(redis: redis_lib.Redis, redis_url: str):
-    store = ParameterStore(redis, JOB)
-    store.init_model(model(), shard_elems=64, optimizer=OptimizerConfig(lr=1.0, momentum=0.0))
-    set_membership(redis, JOB, {"fast": [0], "slow": [1]}, generation=1)
-    server = ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, block_ms=20))
-    server.start()
+    store, server = start_job(redis, redis_url, OptimizerConfig(lr=1.0, momentum=0.0))
     try:
         yield store
+    finally:
+        server.close()
+
+
+PLANES = {
+    # dense SGD: every apply rewrites the shards in full
+    "full": (OptimizerConfig(lr=1.0, momentum=0.0), "none", 0.5),
+    # a sparse optimizer fed top-k gradients that keep every value: every apply publishes deltas,
+    # and every second or third one per shard also compacts it (a delta of a 64-value shard is ~1.3x its bytes)
+    "deltas": (OptimizerConfig(name="dgc", lr=1.0, momentum=0.0), "topk", 3.0),
+}
+
+
+@pytest.fixture(params=sorted(PLANES))
+def plane(request, redis: redis_lib.Redis, redis_url: str):
+    """(store, codec the pushes use) of a job applied by a running server, for each way an apply publishes."""
+    cfg, codec, fraction = PLANES[request.param]
+    store, server = start_job(redis, redis_url, cfg, fraction)
+    try:
+        yield store, codec
     finally:
         server.close()
 
@@ -87,15 +113,17 @@ def test_ssp_blocks_then_releases_and_a_departed_member_releases(redis: redis_li
     assert starting_clock(redis, JOB, "newcomer") == 4
 
 
-def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redis, job) -> None:
+def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redis, plane) -> None:
     """Every update adds -1 to every value (lr 1, gradient 1) and each atomic write (one model
     version) applies one or more whole updates to every shard: a consistent snapshot has every
     value equal to -u, in every shard, with u growing with the version."""
+    job, codec = plane
     stop = threading.Event()
     pushed = []
 
     def pusher() -> None:
-        p = Pusher(redis, JOB, "fast", max_pending=4)  # backpressure keeps the log short
+        p = Pusher(redis, JOB, "fast", max_pending=4, codec=codec,  # backpressure keeps the log short
+                   codec_options={"density": 1.0} if codec == "topk" else {})
         c = 0
         while not stop.is_set() and c < 200:
             c += 1
@@ -125,3 +153,9 @@ def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redi
     assert len({s.version for s in snaps}) > 3  # the pulls saw the model move
     assert any(0 < len(s.fetched) for s in snaps)
     assert all(s.versions == (s.version,) * 6 for s in snaps)  # every update writes all 6 shards
+    keys = JobKeys(JOB)
+    bases = [int(b) for b in redis.hmget(keys.bases, [str(i) for i in range(6)])]
+    if codec == "topk":  # deltas were published, and shards compacted now and then
+        assert all(redis.xlen(keys.deltas(i)) > 0 for i in range(6)) and all(0 < b <= snap.version for b in bases)
+    else:  # every apply rewrote every shard: no deltas
+        assert all(redis.xlen(keys.deltas(i)) == 0 for i in range(6)) and bases == [snap.version] * 6

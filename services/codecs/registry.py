@@ -25,6 +25,10 @@ __all__ = ["CODECS", "CodecChain", "Encoded", "get_codec", "decode_gradient", "d
 CODECS: dict[str, type[Codec]] = {}
 """Registered codec classes by name."""
 
+_DECODERS: dict[str, Codec] = {}
+"""One instance per registered codec for decoding (decode reads everything from the message;
+building a codec per gradient cost more than decoding it)."""
+
 
 def register(cls: type[Codec]) -> type[Codec]:
     """Register codec class ``cls`` under ``cls.info.name`` (usable as a decorator)."""
@@ -32,6 +36,7 @@ def register(cls: type[Codec]) -> type[Codec]:
     if name in CODECS or "+" in name:
         raise ValueError(f"codec name {name!r} is taken or contains '+'")
     CODECS[name] = cls
+    _DECODERS[name] = cls()
     return cls
 
 
@@ -128,10 +133,10 @@ def _decode_dict(msg: Any) -> Sent:
     if not isinstance(msg, dict):
         raise PayloadError(f"gradient: expected a msgpack map, got {type(msg).__name__}")
     name = msg.get("c")
-    cls = CODECS.get(name) if isinstance(name, str) else None
-    if cls is None:
+    codec = _DECODERS.get(name) if isinstance(name, str) else None
+    if codec is None:
         raise UnknownCodecError(f"gradient uses unknown codec {name!r}; known: {', '.join(sorted(CODECS))}")
-    return cls().decode(msg, _decode_dict)
+    return codec.decode(msg, _decode_dict)
 
 
 def decode_sent(data: bytes, *, numel: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,

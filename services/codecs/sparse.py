@@ -122,10 +122,11 @@ class TopKCodec(Codec):
         k = msg.get("k")
         if not isinstance(k, int) or not 0 <= k <= n:
             raise PayloadError(f"codec topk: field 'k' missing or not in 0..{n}: {k!r}")
-        idx = np.cumsum(varint_decode(field_bytes(msg, "i", "topk")))
-        if idx.size != k:
-            raise PayloadError(f"codec topk: {idx.size} indices for k={k}")
-        if k and (idx[-1] >= n or (k > 1 and np.any(np.diff(idx) <= 0))):
+        gaps = varint_decode(field_bytes(msg, "i", "topk"))
+        if gaps.size != k:
+            raise PayloadError(f"codec topk: {gaps.size} indices for k={k}")
+        idx = np.cumsum(gaps)
+        if k and (idx[-1] >= n or not gaps[1:].all()):  # gaps are >= 0: increasing means none is 0
             raise PayloadError(f"codec topk: indices out of range 0..{n - 1} or not increasing")
         inner = msg.get("v")
         if not isinstance(inner, dict):
