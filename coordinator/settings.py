@@ -46,10 +46,10 @@ class CoordinatorSettings:
     staleness: int = setting(2, env="STREAMTRAIN_STALENESS", min=0, max=1000,
                              help="SSP staleness bound s of a new job")
     codec: str = setting("topk+fp16", env="STREAMTRAIN_CODEC", help="gradient codec of a new job")
-    optimizer: str = setting("adam", env="STREAMTRAIN_OPTIMIZER", choices=OPTIMIZERS,
+    optimizer: str = setting("lazyadam", env="STREAMTRAIN_OPTIMIZER", choices=OPTIMIZERS,
                              help="optimizer of a new job: sgd, adam (dense), lazyadam, dgc (sparse: a top-k "
                                   "gradient changes only its coordinates)")
-    lr: float = setting(0.001, env="STREAMTRAIN_LR", min=0.0, max=10.0,
+    lr: float = setting(0.01, env="STREAMTRAIN_LR", min=0.0, max=10.0,
                         help="learning rate of a new job")
     max_request_bytes: int = setting(64 * 1024, env="STREAMTRAIN_COORDINATOR_MAX_REQUEST_BYTES",
                                      min=1024, max=16 * 1024 * 1024,

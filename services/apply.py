@@ -43,6 +43,8 @@ class Outcome:
     """``applied`` or ``rejected``."""
     reason: str = ""
     """Why it was rejected (empty when applied)."""
+    grad_bytes: int = 0
+    """Bytes of its encoded gradients (what its trainer put on the wire)."""
     applied_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     """When the server applied (or refused) it, ms since the epoch."""
 
@@ -54,7 +56,7 @@ class Outcome:
                "samples": json.dumps([list(s) for s in u.samples]),
                "offsets": json.dumps([[p, f, n] for p, (f, n) in sorted(u.offsets.items())]),
                "batch_size": str(u.batch_size), "produced_ts_ms": str(u.produced_ts_ms),
-               "applied_ms": str(self.applied_ms)}
+               "applied_ms": str(self.applied_ms), "grad_bytes": str(self.grad_bytes)}
         if self.reason:
             rec["reason"] = self.reason
         return rec

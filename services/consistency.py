@@ -74,6 +74,8 @@ class ClockWait:
     """Measured staleness: ``clock - 1 - min_applied`` (0 when nobody participates)."""
     waited_s: float
     """Seconds spent waiting."""
+    own_applied: int = 0
+    """The waiting member's own applied clock (its updates applied up to it)."""
 
 
 def required_clock(cons: Consistency, clock: int) -> int | None:
@@ -84,8 +86,9 @@ def required_clock(cons: Consistency, clock: int) -> int | None:
     return clock - s - 1
 
 
-def min_applied_clock(client: redis.Redis, job: str) -> tuple[int | None, str | None]:
-    """(lowest applied clock among participating live members, that member) in one MULTI."""
+def min_applied_clock(client: redis.Redis, job: str, member_id: str = "") -> tuple[int | None, str | None, int]:
+    """(lowest applied clock among participating live members, that member, ``member_id``'s own
+    applied clock) in one MULTI."""
     keys = JobKeys(job)
     pipe = client.pipeline(transaction=True)
     pipe.hkeys(keys.members)
@@ -99,7 +102,7 @@ def min_applied_clock(client: redis.Redis, job: str) -> tuple[int | None, str | 
         value = int(applied.get(m, 0))
         if low[0] is None or value < low[0]:
             low = (value, m.decode())
-    return low
+    return low[0], low[1], int(applied.get(member_id.encode(), 0))
 
 
 def starting_clock(client: redis.Redis, job: str, member_id: str) -> int:
@@ -117,7 +120,8 @@ def starting_clock(client: redis.Redis, job: str, member_id: str) -> int:
 
 def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
                    consistency: Consistency | None = None, timeout_s: float = 60.0,
-                   poll_s: float = 0.002, max_unapplied: int | None = None) -> ClockWait:
+                   poll_s: float = 0.0005, max_unapplied: int | None = None,
+                   known: ClockWait | None = None) -> ClockWait:
     """Block until a step at ``clock`` is allowed by the job's consistency model.
 
     Under ASP nobody waits for others; with ``max_unapplied`` a member still waits
@@ -126,22 +130,36 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     ``poll_s`` up to 50 ms; records the measured staleness in ``JobKeys.staleness``
     and the Prometheus histograms.
 
+    ``known`` is what this member's previous wait observed. Applied clocks only
+    grow, a member that leaves only lowers the bar, and one that joins later pushes
+    clocks above every live member's (:func:`starting_clock`), so when ``known``
+    already meets the bound for ``clock`` the step may go without a read (its
+    staleness is then counted from ``known``'s older view: an upper bound).
+
     Raises:
         StalenessTimeout: the bound was not met within ``timeout_s`` (names the slowest member).
     """
     cons = consistency or Consistency.from_job(client, job)
     need = required_clock(cons, clock)
     own_need = clock - 1 - max_unapplied if need is None and max_unapplied is not None else None
+
+    def met(low: int | None, own: int) -> bool:
+        return (own_need is None or own >= own_need) and (need is None or low is None or low >= need)
+
+    if known is not None and met(known.min_applied, known.own_applied):
+        staleness = max(0, clock - 1 - known.min_applied) if known.min_applied is not None else 0
+        STALENESS.observe(staleness)
+        WAIT_SECONDS.observe(0.0)
+        return ClockWait(clock, need, known.min_applied, staleness, 0.0, known.own_applied)
     keys = JobKeys(job)
     start = time.monotonic()
     delay = poll_s
     while True:
-        low, who = min_applied_clock(client, job)
-        own = None if own_need is None else int(client.hget(keys.applied_clocks, member_id) or 0)
-        if (own is None or own >= own_need) and (need is None or low is None or low >= need):
+        low, who, own = min_applied_clock(client, job, member_id)
+        if met(low, own):
             break
         if time.monotonic() - start >= timeout_s:
-            if own is not None and own < own_need:
+            if own_need is not None and own < own_need:
                 raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
                                        f"its own updates up to clock {own_need} to be applied; at {own}")
             raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
@@ -150,7 +168,7 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
         delay = min(delay * 1.5, 0.05)
     waited = time.monotonic() - start
     staleness = max(0, clock - 1 - low) if low is not None else 0
-    client.hset(JobKeys(job).staleness, member_id, staleness)
+    client.hset(keys.staleness, member_id, staleness)
     STALENESS.observe(staleness)
     WAIT_SECONDS.observe(waited)
-    return ClockWait(clock, need, low, staleness, waited)
+    return ClockWait(clock, need, low, staleness, waited, own)

@@ -39,10 +39,11 @@ def decode_delta(blob: bytes, numel: int, what: str = "delta") -> tuple[np.ndarr
     msg = unpack(blob, what=what)
     if not isinstance(msg, dict) or not isinstance(msg.get("i"), bytes) or not isinstance(msg.get("v"), bytes):
         raise PayloadError(f"{what}: expected a map with bytes fields 'i' and 'v'")
-    idx = np.cumsum(varint_decode(msg["i"], codec=what))
-    if len(msg["v"]) != 4 * idx.size:
-        raise PayloadError(f"{what}: {idx.size} indices but {len(msg['v'])} bytes of float32 values")
-    if idx.size and (idx[-1] >= numel or idx[0] < 0 or np.any(np.diff(idx) <= 0)):
+    gaps = varint_decode(msg["i"], codec=what)
+    if len(msg["v"]) != 4 * gaps.size:
+        raise PayloadError(f"{what}: {gaps.size} indices but {len(msg['v'])} bytes of float32 values")
+    idx = np.cumsum(gaps)
+    if idx.size and (idx[-1] >= numel or not gaps[1:].all()):  # gaps are >= 0: increasing means none is 0
         raise PayloadError(f"{what}: indices outside 0..{numel - 1} or not increasing")
     return idx, np.frombuffer(msg["v"], dtype=np.float32)
 

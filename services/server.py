@@ -548,8 +548,8 @@ class ParameterServer:
         try:
             decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
         except ParameterPlaneError as exc:
-            return self._reject(eid, exc, update), nbytes, None
-        return Outcome(dataclasses.replace(update, gradients={}), "applied"), nbytes, decoded
+            return dataclasses.replace(self._reject(eid, exc, update), grad_bytes=nbytes), nbytes, None
+        return Outcome(dataclasses.replace(update, gradients={}), "applied", grad_bytes=nbytes), nbytes, decoded
 
     def _steps(self, st: _GroupState, updates: Sequence[Mapping[int, Sent]],
                scratch: Mapping[int, torch.Tensor] | None = None) -> dict[int, list[np.ndarray | None]]:

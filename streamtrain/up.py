@@ -36,7 +36,11 @@ class UpSettings:
     consistency: str = cfg.setting("ssp", env="STREAMTRAIN_CONSISTENCY", choices=("bsp", "ssp", "asp"),
                                    help="consistency model")
     staleness: int = cfg.setting(2, env="STREAMTRAIN_STALENESS", min=0, help="SSP staleness bound")
-    codec: str = cfg.setting("topk+fp16", env="STREAMTRAIN_CODEC", help="gradient codec")
+    codec: str = cfg.setting(ClusterSpec.codec, env="STREAMTRAIN_CODEC", help="gradient codec")
+    optimizer: str = cfg.setting(ClusterSpec.optimizer, env="STREAMTRAIN_OPTIMIZER",
+                                 choices=("sgd", "adam", "lazyadam", "dgc"),
+                                 help="optimizer: lazyadam or dgc for a top-k codec (sparse), sgd or adam (dense)")
+    lr: float = cfg.setting(ClusterSpec.lr, env="STREAMTRAIN_LR", min=0.0, max=10.0, help="learning rate")
     source: str = cfg.setting("digits?repeat=30", env="STREAMTRAIN_SOURCE",
                               help="what the producer streams (its train split)")
     model: str = cfg.setting("digits-mlp", env="STREAMTRAIN_MODEL", help="model spec of the trainers")
@@ -65,7 +69,8 @@ def cluster_spec(s: UpSettings) -> ClusterSpec:
     if s.forever and source.split("?")[0] == "digits":
         source = "digits?repeat=0"  # online continuous training: the data set, pass after pass
     return ClusterSpec(trainers=s.trainers, partitions=s.partitions, consistency=s.consistency,
-                       staleness=s.staleness, codec=s.codec, source=source, model=s.model,
+                       staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr, source=source,
+                       model=s.model,
                        eval_source=s.eval_source, kafka_heap_mb=s.kafka_heap_mb,
                        limit=s.max_records or None)
 

@@ -38,7 +38,7 @@ from services import (
     FencedError, OffsetConflictError, OptimizerConfig, ParameterStore, Pusher, Snapshot, connect,
     starting_clock, wait_for_clock,
 )
-from services.consistency import Consistency, StalenessTimeout
+from services.consistency import ClockWait, Consistency, StalenessTimeout
 from streamtrain.keys import JobKeys
 
 from .device import plan_device
@@ -83,6 +83,7 @@ class Trainer:
         self.heartbeat_interval_s = 0.5
         self.snapshot: Snapshot | None = None
         self._covers = -1  # the replica holds every live member's updates up to this clock
+        self._last_wait: ClockWait | None = None  # what the last clock wait observed
         self._phases: collections.Counter[str] = collections.Counter()  # seconds per step phase
         self.clock = 1
         self._last_pushed_clock = 0
@@ -171,7 +172,13 @@ class Trainer:
         options = {"density": self.settings.topk_density} if "topk" in config.codec else {}
         self.pusher = Pusher(self.redis, self.settings.job, reg.member_id, codec=config.codec,
                              codec_options=options, momentum=meta.optimizer.trainer_momentum)
+        if self.pusher.codec.parts[0].info.sparsifier and not meta.optimizer.sparse:
+            logger.warning("optimizer %s is dense: with codec %s every coordinate still moves at every step "
+                           "(a full write per update), and the bursts of accumulated top-k gradients make "
+                           "its momentum overshoot; lazyadam or dgc step only where the gradient is",
+                           meta.optimizer.name, config.codec)
         self.clock = await asyncio.to_thread(starting_clock, self.redis, self.settings.job, reg.member_id)
+        self._last_wait = None  # a new member id: observe afresh
         self._last_pushed_clock = self.clock - 1
         if self.consumer is None:
             self.consumer = ShardConsumer(
@@ -271,6 +278,7 @@ class Trainer:
         # Steps after the refused push were never pushed: our clock resumes after the last that was,
         # or the clock bound would wait for updates of ours that will never exist.
         self.clock = self._last_pushed_clock + 1
+        self._last_wait = None
         await self._heartbeat()
         if self._wanted is not None:
             await self._assign_from_committed(self._wanted)
@@ -289,7 +297,7 @@ class Trainer:
                 await asyncio.sleep(0.1)
                 continue
             try:
-                batch = await asyncio.to_thread(self.consumer.poll, 0.2)
+                batch = self.consumer.poll(0) or await asyncio.to_thread(self.consumer.poll, 0.2)
                 if batch is None:
                     await self._tick_if_others_wait()
                 else:
@@ -307,24 +315,8 @@ class Trainer:
         clock, generation = self.clock, self.assignment.generation
         config = self.assignment.config
         consistency = Consistency(config.consistency, config.staleness)
-        waited = await asyncio.to_thread(
-            wait_for_clock, self.redis, self.settings.job, self.pusher.member_id, clock,
-            consistency=consistency, timeout_s=self.settings.staleness_timeout_s,
-            max_unapplied=self.settings.max_unapplied)
+        waited, result = await asyncio.to_thread(self._wait_pull_compute, batch, clock, consistency)
         self.last_staleness = waited.staleness
-        t1 = time.monotonic()
-        phases["wait"] += t1 - t0
-        result = None
-        if len(batch):
-            if self.snapshot is None or waited.required is None or self._covers < waited.required:
-                # The bound needs updates our replica lacks (ASP: always take the newest).
-                self.snapshot = await asyncio.to_thread(self.store.pull, self.snapshot, out=self.replica.tensors)
-                # Every live member's updates up to min_applied (read before the pull) are in it.
-                self._covers = waited.min_applied if waited.min_applied is not None else -1
-            t2 = time.monotonic()
-            phases["pull"] += t2 - t1
-            result = await asyncio.to_thread(self.replica.step, batch.x, batch.y)
-            phases["compute"] += time.monotonic() - t2
         t3 = time.monotonic()
         await self._settle_push()  # the previous push must have landed before this one
         phases["push_wait"] += time.monotonic() - t3
@@ -343,9 +335,34 @@ class Trainer:
         self._window.step_time_s += time.monotonic() - t0
         if result is not None:
             self.loss_ema = result.loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * result.loss
-        await self._observe_freshness()
+        self._observe_freshness(waited.own_applied)
         if self._eval_data is not None and self.steps % self.settings.eval_every == 0:
             await self._evaluate()
+
+    def _wait_pull_compute(self, batch: Batch, clock: int, consistency: Consistency
+                           ) -> tuple[ClockWait, StepResult | None]:
+        """Runs on a worker thread (one hand-off per step): wait for the clock bound, pull what the
+        bound needs into the model's parameters, then forward and backward on the batch."""
+        phases = self._phases
+        t0 = time.monotonic()
+        waited = wait_for_clock(self.redis, self.settings.job, self.pusher.member_id, clock,
+                                consistency=consistency, timeout_s=self.settings.staleness_timeout_s,
+                                max_unapplied=self.settings.max_unapplied, known=self._last_wait)
+        self._last_wait = waited
+        t1 = time.monotonic()
+        phases["wait"] += t1 - t0
+        if not len(batch):
+            return waited, None
+        if self.snapshot is None or waited.required is None or self._covers < waited.required:
+            # The bound needs updates our replica lacks (ASP: always take the newest).
+            self.snapshot = self.store.pull(self.snapshot, out=self.replica.tensors)
+            # Every live member's updates up to min_applied (read before the pull) are in it.
+            self._covers = waited.min_applied if waited.min_applied is not None else -1
+        t2 = time.monotonic()
+        phases["pull"] += t2 - t1
+        result = self.replica.step(batch.x, batch.y)
+        phases["compute"] += time.monotonic() - t2
+        return waited, result
 
     def _push(self, batch: Batch, result: StepResult | None, clock: int, generation: int) -> None:
         """Runs on the push thread: encode and push atomically with the batch's offsets."""
@@ -389,12 +406,9 @@ class Trainer:
         members, clocks = pipe.execute()
         return {m.decode() for m in members}, {k.decode(): int(v) for k, v in clocks.items()}
 
-    async def _observe_freshness(self) -> None:
-        """Seconds from produce to the first version holding the gradient, for applied pushes."""
-        if not self._pushed:
-            return
-        applied = await asyncio.to_thread(self.redis.hget, self.keys.applied_clocks, self.pusher.member_id)
-        applied_clock = int(applied or 0)
+    def _observe_freshness(self, applied_clock: int) -> None:
+        """Seconds from produce to the first version holding the gradient, for pushes applied up to
+        ``applied_clock`` (as the last clock wait read it)."""
         now_ms = time.time() * 1000
         while self._pushed and self._pushed[0][0] <= applied_clock:
             _, produced = self._pushed.popleft()
