@@ -4,7 +4,7 @@ In one run, everything real (Kafka, two trainers, Redis, the parameter server, t
 coordinator), digits under SSP s = 2, the same record budget for every job:
 
 1. **Bytes against accuracy**: ``none`` (fp32, dense Adam) against the sparse codec
-   (top-k with error feedback, the job's sparse optimizer): bytes per step on the
+   (top-k at 0.7 % with int8 values and error feedback, ``dgc``): bytes per step on the
    wire (the encoded gradients the trainers pushed, from the parameter server's
    ``applied_samples`` records) against fp32 of the whole model, and the final
    held-out accuracy of each, as a mean over ``--runs`` runs (the digits test split
@@ -18,7 +18,7 @@ coordinator), digits under SSP s = 2, the same record budget for every job:
 Writes ``bench/results/compression.json``; prints the bytes ratio and the accuracy
 lost last.
 
-    .venv/bin/python bench/compression.py [--records 60000] [--runs 3]
+    .venv/bin/python bench/compression.py [--records 120000] [--runs 3]
 """
 
 from __future__ import annotations
@@ -47,12 +47,15 @@ RESULTS = _HERE / "results" / "compression.json"
 SOURCE = "digits?repeat=0"
 console = Console(width=120)
 
-DENSE = {"codec": "none", "optimizer": "adam", "lr": 0.002}
-"""The uncompressed baseline: fp32 gradients, dense Adam."""
-SPARSE = {"codec": "topk+int8", "topk_density": 0.008, "optimizer": "lazyadam", "lr": 0.01}
-"""The compressed job: top-k at 0.8 % with int8 values (a byte each, a float32 scale per 256) and
-delta+varint indices, applied by lazy Adam."""
-OPTIMIZERS = {"adam": 0.002, "lazyadam": 0.01, "dgc": 0.1}
+DENSE = {"codec": "none", "optimizer": "adam", "lr": 0.001}
+"""The uncompressed baseline: fp32 gradients, dense Adam (at 0.002 two stale trainers made it dip to 40%)."""
+SPARSE = {"codec": "topk+int8", "topk_density": 0.007, "optimizer": "dgc", "lr": 0.05}
+"""The compressed job: top-k at 0.7 % with int8 values (a byte each, a float32 scale per 256) and
+delta+varint indices, with DGC (momentum correction and masking on the trainers, SGD on the server),
+which applies each accumulated value in full where lazy Adam normalises it away: at 120,000 records
+DGC matched ``none`` in our runs (97.5 % and 96.9 % means of two) and lazy Adam at lr 0.005 did not
+(96.5 %)."""
+OPTIMIZERS = {"adam": 0.001, "lazyadam": 0.01, "dgc": 0.1}
 """Optimizers compared with the default codec, at the learning rate each trains digits best with."""
 
 
@@ -69,7 +72,8 @@ def run(settings: dict, records: int, workdir: Path, target: float = 0.95) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=60_000, help="digits records per job (the same for every job)")
+    parser.add_argument("--records", type=int, default=120_000,
+                        help="digits records per job (the same for every job)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each codec for the mean accuracy")
     parser.add_argument("--workdir", type=Path, default=_HERE / "results" / "compression-run")
     args = parser.parse_args()

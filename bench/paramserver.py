@@ -12,14 +12,18 @@ In one run, against one ``redis-server`` started on loopback:
    pipeline of SETs of the same bytes, both into new keys (like-for-like: every
    pushed update is new data; Redis then maps fresh memory) and overwriting the
    same keys (Redis reuses the freed memory, ~2x faster at 40 MB), and ``ParameterStore.pull`` (MULTI/EXEC of the version and
-   MGET of every shard, copied into the trainer's parameter tensors with ``out=``)
+   MGET of every shard plus its deltas, into the trainer's parameter tensors with ``out=``)
    against a raw MGET of the same keys; a pull into fresh tensors is reported too.
-3. **Updates applied per second** by one parameter server (SGD with momentum,
-   dense fp32 gradients) for 1M- and 10M-parameter models, one update per
-   write (``--batch 1``) and all pending updates in one write; and for the
-   pipeline's 1.86M-parameter MLP (784-1024-1024-10, Adam, topk+fp16 at 1%)
-   with 8 pending updates per read, applied one by one vs in one write.
-4. **Bytes per step** of each codec against fp32 for a 10M-value gradient.
+3. **Updates applied per second** by one parameter server, and the bytes Redis
+   received per update meanwhile: dense fp32 gradients with SGD and momentum for
+   1M- and 10M-parameter models (every update changes every value: full writes);
+   and the pipeline's 1.86M-parameter MLP (784-1024-1024-10) with topk+fp16 at 1%
+   and ``--pending`` updates per write, for ``lazyadam`` and ``dgc`` (deltas of the
+   coordinates changed) and dense ``adam`` (every coordinate moves: full writes);
+   ``lazyadam`` again against a Redis with AOF on (``appendfsync everysec``).
+4. **Bytes a pull moves per step** for that MLP with one trainer (each update applied
+   before the next pull), sparse against dense Adam.
+5. **Bytes per step** of each codec against fp32 for a 10M-value gradient.
 
 Each timing is the best of ``--rounds``. Writes ``bench/results/paramserver.json``
 and prints the ratios, the push/pull ratio last.
@@ -33,6 +37,7 @@ import argparse
 import json
 import logging
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -45,7 +50,8 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 
 from services import (  # noqa: E402
-    OptimizerConfig, ParameterServer, ParameterStore, ServerSettings, Update, connect, get_codec, push_update,
+    OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, Update, connect, get_codec,
+    push_update,
 )
 from streamtrain.keys import JobKeys  # noqa: E402
 from streamtrain.launcher import RedisServer  # noqa: E402
@@ -162,7 +168,7 @@ def push_pull(url: str, rounds: int) -> dict:
         pipe.execute()
 
     def clear_log() -> None:  # what the servers do once an update is applied
-        client.delete(keys.update_log, *client.keys(keys.key("grad", "*")), *client.keys("fresh:*"))
+        client.delete(keys.update_log, keys.unapplied, *client.keys(keys.key("grad", "*")), *client.keys("fresh:*"))
 
     shard_keys = [keys.shard(s.index) for s in layout.shards]
     push_s, set_s = paired(push, raw_set, rounds, clear_log)
@@ -194,7 +200,8 @@ def mlp() -> dict[str, torch.Tensor]:
 
 def apply_rate(url: str, tensors: dict[str, torch.Tensor], updates: int, batch: int, *,
                optimizer: OptimizerConfig, codec: str, density: float = 0.01) -> dict:
-    """Updates/s one server applies, synchronously, reading up to ``batch`` pending updates per write."""
+    """Updates/s one server applies, synchronously, reading up to ``batch`` pending updates per write,
+    and the bytes Redis received per update while it did (deltas, compactions, persists, accounting)."""
     client = connect(url)
     job = f"bench-apply-{sum(t.numel() for t in tensors.values())}-{optimizer.name}-{codec.replace('+', '_')}-{batch}"
     store = ParameterStore(client, job)
@@ -202,25 +209,60 @@ def apply_rate(url: str, tensors: dict[str, torch.Tensor], updates: int, batch: 
     store.init_model(tensors, optimizer=optimizer)
     membership(client, job)
     enc = get_codec(codec, density=density) if codec.startswith("topk") else get_codec(codec)
-    blobs = {s.index: enc.encode(torch.randn(s.numel) * 1e-3).data for s in store.layout.shards}
-    for c in range(1, updates + 1):
+    gen = torch.Generator().manual_seed(0)
+    for c in range(1, updates + 1):  # every update a new gradient: the coordinates top-k keeps differ
+        blobs = {s.index: enc.encode(torch.randn(s.numel, generator=gen) * 1e-3).data for s in store.layout.shards}
         push_update(client, job, Update(member_id="bench", generation=1, clock=c, gradients=blobs,
                                         offsets={0: (c - 1, c)}), max_pending=updates + 1)
     settings = ServerSettings(redis_url=url, job=job, block_ms=1, batch=batch)
     torch.set_num_threads(settings.torch_threads)  # as `streamtrain ps` does
     server = ParameterServer(settings, client=client)
     server.load()
+    received = client.info("stats")["total_net_input_bytes"]
     t = time.perf_counter()
     while server.applied < updates:
         server.step()
     elapsed = time.perf_counter() - t
+    received = client.info("stats")["total_net_input_bytes"] - received
     assert int(client.hget(JobKeys(job).applied_clocks, "bench")) == updates
     assert store.version() == -(-updates // batch)  # one model version per write
     torch.set_num_threads(threads)
     client.delete(*client.keys(JobKeys(job).key("*")))
     client.close()
     return {"params": store.layout.numel, "optimizer": optimizer.name, "codec": codec, "updates": updates,
-            "batch": batch, "updates_per_s": updates / elapsed}
+            "batch": batch, "updates_per_s": updates / elapsed, "redis_bytes_per_update": received / updates}
+
+
+def pull_bytes(url: str, tensors: dict[str, torch.Tensor], steps: int, *, optimizer: OptimizerConfig,
+               codec: str = "topk+fp16", density: float = 0.01) -> dict:
+    """Bytes a trainer's pull moves per step when every step's update is applied before the next
+    pull (SSP with one trainer): what changed, against the model's full float32 bytes."""
+    client = connect(url)
+    job = f"bench-pull-{optimizer.name}"
+    store = ParameterStore(client, job)
+    store.init_model(tensors, optimizer=optimizer)
+    membership(client, job)
+    pusher = Pusher(client, job, "bench", codec=codec, codec_options={"density": density})
+    server = ParameterServer(ServerSettings(redis_url=url, job=job, block_ms=1, batch=1), client=client)
+    server.load()
+    out = {n: t.clone() for n, t in tensors.items()}
+    snap = store.pull(out=out)
+    gen = torch.Generator().manual_seed(1)
+    moved, times = [], []
+    for c in range(1, steps + 1):
+        pusher.push({n: torch.randn(t.shape, generator=gen) for n, t in tensors.items()}, generation=1, clock=c,
+                    offsets={0: (c - 1, c)})
+        server.step()
+        t = time.perf_counter()
+        snap = store.pull(snap, out=out)
+        times.append(time.perf_counter() - t)
+        moved.append(snap.wire_bytes)
+    full = 4 * store.layout.numel
+    client.delete(*client.keys(JobKeys(job).key("*")))
+    client.close()
+    return {"optimizer": optimizer.name, "codec": codec, "density": density, "model_bytes": full,
+            "bytes_per_pull": statistics.fmean(moved), "fraction_of_model": statistics.fmean(moved) / full,
+            "pull_ms": statistics.median(times) * 1e3}
 
 
 def codec_sizes(numel: int) -> dict:
@@ -242,27 +284,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed repetitions; the best counts")
     parser.add_argument("--updates", type=int, default=20, help="updates per dense apply-rate measurement")
-    parser.add_argument("--pending", type=int, default=8,
-                        help="pending updates per read in the batched-apply measurement (3 reads)")
+    parser.add_argument("--pending", type=int, default=16,
+                        help="pending updates applied per write in the sparse apply measurements")
+    parser.add_argument("--sparse-updates", type=int, default=320, help="updates per sparse apply measurement")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
+    net = mlp()
+    lazy = OptimizerConfig(name="lazyadam", lr=1e-3)
     with RedisServer() as server:
         url = server.url
         paths = client_paths(url, args.rounds)
         pp = push_pull(url, args.rounds)
         sgd = OptimizerConfig(name="sgd", lr=0.01, momentum=0.9)
-        rates = [apply_rate(url, model(n), args.updates, batch, optimizer=sgd, codec="none")
-                 for n in (1_000_000, 10_000_000) for batch in (1, args.updates)]
-        adam = OptimizerConfig(name="adam", lr=1e-3)
-        net = mlp()
-        batched = [apply_rate(url, net, 3 * args.pending, batch, optimizer=adam, codec="topk+fp16")
-                   for batch in (1, args.pending)]
+        dense = [apply_rate(url, model(n), args.updates, args.updates, optimizer=sgd, codec="none")
+                 for n in (1_000_000, 10_000_000)]
+        sparse = [apply_rate(url, net, args.sparse_updates, args.pending, optimizer=cfg, codec="topk+fp16")
+                  for cfg in (lazy, OptimizerConfig(name="dgc", lr=0.1), OptimizerConfig(name="adam", lr=1e-3))]
+        pulls = [pull_bytes(url, net, 30, optimizer=cfg)
+                 for cfg in (lazy, OptimizerConfig(name="adam", lr=1e-3))]
+    with RedisServer(appendonly=True) as server:  # AOF on, appendfsync everysec, as streamtrain up runs it
+        aof = apply_rate(server.url, net, args.sparse_updates, args.pending, optimizer=lazy, codec="topk+fp16")
     torch.set_num_threads(1)  # encode times single-threaded: torch's 2 spinning threads are 2-3x slower on a shared box
     sizes = codec_sizes(10_000_000)
     result = {"benchmark": "paramserver", "host": platform.node(), "python": platform.python_version(),
               "torch": torch.__version__, "redis_py": redis.__version__, "client_paths": paths,
-              "push_pull": pp, "apply": rates, "apply_batched": batched, "codecs": sizes}
+              "push_pull": pp, "apply_dense": dense, "apply_sparse": sparse, "apply_sparse_aof": aof,
+              "pull_bytes": pulls, "codecs": sizes}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -279,14 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("hiredis: not installed, path not measured")
     print(f"MGET of 64 x 64 KB vs 64 GETs: {paths['mget_vs_gets']:.1f}x")
-    for r in rates:
-        print(f"apply: {r['params'] / 1e6:.1f}M params, dense fp32, SGD momentum, {r['batch']:>2} per write: "
-              f"{r['updates_per_s']:.1f} updates/s")
-    for r in batched:
-        print(f"apply: {r['params'] / 1e6:.2f}M params (MLP), topk+fp16 at 1%, Adam, {args.pending} pending, "
-              f"{r['batch']} per write: {r['updates_per_s']:.1f} updates/s")
-    print(f"batched apply: {batched[1]['updates_per_s'] / batched[0]['updates_per_s']:.2f}x the one-by-one rate "
-          f"({args.pending} pending updates, 1.86M-param MLP, Adam)")
+    for r in dense:
+        print(f"apply: {r['params'] / 1e6:.1f}M params, dense fp32, SGD momentum, {r['batch']} per write: "
+              f"{r['updates_per_s']:.1f} updates/s, {r['redis_bytes_per_update'] / MB:.2f} MB into Redis per update")
+    for r in sparse:
+        print(f"apply: 1.86M MLP, topk+fp16 at 1%, {r['optimizer']:<8}, {args.pending} pending per write: "
+              f"{r['updates_per_s']:.1f} updates/s, {r['redis_bytes_per_update'] / 1024:.0f} KB into Redis per update")
+    print(f"apply with AOF on (appendfsync everysec), lazyadam: {aof['updates_per_s']:.1f} updates/s "
+          f"({aof['updates_per_s'] / sparse[0]['updates_per_s']:.2f} of the rate without)")
+    for r in pulls:
+        print(f"pull per step, 1.86M MLP, topk+fp16 at 1%, {r['optimizer']:<8}: {r['bytes_per_pull']:,.0f} bytes "
+              f"({r['fraction_of_model']:.1%} of the {r['model_bytes'] / MB:.2f} MB model), {r['pull_ms']:.2f} ms")
     for name, s in sizes.items():
         print(f"codec {name:<10} {s['bytes']:>11,} bytes/step  {s['x_smaller']:7.1f}x smaller than fp32  "
               f"(encode {s['encode_ms']:.1f} ms)")
@@ -296,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({pp['params'] / 1e6:.0f}M params, {pp['shards']} shards); into fresh tensors "
           f"{pp['pull_new_tensors_MBps']:.0f} MB/s; unchanged pull {pp['pull_unchanged_ms']:.2f} ms")
     print(f"topk+fp16 at 1% density: {sizes['topk+fp16']['x_smaller']:.1f}x smaller than fp32 (target >= 100x)")
+    print(f"applies/s, 1.86M MLP, topk+fp16 1%: {sparse[0]['updates_per_s']:.0f} (lazyadam, the job default; "
+          f"dgc {sparse[1]['updates_per_s']:.0f}; dense adam {sparse[2]['updates_per_s']:.0f})")
     print(f"push/pull vs raw redis-py SET/GET: push {pp['push_ratio_new_keys']:.2f} vs SET into new keys "
           f"({pp['push_ratio']:.2f} vs SET overwriting the same keys)  pull {pp['pull_ratio']:.2f} (target >= 0.80)")
     return 0

@@ -93,7 +93,7 @@ class ServerSettings:
                          help="most pending updates applied per write (one read, one atomic write)")
     max_update_bytes: int = setting(DEFAULT_MAX_BYTES, env="STREAMTRAIN_PS_MAX_UPDATE_BYTES", min=1024,
                                     help="largest gradient accepted per shard")
-    compact_fraction: float = setting(0.5, env="STREAMTRAIN_PS_COMPACT_FRACTION", min=0.0, max=1000.0,
+    compact_fraction: float = setting(1.0, env="STREAMTRAIN_PS_COMPACT_FRACTION", min=0.0, max=1000.0,
                                       help="rewrite a shard in full once its deltas since its last full write "
                                            "hold this fraction of its bytes")
     compact_every: int = setting(1000, env="STREAMTRAIN_PS_COMPACT_EVERY", min=1,
