@@ -49,7 +49,7 @@ class CoordinatorSettings:
     optimizer: str = setting("lazyadam", env="STREAMTRAIN_OPTIMIZER", choices=OPTIMIZERS,
                              help="optimizer of a new job: sgd, adam (dense), lazyadam, dgc (sparse: a top-k "
                                   "gradient changes only its coordinates)")
-    lr: float = setting(0.01, env="STREAMTRAIN_LR", min=0.0, max=10.0,
+    lr: float = setting(0.005, env="STREAMTRAIN_LR", min=0.0, max=10.0,
                         help="learning rate of a new job")
     max_request_bytes: int = setting(64 * 1024, env="STREAMTRAIN_COORDINATOR_MAX_REQUEST_BYTES",
                                      min=1024, max=16 * 1024 * 1024,

@@ -92,7 +92,7 @@ async def test_register_heartbeat_and_redis_contract(settings: CoordinatorSettin
         assert a["partitions"] == [0, 1, 2, 3, 4, 5] and a["state"] == "active"
         assert a["lease_ms"] == 3000 and a["heartbeat_interval_ms"] == 500
         assert a["config"] == {"consistency": "ssp", "staleness": 2, "codec": "topk+fp16",
-                               "optimizer": "lazyadam", "lr": 0.01, "topic": "train",
+                               "optimizer": "lazyadam", "lr": 0.005, "topic": "train",
                                "partitions": 6, "paused": False}
         gpu = await register(client, {"capabilities": {"device": "cuda", "threads": 4}})
         assert gpu["member_id"] != a["member_id"] and gpu["generation"] == 2

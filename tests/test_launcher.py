@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import socket
 
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from streamtrain.launcher import KafkaBroker, LaunchError, RedisServer, ServerState, pid_alive
+from streamtrain.launcher.kafka import random_cluster_id
 
 
 def test_kafka_round_trip_across_partitions(kafka) -> None:
@@ -88,3 +90,10 @@ def test_stop_leaves_no_process() -> None:
     assert not any(d.exists() for d in workdirs)
     broker.stop()  # idempotent
     assert broker.state is ServerState.STOPPED
+
+
+def test_cluster_ids_never_start_with_a_dash() -> None:
+    """kafka-storage would read ``-t -Xyz`` as an option: one id in 64 used to start with '-'."""
+    ids = [random_cluster_id() for _ in range(5000)]
+    assert not [i for i in ids if i.startswith("-")]
+    assert all(len(base64.urlsafe_b64decode(i + "==")) == 16 for i in ids[:100])

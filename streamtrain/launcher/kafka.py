@@ -79,8 +79,15 @@ def java_binary() -> str:
 
 
 def random_cluster_id() -> str:
-    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode("ascii").rstrip("=")
+    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding.
+
+    One that starts with ``-`` is drawn again, as Kafka's own ``Uuid.randomUuid()`` does:
+    ``kafka-storage format -t -X...`` would read it as an option (1 start in 64 failed so).
+    """
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode("ascii").rstrip("=")
+        if not text.startswith("-"):
+            return text
 
 
 class KafkaBroker(ManagedProcess):
