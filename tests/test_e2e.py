@@ -32,7 +32,7 @@ def held_out_accuracy(cluster: LocalCluster) -> float:
 
 
 def reaches_accuracy(cluster: LocalCluster, target: float, timeout_s: float) -> float:
-    """Score the stored parameters every second until ``target``; the best score seen."""
+    """Score the stored parameters every 0.25 s until ``target``; the best score seen."""
     best = 0.0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -41,7 +41,7 @@ def reaches_accuracy(cluster: LocalCluster, target: float, timeout_s: float) -> 
             best = max(best, held_out_accuracy(cluster))
         if best >= target or cluster.consumed(cluster.status() or {}):
             break
-        time.sleep(1.0)
+        time.sleep(0.25)  # a digits pass takes ~0.1 s now: score often enough to see the run
     return best
 
 
@@ -71,7 +71,7 @@ def run_cluster(tmp_path):
 
 @pytest.mark.parametrize("consistency", ["ssp", "bsp", "asp"])
 def test_two_trainers_reach_target_accuracy(run_cluster, consistency: str) -> None:
-    cluster = run_cluster(consistency=consistency, codec="topk+fp16", source="digits?repeat=40")
+    cluster = run_cluster(consistency=consistency, codec="topk+fp16", source="digits?repeat=80")
     assert reaches_accuracy(cluster, 0.95, timeout_s=300) >= 0.95
     cluster.quiesce()
     assert_exact(cluster, everything=False)
