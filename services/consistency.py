@@ -23,8 +23,8 @@ from .errors import ParameterPlaneError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Consistency", "ClockWait", "StalenessTimeout", "required_clock", "wait_for_clock",
-           "min_applied_clock", "starting_clock"]
+__all__ = ["Consistency", "ClockWait", "ClockView", "StalenessTimeout", "required_clock", "wait_for_clock",
+           "read_clocks", "starting_clock"]
 
 STALENESS = Histogram("streamtrain_ssp_staleness_clocks",
                       "Clocks between a trainer's step and the oldest live member's applied clock",
@@ -76,6 +76,10 @@ class ClockWait:
     """Seconds spent waiting."""
     own_applied: int = 0
     """The waiting member's own applied clock (its updates applied up to it)."""
+    pushed: int = 0
+    """The waiting member's own last pushed clock when the clocks were read."""
+    complete: bool = False
+    """Every live member had pushed when the clocks were read."""
 
 
 def required_clock(cons: Consistency, clock: int) -> int | None:
@@ -86,9 +90,24 @@ def required_clock(cons: Consistency, clock: int) -> int | None:
     return clock - s - 1
 
 
-def min_applied_clock(client: redis.Redis, job: str, member_id: str = "") -> tuple[int | None, str | None, int]:
-    """(lowest applied clock among participating live members, that member, ``member_id``'s own
-    applied clock) in one MULTI."""
+@dataclass(frozen=True)
+class ClockView:
+    """One read of the job's clocks, as one member sees them."""
+
+    low: int | None
+    """Lowest applied clock among participating live members (None when none participates)."""
+    slowest: str | None
+    """The member at ``low``."""
+    own_applied: int
+    """The member's own applied clock."""
+    own_pushed: int
+    """The member's own last pushed clock."""
+    complete: bool
+    """Every live member participates (has pushed)."""
+
+
+def read_clocks(client: redis.Redis, job: str, member_id: str = "") -> ClockView:
+    """The job's clocks as ``member_id`` sees them, in one MULTI."""
     keys = JobKeys(job)
     pipe = client.pipeline(transaction=True)
     pipe.hkeys(keys.members)
@@ -102,7 +121,9 @@ def min_applied_clock(client: redis.Redis, job: str, member_id: str = "") -> tup
         value = int(applied.get(m, 0))
         if low[0] is None or value < low[0]:
             low = (value, m.decode())
-    return low[0], low[1], int(applied.get(member_id.encode(), 0))
+    me = member_id.encode()
+    return ClockView(low[0], low[1], int(applied.get(me, 0)), int(clocks.get(me, 0)),
+                     all(m in clocks for m in members))
 
 
 def starting_clock(client: redis.Redis, job: str, member_id: str) -> int:
@@ -130,11 +151,14 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     ``poll_s`` up to 50 ms; records the measured staleness in ``JobKeys.staleness``
     and the Prometheus histograms.
 
-    ``known`` is what this member's previous wait observed. Applied clocks only
-    grow, a member that leaves only lowers the bar, and one that joins later pushes
-    clocks above every live member's (:func:`starting_clock`), so when ``known``
-    already meets the bound for ``clock`` the step may go without a read (its
-    staleness is then counted from ``known``'s older view: an upper bound).
+    ``known`` is what this member's previous wait read. Applied clocks only grow
+    and a member that leaves only lowers the bar. When every live member took part
+    at that read, a member that starts pushing after it is one that registered
+    after it, and starts above the clock this member had pushed by then
+    (``known.pushed``, :func:`starting_clock`), so none of its updates is due before
+    clock ``known.pushed + s + 2``. Up to that clock, when ``known`` already meets
+    the bound, the step goes without a read (its staleness is then counted from
+    ``known``'s older view: an upper bound).
 
     Raises:
         StalenessTimeout: the bound was not met within ``timeout_s`` (names the slowest member).
@@ -146,16 +170,19 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     def met(low: int | None, own: int) -> bool:
         return (own_need is None or own >= own_need) and (need is None or low is None or low >= need)
 
-    if known is not None and met(known.min_applied, known.own_applied):
+    s = 0 if cons.mode == "bsp" else cons.staleness
+    if (known is not None and known.complete and (need is None or clock <= known.pushed + s + 1)
+            and met(known.min_applied, known.own_applied)):
         staleness = max(0, clock - 1 - known.min_applied) if known.min_applied is not None else 0
         STALENESS.observe(staleness)
         WAIT_SECONDS.observe(0.0)
-        return ClockWait(clock, need, known.min_applied, staleness, 0.0, known.own_applied)
+        return ClockWait(clock, need, known.min_applied, staleness, 0.0, known.own_applied, known.pushed, True)
     keys = JobKeys(job)
     start = time.monotonic()
     delay = poll_s
     while True:
-        low, who, own = min_applied_clock(client, job, member_id)
+        view = read_clocks(client, job, member_id)
+        low, who, own = view.low, view.slowest, view.own_applied
         if met(low, own):
             break
         if time.monotonic() - start >= timeout_s:
@@ -171,4 +198,4 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     client.hset(keys.staleness, member_id, staleness)
     STALENESS.observe(staleness)
     WAIT_SECONDS.observe(waited)
-    return ClockWait(clock, need, low, staleness, waited, own)
+    return ClockWait(clock, need, low, staleness, waited, own, view.own_pushed, view.complete)

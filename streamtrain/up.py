@@ -41,7 +41,7 @@ class UpSettings:
                                  choices=("sgd", "adam", "lazyadam", "dgc"),
                                  help="optimizer: lazyadam or dgc for a top-k codec (sparse), sgd or adam (dense)")
     lr: float = cfg.setting(ClusterSpec.lr, env="STREAMTRAIN_LR", min=0.0, max=10.0, help="learning rate")
-    source: str = cfg.setting("digits?repeat=30", env="STREAMTRAIN_SOURCE",
+    source: str = cfg.setting("digits?repeat=60", env="STREAMTRAIN_SOURCE",
                               help="what the producer streams (its train split)")
     model: str = cfg.setting("digits-mlp", env="STREAMTRAIN_MODEL", help="model spec of the trainers")
     eval_source: str = cfg.setting("digits", env="STREAMTRAIN_EVAL_SOURCE",

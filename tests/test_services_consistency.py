@@ -159,3 +159,29 @@ def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redi
         assert all(redis.xlen(keys.deltas(i)) > 0 for i in range(6)) and all(0 < b <= snap.version for b in bases)
     else:  # every apply rewrote every shard: no deltas
         assert all(redis.xlen(keys.deltas(i)) == 0 for i in range(6)) and bases == [snap.version] * 6
+
+
+def test_a_wait_reuses_its_last_read_only_while_no_update_can_be_due_that_it_did_not_see(
+        redis: redis_lib.Redis) -> None:
+    """With every live member pushing at the last read, a step that read already allows needs no read
+    (a member that starts pushing later starts above this one's pushed clock). A live member that had
+    not pushed yet, or a clock the read does not allow, forces a read (seen here as a timeout: Redis is
+    made to miss the bound)."""
+    keys = JobKeys(JOB)
+    set_membership(redis, JOB, {"a": [0], "b": [1]}, generation=1)
+    redis.hset(keys.clocks, mapping={"a": 10, "b": 10})
+    redis.hset(keys.applied_clocks, mapping={"a": 9, "b": 9})
+    ssp = Consistency("ssp", 2)
+    known = wait_for_clock(redis, JOB, "a", 11, consistency=ssp)
+    assert known.complete and known.pushed == 10 and known.min_applied == 9
+    redis.hset(keys.applied_clocks, "b", 0)  # a read would now block
+    assert wait_for_clock(redis, JOB, "a", 12, consistency=ssp, known=known, timeout_s=0.05).waited_s == 0
+    with pytest.raises(StalenessTimeout):  # clock 13 needs applied clocks >= 10: the read saw 9
+        wait_for_clock(redis, JOB, "a", 13, consistency=ssp, known=known, timeout_s=0.05)
+    redis.hset(keys.applied_clocks, "b", 9)
+    redis.hset(keys.members, "c", "{}")  # live, has not pushed yet: its first clocks may be low
+    partial = wait_for_clock(redis, JOB, "a", 11, consistency=ssp)
+    assert not partial.complete
+    redis.hset(keys.applied_clocks, "b", 0)
+    with pytest.raises(StalenessTimeout):
+        wait_for_clock(redis, JOB, "a", 12, consistency=ssp, known=partial, timeout_s=0.05)
