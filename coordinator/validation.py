@@ -7,11 +7,14 @@ its JSON path (``capabilities.threads``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .settings import CoordinatorSettings
 
 
 class InvalidBody(ValueError):
@@ -146,9 +149,17 @@ records since the previous heartbeat, observed into the freshness histogram."""
 HEARTBEAT = {"stats": Field("object", schema=STATS)}
 """Body of ``POST /v1/members/{id}/heartbeat`` (may be empty)."""
 
+
+def setting_field(name: str, kind: str) -> Field:
+    """A :class:`Field` with the bounds and choices of :class:`CoordinatorSettings` field ``name``,
+    so a job configuration changed at run time obeys the limits it was started under."""
+    meta = next(f.metadata for f in dataclasses.fields(CoordinatorSettings) if f.name == name)
+    return Field(kind, choices=meta["choices"], min=meta["min"], max=meta["max"])
+
+
 CONFIG_CHANGE = {
-    "consistency": Field("str", choices=("bsp", "ssp", "asp")),
-    "staleness": Field("int", min=0, max=1000),
-    "lr": Field("number", min=0, max=10),
+    "consistency": setting_field("consistency", "str"),
+    "staleness": setting_field("staleness", "int"),
+    "lr": setting_field("lr", "number"),
 }
-"""Body of ``PATCH /v1/admin/config``."""
+"""Body of ``PATCH /v1/admin/config``: consistency bsp/ssp/asp, staleness 0..1000, lr 0..10."""

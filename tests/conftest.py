@@ -54,8 +54,8 @@ class RedisInfo:
         return self.server.url
 
     def url_for(self, db: int) -> str:
-        """URL of database ``db``."""
-        return f"redis://{self.server.host}:{self.server.port}/{db}"
+        """URL of database ``db`` (with the server's password)."""
+        return self.server.url_for(db)
 
     def next_db(self) -> int:
         """A database index not used by the previous 62 tests."""
@@ -76,7 +76,7 @@ def kafka() -> Iterator[KafkaInfo]:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisInfo]:
-    """A real redis-server for the whole session."""
+    """A real redis-server for the whole session (password-protected, like every launched one)."""
     with RedisServer() as server:
         yield RedisInfo(server=server)
 

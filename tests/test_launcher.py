@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import base64
+import logging
 import socket
 
 import pytest
+import redis as redis_lib
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from streamtrain.launcher import KafkaBroker, LaunchError, RedisServer, ServerState, pid_alive
+from streamtrain.launcher import (KafkaBroker, LaunchError, RedisServer, ServerState, pid_alive,
+                                  redact_url)
 from streamtrain.launcher.kafka import random_cluster_id
 
 
@@ -41,6 +44,63 @@ def test_redis_round_trip(redis) -> None:
     assert redis.get("k") == b"\x00\x01binary"
     assert redis.incr("n") == 1
     assert redis.dbsize() == 2
+
+
+def test_redis_requires_its_password(redis_server) -> None:
+    server = redis_server.server
+    assert server.url == f"redis://:{server.password}@127.0.0.1:{server.port}/0"
+    anonymous = redis_lib.Redis(host=server.host, port=server.port)
+    wrong = redis_lib.Redis.from_url(f"redis://:not-it@{server.host}:{server.port}/0")
+    try:
+        with pytest.raises(redis_lib.AuthenticationError):
+            anonymous.ping()
+        with pytest.raises(redis_lib.AuthenticationError):
+            wrong.ping()
+    finally:
+        anonymous.close()
+        wrong.close()
+    assert RedisServer().password != RedisServer().password  # a fresh random one each
+
+
+def test_redis_password_stays_out_of_argv_logs_and_errors(
+        caplog: pytest.LogCaptureFixture) -> None:
+    password = "p@ss:w/rd%40#x"  # URL-special characters survive the URL round trip
+    caplog.set_level(logging.DEBUG, logger="streamtrain.launcher")
+    with RedisServer(password=password) as server:
+        client = redis_lib.Redis.from_url(server.url_for(3))
+        try:
+            assert client.set("k", b"v") and client.get("k") == b"v"
+        finally:
+            client.close()
+        with open(f"/proc/{server.pid}/cmdline", "rb") as fh:
+            assert password.encode() not in fh.read()
+        assert (server.workdir / "redis.conf").stat().st_mode & 0o077 == 0
+        assert password not in server.display_url and "***" in server.display_url
+        assert password not in server.log_path.read_text()
+    assert password not in caplog.text
+    with socket.socket() as blocker:  # a failed start's error carries the log's tail, not the password
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        failed = RedisServer(port=blocker.getsockname()[1], password=password, start_timeout_s=15)
+        with pytest.raises(LaunchError) as err:
+            failed.start()
+    failed.cleanup()
+    assert password not in str(err.value)
+    with pytest.raises(ValueError, match="without spaces, quotes") as bad:
+        RedisServer(password="has space")
+    assert "has space" not in str(bad.value)
+    with pytest.raises(ValueError, match="non-empty"):
+        RedisServer(password="")
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://:s3cret@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+    ("redis://app:s%40cret@redis:6379/2", "redis://app:***@redis:6379/2"),
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ("rediss://:x@host/0?ssl_cert_reqs=none", "rediss://:***@host/0?ssl_cert_reqs=none"),
+])
+def test_redact_url_masks_only_the_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
 
 
 def test_redis_port_in_use_gives_clear_error() -> None:

@@ -39,8 +39,14 @@ def drain(client: redis_lib.Redis, url: str, limit: int | None = None, *, persis
 
 
 @pytest.fixture
-def fresh(redis_server) -> redis_lib.Redis:
-    client = redis_lib.Redis.from_url(redis_server.url_for(redis_server.next_db()))
+def fresh_url(redis_server) -> str:
+    """URL (with the password) of another flushed database: the "empty Redis" to restore into."""
+    return redis_server.url_for(redis_server.next_db())
+
+
+@pytest.fixture
+def fresh(fresh_url: str) -> redis_lib.Redis:
+    client = redis_lib.Redis.from_url(fresh_url)
     client.flushdb()
     try:
         yield client
@@ -50,7 +56,7 @@ def fresh(redis_server) -> redis_lib.Redis:
 
 
 def test_restore_into_an_empty_redis_resumes_from_committed_offsets(
-        redis: redis_lib.Redis, redis_url: str, fresh: redis_lib.Redis, tmp_path: Path) -> None:
+        redis: redis_lib.Redis, redis_url: str, fresh: redis_lib.Redis, fresh_url: str, tmp_path: Path) -> None:
     store = ParameterStore(redis, JOB)
     store.init_model(small_model(), shard_elems=64, optimizer=OptimizerConfig(name="adam", lr=0.01))
     set_membership(redis, JOB, {"a": [0]}, generation=1)
@@ -61,8 +67,6 @@ def test_restore_into_an_empty_redis_resumes_from_committed_offsets(
     path = tmp_path / "ckpt.pt"
     assert save_checkpoint(redis, JOB, str(path)) == 2
 
-    fresh_url = fresh.connection_pool.connection_kwargs
-    fresh_url = f"redis://{fresh_url['host']}:{fresh_url['port']}/{fresh_url['db']}"
     assert restore_checkpoint(fresh, str(path)) == 2
     keys = JobKeys(JOB)
     assert fresh.hgetall(keys.offsets) == {b"0": b"40"}
@@ -89,12 +93,11 @@ def test_restore_into_an_empty_redis_resumes_from_committed_offsets(
 
 
 def test_checkpoint_cli_and_bad_files(redis: redis_lib.Redis, redis_url: str, fresh: redis_lib.Redis,
-                                      tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+                                      fresh_url: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ParameterStore(redis, JOB).init_model(small_model(), shard_elems=64)
     path = tmp_path / "c.pt"
     assert cli.main(["checkpoint", "save", str(path), "--redis-url", redis_url, "--job", JOB]) == 0
-    kw = fresh.connection_pool.connection_kwargs
-    url = f"redis://{kw['host']}:{kw['port']}/{kw['db']}"
+    url = fresh_url
     assert cli.main(["checkpoint", "restore", str(path), "--redis-url", url, "--job", "copy"]) == 0
     assert "restored version 0" in capsys.readouterr().out
     assert torch.equal(ParameterStore(fresh, "copy").pull().tensors["w"], small_model()["w"])

@@ -5,6 +5,7 @@ Used by the tests' session fixtures, the benchmarks and ``streamtrain up``.
 
 from .kafka import KAFKA_VERSION, KafkaBroker, cache_dir, kafka_libs_dir
 from .process import LaunchError, ManagedProcess, ServerState, free_port, pid_alive, wait_until
+from ..urls import redact_url
 from .redis import RedisServer
 from .service import ServiceProcess
 
@@ -23,5 +24,6 @@ __all__ = [
     "free_port",
     "kafka_libs_dir",
     "pid_alive",
+    "redact_url",
     "wait_until",
 ]
