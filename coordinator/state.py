@@ -7,7 +7,10 @@ Layout (all names from :class:`streamtrain.keys.JobKeys`):
 - ``assignment``: hash partition -> ``"<member id>|<generation>"``; on each bump
   every entry is rewritten with the new generation in the same MULTI/EXEC as
   ``generation`` itself.
-- ``departed``: hash member id -> JSON reason, so late heartbeats get "gone".
+- ``departed``: hash member id -> JSON :class:`~coordinator.membership.Departure`
+  (reason, generation, ``at_ms``), so late heartbeats get "gone"; records older
+  than the retention are dropped by the lease checker's :class:`CheckLeases`
+  (at most once a minute, :meth:`Store.forget_departed`).
 - ``config``: hash of the job configuration (:class:`JobConfig`).
 
 :meth:`Store.apply` is a compare-and-set: it WATCHes the membership keys,
@@ -39,14 +42,17 @@ from redis.exceptions import WatchError
 from streamtrain.keys import JobKeys
 
 from .errors import ConflictError, FencedError, MemberGoneError, UnknownMemberError
-from .membership import (Action, Event, Member, MemberExpired, MemberLeft, Membership,
+from .membership import (Action, CheckLeases, Departure, Event, Member, Membership, departures, forgotten,
                          handle)
-from .settings import CONSISTENCY_MODELS
+from .settings import CONSISTENCY_MODELS, CoordinatorSettings
 
 logger = logging.getLogger(__name__)
 
 MAX_CAS_ATTEMPTS = 50
 """Compare-and-set retries before :class:`ConflictError`."""
+
+FORGET_EVERY_MS = 60_000
+"""Longest time between two sweeps of the departed-member records (shorter when the retention is)."""
 
 
 @dataclass(frozen=True)
@@ -131,9 +137,16 @@ def parse_assignment(raw: Mapping[bytes | str, bytes | str]) -> dict[int, tuple[
 class Store:
     """The membership state of one job in Redis (async client)."""
 
-    def __init__(self, redis: aioredis.Redis, job: str) -> None:
+    def __init__(self, redis: aioredis.Redis, job: str,
+                 departed_retention_s: float = CoordinatorSettings.departed_retention_s) -> None:
+        if departed_retention_s < 0:
+            raise ValueError(f"departed_retention_s must be >= 0, got {departed_retention_s!r}")
         self.redis = redis
         self.keys = JobKeys(job)
+        self.departed_retention_ms = round(departed_retention_s * 1000)
+        """How long a departed member's record is kept."""
+        self._forget_at_ms = 0
+        """Time from which the next :class:`CheckLeases` also sweeps the departed records."""
 
     # -- job configuration ----------------------------------------------------
     async def ensure_config(self, initial: JobConfig) -> JobConfig:
@@ -190,6 +203,25 @@ class Store:
         raw = await self.redis.hget(self.keys.departed, member_id)
         return json.loads(raw) if raw is not None else None
 
+    async def forget_departed(self, now_ms: int) -> list[str]:
+        """Drop the departed-member records older than the retention at ``now_ms`` (an
+        unreadable one too); returns their ids. Records are written once per id (ids are never
+        reused), so this needs no compare-and-set."""
+        raw = await self.redis.hgetall(self.keys.departed)
+        records = {}
+        for k, v in raw.items():
+            try:
+                records[_s(k)] = Departure.from_json(v)
+            except ValueError:
+                records[_s(k)] = Departure("unreadable", 0, 0)
+        gone = forgotten(records, now_ms, self.departed_retention_ms)
+        if gone:
+            await self.redis.hdel(self.keys.departed, *gone)
+            logger.info("forgot %d departed member(s) of %s older than %.0fs", len(gone), self.keys.job,
+                        self.departed_retention_ms / 1000)
+        self._forget_at_ms = now_ms + max(1000, min(FORGET_EVERY_MS, self.departed_retention_ms))
+        return gone
+
     async def apply(self, event: Event,
                     before_commit: Callable[[list[Action]], None] | None = None,
                     ) -> tuple[Membership, list[Action]]:
@@ -204,6 +236,8 @@ class Store:
             ValueError: the event is invalid for the state (e.g. a reused id).
             ConflictError: concurrent writers won :data:`MAX_CAS_ATTEMPTS` times.
         """
+        if isinstance(event, CheckLeases) and event.now_ms >= self._forget_at_ms:
+            await self.forget_departed(event.now_ms)
         partitions = (await self.config()).partitions
         watched = (self.keys.generation, self.keys.members, self.keys.assignment)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -251,12 +285,9 @@ class Store:
             if new.assignment:
                 pipe.hset(k.assignment, mapping={str(p): f"{m}|{new.generation}"
                                                  for p, m in new.assignment.items()})
-        for a in actions:
-            if isinstance(a, (MemberExpired, MemberLeft)):
-                reason = "expired" if isinstance(a, MemberExpired) else "left"
-                at = a.detected_ms if isinstance(a, MemberExpired) else None
-                pipe.hset(k.departed, a.member_id,
-                          json.dumps({"reason": reason, "generation": a.generation, "at_ms": at}))
+        gone = departures(list(actions))
+        if gone:
+            pipe.hset(k.departed, mapping={m: d.to_json() for m, d in gone.items()})
 
 
 FENCE_LUA = """

@@ -9,8 +9,10 @@ completes the update: ``applied_clocks``, the ``applied_samples`` entry and
 the ``unapplied`` count); and, when the server persists its optimizer state,
 that state, the step counts, the group's persisted cursor, and the removal
 of the log entries (and gradient blobs) every group's persisted state now
-includes. This module builds that MULTI/EXEC; :mod:`services.server`
-decides what goes into it.
+includes; and, every few seconds, the server's :class:`Housekeeping` (trim
+``applied_samples`` past its horizon, raising the audit floor; drop the
+per-member fields of departed members). This module builds that MULTI/EXEC;
+:mod:`services.server` decides what goes into it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .scripts import execute_with_script
 from .updates import Update
 from .wire import pack
 
-__all__ = ["Outcome", "ShardWrite", "Persist", "WriteResult", "write_batch"]
+__all__ = ["Outcome", "ShardWrite", "Persist", "Housekeeping", "WriteResult", "write_batch"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,24 @@ class Persist:
 
 
 @dataclass(frozen=True)
+class Housekeeping:
+    """The periodic part of a write, which keeps what the plane stores bounded (ordinary writes
+    carry none). The script also removes a departed member's per-member fields when it completes
+    that member's last pushed update; housekeeping catches the members that left with nothing
+    pending."""
+
+    horizon_ms: int
+    """Trim the ``applied_samples`` entries older than this (by Redis's clock), raising each
+    partition's ``audit_floor`` to the highest ``next`` offset they cover; 0 keeps them all."""
+    most: int = 2000
+    """Most entries trimmed by one write (:attr:`WriteResult.more` says when more are due)."""
+
+    def __post_init__(self) -> None:
+        if self.horizon_ms < 0 or self.most < 1:
+            raise ValueError(f"bad housekeeping {self!r}: horizon_ms >= 0 and most >= 1")
+
+
+@dataclass(frozen=True)
 class WriteResult:
     """What ``lua/apply.lua`` answered."""
 
@@ -102,6 +122,12 @@ class WriteResult:
     """Model version after the write (unchanged when no shard was written)."""
     conflict: str = ""
     """What moved, when not ok."""
+    trimmed: int = 0
+    """``applied_samples`` entries the housekeeping trimmed."""
+    more: bool = False
+    """More entries are past the horizon than one write trims: housekeep again soon."""
+    forgotten: int = 0
+    """Departed members whose ``clocks``/``applied_clocks``/``staleness`` fields were removed."""
 
 
 def _view(t: torch.Tensor) -> memoryview:
@@ -111,9 +137,11 @@ def _view(t: torch.Tensor) -> memoryview:
 
 def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, cursor: str,
                 outcomes: Sequence[Outcome], shards: Sequence[ShardWrite], persist: Persist | None = None,
+                housekeeping: Housekeeping | None = None,
                 before_exec: Callable[[], None] = lambda: None) -> WriteResult:
     """Write a batch's deltas, compactions, per-update records and (optionally) the group's
-    persisted optimizer state in one MULTI/EXEC, if nothing moved since ``cursor``.
+    persisted optimizer state and the :class:`Housekeeping` in one MULTI/EXEC, if nothing moved
+    since ``cursor``.
 
     Full values are SET under staging keys in the same transaction and RENAMEd
     into place by the script (or deleted when the compare-and-set fails); deltas
@@ -126,6 +154,7 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
     fixed = [keys.ps_cursor(group), keys.versions, keys.model_version, keys.apply_progress,
              keys.applied_clocks, keys.applied_samples, keys.update_log, keys.optimizer_steps,
              keys.bases, keys.delta_floors, keys.unapplied, keys.ps_persisted(group),
+             keys.members, keys.clocks, keys.staleness, keys.audit_floor,
              *(keys.ps_persisted(g) for g in range(groups))]
     token = uuid.uuid4().hex
     staged: list[tuple[str, memoryview]] = []
@@ -160,7 +189,8 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
                              [x for kv in record.items() for x in kv]])
     trim_keys: list[str] = []
     plan: dict = {"cursor": cursor, "groups": groups, "renames": len(renames) // 2,
-                  "shards": plan_shards, "updates": plan_updates, "persist": 0}
+                  "shards": plan_shards, "updates": plan_updates, "persist": 0,
+                  "housekeep": 0 if housekeeping is None else [housekeeping.horizon_ms, housekeeping.most]}
     if persist is not None:
         trims = []
         for uid, blobs in persist.covered:
@@ -181,4 +211,5 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
     if tag != "OK":
         return WriteResult(ok=False, conflict=" ".join(x.decode() if isinstance(x, bytes) else str(x)
                                                        for x in res))
-    return WriteResult(ok=True, version=int(res[1]))
+    return WriteResult(ok=True, version=int(res[1]), trimmed=int(res[3]), more=bool(int(res[4])),
+                       forgotten=int(res[5]))

@@ -6,6 +6,13 @@ stream, and checks that every record is applied exactly once or sits in the
 dead-letter topic. Records are named by (producer id, sequence number); those
 written by other clients in the single-record formats by
 (``"<topic>/<partition>"``, offset), as the consumer names them.
+
+The parameter servers trim ``applied_samples`` entries older than their audit
+horizon and, in the same atomic step, raise the partition's *audit floor*
+(``JobKeys.audit_floor``) to the offsets those entries covered. The audit is
+exact above the floor: it checks every committed record at an offset at or
+past its partition's floor, and counts the ones below it
+(:attr:`AuditReport.below_floor`).
 """
 
 from __future__ import annotations
@@ -47,7 +54,13 @@ class AuditReport:
     undecodable_not_in_dlq: list[tuple[int, int]] = field(default_factory=list)
     """(partition, offset) of messages that fail to decode yet are not in the dead-letter topic."""
     rejected_updates: int = 0
-    """Updates the parameter servers refused (their samples are not applied)."""
+    """Updates the parameter servers refused (their samples are not applied), among the entries kept."""
+    below_floor: int = 0
+    """Records of committed, decodable messages below their partition's audit floor: their
+    ``applied_samples`` entries were trimmed past the servers' audit horizon, so they are not
+    checked one by one (nor counted in :attr:`expected`)."""
+    floors: dict[int, int] = field(default_factory=dict)
+    """Partition -> its audit floor (absent: 0, every record is checked)."""
 
     @property
     def exact(self) -> bool:
@@ -93,10 +106,15 @@ def audit(bootstrap: str, topic: str, redis_url: str, job: str) -> AuditReport:
     keys = JobKeys(job)
     client = redis_lib.Redis.from_url(redis_url)
     try:
-        committed = {int(p): int(o) for p, o in client.hgetall(keys.offsets).items()}
-        entries = client.xrange(keys.applied_samples)
+        pipe = client.pipeline(transaction=True)  # the floor moves with the trim, atomically
+        pipe.hgetall(keys.offsets)
+        pipe.hgetall(keys.audit_floor)
+        pipe.xrange(keys.applied_samples)
+        raw_committed, raw_floors, entries = pipe.execute()
     finally:
         client.close()
+    committed = {int(p): int(o) for p, o in raw_committed.items()}
+    floors = {int(p): int(o) for p, o in raw_floors.items()}
     everything = _read_topic(bootstrap, topic, None)
     messages = [m for m in everything if m[1] < committed.get(m[0], 0)]
     dead = {(e.partition, e.offset) for e in (parse_dlq_headers(h) for _, _, _, h in
@@ -105,6 +123,7 @@ def audit(bootstrap: str, topic: str, redis_url: str, job: str) -> AuditReport:
 
     expected: set[Sample] = set()
     undecodable = []
+    below = 0
     for partition, offset, value, _ in messages:
         if (partition, offset) in dead:
             continue
@@ -112,6 +131,9 @@ def audit(bootstrap: str, topic: str, redis_url: str, job: str) -> AuditReport:
             rec = decode_record(value)
         except DecodeError:
             undecodable.append((partition, offset))
+            continue
+        if offset < floors.get(partition, 0):
+            below += rec.count
             continue
         if rec.producer_id is None:
             expected.add((f"{topic}/{partition}", offset))
@@ -134,4 +156,5 @@ def audit(bootstrap: str, topic: str, redis_url: str, job: str) -> AuditReport:
         missing=sorted(expected - set(applied))[:100],
         duplicated=sorted(s for s, n in applied.items() if n > 1)[:100],
         unexpected=sorted(set(applied) - expected)[:100],
-        undecodable_not_in_dlq=undecodable[:100], rejected_updates=rejected)
+        undecodable_not_in_dlq=undecodable[:100], rejected_updates=rejected, below_floor=below,
+        floors=floors)

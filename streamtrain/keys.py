@@ -78,7 +78,9 @@ class JobKeys:
 
     @property
     def clocks(self) -> str:
-        """Hash: member id -> clock of its last pushed update (SSP/BSP)."""
+        """Hash: member id -> clock of its last pushed update (SSP/BSP); a departed member's
+        field is removed once all its updates are applied (as are its :attr:`applied_clocks` and
+        :attr:`staleness` fields)."""
         return self.key("clocks")
 
     @property
@@ -90,8 +92,15 @@ class JobKeys:
     def applied_samples(self) -> str:
         """Stream: one entry per applied update naming the samples it covered
         (producer id, first sequence number, count) and its offset ranges, so the
-        accounting can be checked record by record."""
+        accounting can be checked record by record; entries older than the servers' audit
+        horizon are trimmed (:attr:`audit_floor`)."""
         return self.key("applied_samples")
+
+    @property
+    def audit_floor(self) -> str:
+        """Hash: Kafka partition -> offset below which records are no longer accounted one by one
+        (their :attr:`applied_samples` entries were trimmed past the servers' audit horizon)."""
+        return self.key("audit_floor")
 
     @property
     def model_version(self) -> str:
@@ -175,5 +184,6 @@ class JobKeys:
     @property
     def departed(self) -> str:
         """Hash: member id -> JSON ``{"reason": "expired"|"left", "generation", "at_ms"}`` of
-        members that are gone, so a late heartbeat gets "gone, register anew" (ids are never reused)."""
+        members that are gone, so a late heartbeat gets "gone, register anew" (ids are never reused);
+        dropped by the coordinator after its ``departed_retention_s``."""
         return self.key("departed")
