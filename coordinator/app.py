@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,8 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from aiohttp import web
+
+from streamtrain.outage import REDIS_DOWN, DependencyUnavailable, Outage
 
 from .kafka_probe import KafkaProbe
 from .membership import (Action, CheckLeases, Event, Membership, MemberDrained, MemberExpired,
@@ -47,6 +50,12 @@ class Runtime:
     metrics: Metrics
     probe: KafkaProbe
     executor: ThreadPoolExecutor
+    failure: BaseException | None = None
+    """Why the coordinator gave up (an outage longer than its limit), when it did."""
+    channels: dict[str, web.WebSocketResponse] = field(default_factory=dict)
+    """Open presence channels by member id (``coordinator.channel``)."""
+    closing: bool = False
+    """Set when the coordinator shuts down: a channel closing then is no member's death."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this process's membership writes (the CAS still guards against other
     coordinators); without it concurrent heartbeats would mostly retry each other."""
@@ -91,7 +100,17 @@ async def apply_event(rt: Runtime, event: Event) -> tuple[Membership, list[Actio
     if actions:
         rt.metrics.observe_actions(actions, now_ms())
     rt.metrics.observe_state(state)
+    if any(isinstance(a, Rebalanced) for a in actions):
+        await notify_generation(rt, state.generation)
     return state, actions
+
+
+async def notify_generation(rt: Runtime, generation: int) -> None:
+    """Tell every trainer with an open presence channel that the membership moved to
+    ``generation``, so it fetches its new assignment now rather than at its next heartbeat."""
+    for ws in list(rt.channels.values()):
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await ws.send_json({"generation": generation})
 
 
 async def check_leases_once(rt: Runtime) -> tuple[Membership, list[Action]]:
@@ -111,16 +130,30 @@ def next_check_s(state: Membership, interval_s: float, now: int) -> float:
 async def lease_checker(rt: Runtime) -> None:
     """Check leases every quarter lease (or at the soonest expiry) until cancelled.
 
-    Errors are logged and retried after a period, never fatal.
+    A Redis outage is ridden out: when Redis answers again every lease starts afresh
+    (no trainer could heartbeat meanwhile); one longer than ``outage_limit_s`` ends
+    the coordinator with an error naming Redis. Other errors are logged and retried.
     """
     interval = rt.settings.check_interval_s
+    outage = Outage(f"Redis of job {rt.settings.job}", rt.settings.outage_limit_s, logger)
     while True:
         delay = interval
         try:
+            if outage.ongoing:
+                await apply_event(rt, RenewLeases(now_ms=now_ms(), lease_ms=rt.settings.lease_ms))
             state, _ = await check_leases_once(rt)
+            outage.recovered()
             delay = next_check_s(state, interval, now_ms())
         except asyncio.CancelledError:
             raise
+        except REDIS_DOWN as exc:
+            try:
+                delay = outage.failed(exc)
+            except DependencyUnavailable as gone:
+                rt.failure = gone
+                logger.error("giving up: %s", gone)
+                signal.raise_signal(signal.SIGTERM)  # web.run_app stops; the CLI then exits with 1
+                return
         except Exception:
             logger.exception("lease check of job %s failed; retrying in %.2fs",
                              rt.settings.job, interval)
@@ -140,8 +173,15 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coordinator-kafka")
     probe = KafkaProbe(settings.kafka_bootstrap, settings.kafka_timeout_ms)
     try:
-        store = Store(redis, settings.job)
-        config = await store.ensure_config(initial_config(settings))
+        store = Store(redis, settings.job, settings.departed_retention_s)
+        outage = Outage(f"Redis of job {settings.job}", settings.outage_limit_s, logger)
+        while True:  # a coordinator that starts while Redis is away waits for it (up to the limit)
+            try:
+                config = await store.ensure_config(initial_config(settings))
+                break
+            except REDIS_DOWN as exc:
+                await asyncio.sleep(outage.failed(exc))
+        outage.recovered()
         rt = Runtime(settings=settings, redis=redis, store=store, metrics=Metrics(), probe=probe,
                      executor=executor)
         state, _ = await apply_event(rt, RenewLeases(now_ms=now_ms(), lease_ms=settings.lease_ms))
@@ -175,7 +215,11 @@ def create_app(settings: CoordinatorSettings) -> web.Application:
                          "--job-token (STREAMTRAIN_JOB_TOKEN)")
     app = web.Application(client_max_size=settings.max_request_bytes,
                           middlewares=[error_middleware])
+    from .channel import channel, close_channels
+
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_runtime_ctx)
     setup_routes(app)
+    app.router.add_get("/v1/members/{member_id}/channel", channel)
+    app.on_shutdown.append(close_channels)
     return app

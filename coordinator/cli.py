@@ -8,8 +8,9 @@ import logging
 from aiohttp import web
 
 from streamtrain.settings import SettingsError, add_arguments as add_settings, from_args
+from streamtrain.urls import redact_url
 
-from .app import create_app
+from .app import RUNTIME, create_app
 from .settings import CoordinatorSettings
 
 logger = logging.getLogger(__name__)
@@ -32,9 +33,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
     logger.info("coordinator of job %s on http://%s:%d (redis %s, kafka %s, lease %d ms)",
-                settings.job, settings.host, settings.port, settings.redis_url,
+                settings.job, settings.host, settings.port, redact_url(settings.redis_url),
                 settings.kafka_bootstrap, settings.lease_ms)
     web.run_app(app, host=settings.host, port=settings.port, print=None,
                 access_log=logging.getLogger("coordinator.access"),
                 access_log_format='%a "%r" %s %b %Tfs')
-    return 0
+    runtime = app.get(RUNTIME)
+    return 1 if runtime is not None and runtime.failure is not None else 0

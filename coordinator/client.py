@@ -17,7 +17,8 @@ means the lease is lost: the trainer drops its partitions and registers anew.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -80,7 +81,8 @@ class Registration:
 
 
 _ERRORS: dict[int, type[CoordinatorError]] = {400: BadRequestError, 401: AuthError,
-                                              404: UnknownMemberError, 410: MemberGoneError}
+                                              404: UnknownMemberError, 405: BadRequestError,
+                                              410: MemberGoneError, 413: BadRequestError}
 
 
 class CoordinatorClient:
@@ -152,6 +154,28 @@ class CoordinatorClient:
         """
         d = await self._post(self._member_path("heartbeat"), {"stats": dict(stats or {})})
         return Assignment.from_json(d)
+
+    async def channel(self) -> AsyncIterator[int]:
+        """Hold this member's presence channel open, yielding each generation the coordinator
+        announces; returns when the coordinator closes it (see ``coordinator.channel``).
+
+        Raises:
+            CoordinatorUnavailableError: it could not be opened or broke.
+        """
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._own_session = True
+        url = self.base_url + self._member_path("channel")
+        try:
+            async with self._session.ws_connect(url, headers=self._headers, timeout=aiohttp.ClientWSTimeout(
+                    ws_close=self._timeout.total)) as ws:
+                async for msg in ws:
+                    if msg.type == aiohttp.WSMsgType.TEXT:
+                        yield int(json.loads(msg.data)["generation"])
+                    elif msg.type == aiohttp.WSMsgType.ERROR:
+                        raise CoordinatorUnavailableError(f"presence channel broke: {ws.exception()!r}")
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
+            raise CoordinatorUnavailableError(f"presence channel at {self.base_url} failed: {exc!r}") from exc
 
     async def leave(self) -> int:
         """Leave gracefully (after committing); return the generation that removed us."""

@@ -135,6 +135,15 @@ class Drain:
 
 
 @dataclass(frozen=True)
+class Disconnected:
+    """A member's presence channel closed: its process is gone (the kernel closed its socket).
+    A no-op for a member that already left or expired."""
+
+    member_id: str
+    now_ms: int
+
+
+@dataclass(frozen=True)
 class CheckLeases:
     """The lease checker runs: members whose lease passed ``now_ms`` are dead."""
 
@@ -150,7 +159,7 @@ class RenewLeases:
     lease_ms: int
 
 
-Event = Register | Heartbeat | Leave | Drain | CheckLeases | RenewLeases
+Event = Register | Heartbeat | Leave | Drain | Disconnected | CheckLeases | RenewLeases
 
 
 # -- actions ------------------------------------------------------------------
@@ -180,6 +189,8 @@ class MemberLeft:
 
     member_id: str
     generation: int
+    left_ms: int = 0
+    """When it left, ms since the epoch."""
 
 
 @dataclass(frozen=True)
@@ -260,7 +271,7 @@ def handle(state: Membership, event: Event) -> tuple[Membership, list[Action]]:
         _known(state, event.member_id)
         del members[event.member_id]
         nxt, rebalanced = _rebalance(state, members)
-        return nxt, [MemberLeft(event.member_id, nxt.generation), rebalanced]
+        return nxt, [MemberLeft(event.member_id, nxt.generation, event.now_ms), rebalanced]
     if isinstance(event, Drain):
         member = _known(state, event.member_id)
         if member.state is MemberState.DRAINING:
@@ -268,6 +279,12 @@ def handle(state: Membership, event: Event) -> tuple[Membership, list[Action]]:
         members[event.member_id] = replace(member, state=MemberState.DRAINING)
         nxt, rebalanced = _rebalance(state, members)
         return nxt, [MemberDrained(event.member_id, nxt.generation), rebalanced]
+    if isinstance(event, Disconnected):
+        gone = members.pop(event.member_id, None)
+        if gone is None:
+            return state, []
+        nxt, rebalanced = _rebalance(state, members)  # dead before its lease ran out: expired now
+        return nxt, [MemberExpired(gone.member_id, nxt.generation, gone.lease_expires_ms, event.now_ms), rebalanced]
     if isinstance(event, CheckLeases):
         dead = sorted((m for m in members.values() if m.lease_expires_ms <= event.now_ms),
                       key=lambda m: m.member_id)
@@ -285,3 +302,61 @@ def handle(state: Membership, event: Event) -> tuple[Membership, list[Action]]:
                    for k, m in members.items()}
         return replace(state, members=MappingProxyType(renewed)), []
     raise TypeError(f"not a membership event: {event!r}")
+
+
+# -- departed members -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Departure:
+    """A member that is gone, stored as JSON in ``JobKeys.departed`` under its id, so that its
+    late heartbeat gets "gone, register anew" rather than "unknown member" (both make the
+    trainer register anew under a fresh id; the record only says why)."""
+
+    reason: str
+    """``expired`` or ``left``."""
+    generation: int
+    """The generation that removed it."""
+    at_ms: int
+    """When it was removed, ms since the epoch (0 when a record written without it is read)."""
+
+    def to_json(self) -> str:
+        """The JSON stored in ``JobKeys.departed``."""
+        return json.dumps({"reason": self.reason, "generation": self.generation, "at_ms": self.at_ms},
+                          sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Departure:
+        """Parse what :meth:`to_json` wrote (an ``at_ms`` of null reads as 0: the oldest).
+
+        Raises:
+            ValueError: the text is not a departure record.
+        """
+        try:
+            d = json.loads(text)
+            return cls(reason=str(d["reason"]), generation=int(d["generation"]), at_ms=int(d.get("at_ms") or 0))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"bad departure record {text!r:.200}: {exc}") from None
+
+
+def departures(actions: Sequence[Action]) -> dict[str, Departure]:
+    """Member id -> the :class:`Departure` to record, for each member the ``actions`` remove."""
+    out: dict[str, Departure] = {}
+    for a in actions:
+        if isinstance(a, MemberExpired):
+            out[a.member_id] = Departure("expired", a.generation, a.detected_ms)
+        elif isinstance(a, MemberLeft):
+            out[a.member_id] = Departure("left", a.generation, a.left_ms)
+    return out
+
+
+def forgotten(departed: Mapping[str, Departure], now_ms: int, retention_ms: int) -> list[str]:
+    """Sorted ids of the ``departed`` records older than ``retention_ms`` at ``now_ms``: they are
+    dropped, so the record of departures stays bounded (ids are never reused; a forgotten
+    member's late heartbeat gets "unknown member", which also makes it register anew).
+
+    Raises:
+        ValueError: ``retention_ms`` is negative.
+    """
+    if retention_ms < 0:
+        raise ValueError(f"retention_ms must be >= 0, got {retention_ms!r}")
+    return sorted(m for m, d in departed.items() if d.at_ms + retention_ms <= now_ms)

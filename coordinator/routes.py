@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import re
 import uuid
+from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
+
+from streamtrain.outage import REDIS_DOWN
 
 from .app import RUNTIME, Runtime, apply_event, now_ms
 from .assign import capability_weight
@@ -35,43 +37,62 @@ _EMPTY: dict[str, Field] = {}
 
 
 class ApiError(Exception):
-    """An HTTP error answered as JSON ``{"error": {"code", "message"}}``."""
+    """An HTTP error answered as JSON ``{"error": {"code", "message"}}``.
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    Args:
+        status: the HTTP status (4xx or 5xx).
+        code: a stable machine-readable code, e.g. ``invalid_body``.
+        message: what was wrong, for people.
+        headers: extra response headers (``Allow`` of a 405); a 401 always
+            gets ``WWW-Authenticate: Bearer``.
+    """
+
+    def __init__(self, status: int, code: str, message: str,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers = dict(headers or {})
 
     def response(self) -> web.Response:
         """The JSON error response."""
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = dict(self.headers)
+        if self.status == 401:
+            headers.setdefault("WWW-Authenticate", "Bearer")
         return web.json_response({"error": {"code": self.code, "message": self.message}},
-                                 status=self.status, headers=headers)
+                                 status=self.status, headers=headers or None)
 
 
 _CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-          410: "gone"}
+          410: "gone", 413: "body_too_large"}
+_KEPT_HEADERS = ("Allow",)
+"""Headers of aiohttp's own errors that our JSON answer keeps (RFC 9110: a 405 names the
+allowed methods in ``Allow``)."""
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Answer every error as JSON; an over-size body becomes a 400 naming the limit."""
+    """Answer every error as JSON: an over-size body is a 413 naming the limit, a 405
+    keeps its ``Allow`` header, an unexpected exception is a 500 (logged)."""
     try:
         return await handler(request)
     except ApiError as exc:
         return exc.response()
     except web.HTTPRequestEntityTooLarge:
-        return ApiError(400, "body_too_large",
+        return ApiError(413, "body_too_large",
                         f"request body too large: the limit is "
                         f"{request.app[RUNTIME].settings.max_request_bytes} bytes").response()
     except web.HTTPException as exc:
         if exc.status_code < 400:
             raise
+        kept = {name: exc.headers[name] for name in _KEPT_HEADERS if name in exc.headers}
         return ApiError(exc.status_code, _CODES.get(exc.status_code, "error"),
-                        f"{exc.reason}: {request.method} {request.path}").response()
+                        f"{exc.reason}: {request.method} {request.path}", kept).response()
     except asyncio.CancelledError:
         raise
+    except REDIS_DOWN as exc:  # an outage: callers retry (the lease checker logs its start and end)
+        return ApiError(503, "redis_unavailable", f"the job's Redis is unreachable ({exc}); retry").response()
     except Exception:
         logger.exception("%s %s failed", request.method, request.path)
         return ApiError(500, "internal", "internal error; see the coordinator log").response()
@@ -81,7 +102,7 @@ def _rt(request: web.Request) -> Runtime:
     return request.app[RUNTIME]
 
 
-def _auth(request: web.Request, token: str, kind: str) -> None:
+def authenticate(request: web.Request, token: str, kind: str) -> None:
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not given:
@@ -133,7 +154,7 @@ def new_member_id(hostname: str | None) -> str:
 async def register(request: web.Request) -> web.Response:
     """Register a trainer; reply with its member id, generation, partitions and config."""
     rt = _rt(request)
-    _auth(request, rt.settings.job_token, "job")
+    authenticate(request, rt.settings.job_token, "job")
     caps = (await _body(request, REGISTER))["capabilities"]
     weight = capability_weight(caps["device"], caps.get("threads", 1))
     member_id = new_member_id(caps.get("hostname"))
@@ -146,7 +167,7 @@ async def register(request: web.Request) -> web.Response:
 async def heartbeat(request: web.Request) -> web.Response:
     """Renew a member's lease, record its stats; reply with its current assignment."""
     rt = _rt(request)
-    _auth(request, rt.settings.job_token, "job")
+    authenticate(request, rt.settings.job_token, "job")
     member_id = request.match_info["member_id"]
     stats = (await _body(request, HEARTBEAT, allow_empty=True)).get("stats", {})
     state = await _apply(rt, Heartbeat(member_id=member_id, stats=stats, now_ms=now_ms(),
@@ -159,7 +180,7 @@ async def heartbeat(request: web.Request) -> web.Response:
 async def leave(request: web.Request) -> web.Response:
     """Leave gracefully (after committing): partitions move now and the generation bumps."""
     rt = _rt(request)
-    _auth(request, rt.settings.job_token, "job")
+    authenticate(request, rt.settings.job_token, "job")
     await _body(request, _EMPTY, allow_empty=True)
     member_id = request.match_info["member_id"]
     state = await _apply(rt, Leave(member_id=member_id, now_ms=now_ms()))
@@ -172,7 +193,7 @@ async def leave(request: web.Request) -> web.Response:
 async def drain(request: web.Request) -> web.Response:
     """Drain a member: its partitions move now; its heartbeats say ``draining``."""
     rt = _rt(request)
-    _auth(request, rt.settings.admin_token, "admin")
+    authenticate(request, rt.settings.admin_token, "admin")
     await _body(request, _EMPTY, allow_empty=True)
     member_id = request.match_info["member_id"]
     state = await _apply(rt, Drain(member_id=member_id, now_ms=now_ms()))
@@ -182,7 +203,7 @@ async def drain(request: web.Request) -> web.Response:
 
 async def _set_paused(request: web.Request, paused: bool) -> web.Response:
     rt = _rt(request)
-    _auth(request, rt.settings.admin_token, "admin")
+    authenticate(request, rt.settings.admin_token, "admin")
     await _body(request, _EMPTY, allow_empty=True)
     config = await rt.store.update_config(paused=paused)
     logger.info("job %s %s", rt.settings.job, "paused" if paused else "resumed")
@@ -205,7 +226,7 @@ async def resume(request: web.Request) -> web.Response:
 async def change_config(request: web.Request) -> web.Response:
     """Change the consistency model, staleness bound or learning rate."""
     rt = _rt(request)
-    _auth(request, rt.settings.admin_token, "admin")
+    authenticate(request, rt.settings.admin_token, "admin")
     changes = await _body(request, CONFIG_CHANGE)
     if not changes:
         raise ApiError(400, "invalid_body",

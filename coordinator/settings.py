@@ -54,6 +54,12 @@ class CoordinatorSettings:
     max_request_bytes: int = setting(64 * 1024, env="STREAMTRAIN_COORDINATOR_MAX_REQUEST_BYTES",
                                      min=1024, max=16 * 1024 * 1024,
                                      help="largest request body accepted")
+    outage_limit_s: float = setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
+                                    help="longest Redis outage ridden out before the coordinator exits with an error")
+    departed_retention_s: float = setting(3600.0, env="STREAMTRAIN_COORDINATOR_DEPARTED_RETENTION_S", min=0.0,
+                                          max=30 * 86400.0,
+                                          help="keep the record of a departed member (its late heartbeat is told "
+                                               "it is gone) this long, then forget it")
     kafka_timeout_ms: int = setting(2000, env="STREAMTRAIN_COORDINATOR_KAFKA_TIMEOUT_MS", min=100,
                                     max=60_000, help="timeout of Kafka probes (readyz, end offsets)")
 

@@ -43,6 +43,12 @@ class ProduceSettings:
     producer_id: str | None = cfg.setting(None, env="STREAMTRAIN_PRODUCER_ID",
                                           help="id written into the shards (default: host-pid-random)")
     progress: bool = cfg.setting(True, env="STREAMTRAIN_PROGRESS", help="show a progress bar")
+    outage_limit_s: float = cfg.setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
+                                        help="longest broker outage ridden out before the producer exits "
+                                             "with an error")
+    max_in_flight_shards: int = cfg.setting(256, env="STREAMTRAIN_PRODUCE_MAX_IN_FLIGHT_SHARDS", min=1,
+                                            max=65_536, help="unacknowledged shards held in memory before "
+                                                             "the producer waits for the brokers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     report = produce(s.bootstrap, s.topic, s.source, partitions=s.partitions, shard_size=s.shard_size,
                      rate=s.rate, limit=s.limit, split=s.split, producer_id=s.producer_id,
-                     progress=s.progress and console.is_terminal, console=console)
+                     progress=s.progress and console.is_terminal, console=console,
+                     outage_limit_s=s.outage_limit_s, max_in_flight_shards=s.max_in_flight_shards)
     print(f"produced {report.records} records in {report.shards} shards to {report.topic} "
           f"({report.partitions} partitions) as {report.producer_id} in {report.elapsed_s:.1f} s "
           f"({report.records_per_s:,.0f} records/s); failed {report.failed_records}"

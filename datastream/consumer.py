@@ -35,9 +35,11 @@ import torch
 from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
+from streamtrain.outage import DEFAULT_LIMIT_S, DependencyUnavailable, Outage
+
 from .dlq import DeadLetterWriter
 from .records import DEFAULT_MAX_RECORD_BYTES, LABEL_KINDS, DecodeError, Records, decode_record, label_kind_of
-from .topics import MAX_MESSAGE_BYTES
+from .topics import MAX_MESSAGE_BYTES, broker_reachable
 
 __all__ = ["Batch", "ConsumerClosedError", "ConsumerStats", "ShardConsumer"]
 
@@ -166,7 +168,7 @@ class ShardConsumer:
                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, max_wait_ms: int = 100,
                  fetch_max_bytes: int = 64 << 20, max_partition_fetch_bytes: int = MAX_MESSAGE_BYTES,
                  fetch_min_bytes: int = 1, fetch_max_wait_ms: int = 100,
-                 client_id: str = "streamtrain-consumer") -> None:
+                 client_id: str = "streamtrain-consumer", outage_limit_s: float = DEFAULT_LIMIT_S) -> None:
         if feature_dim is not None and feature_dim < 1:
             raise ValueError(f"feature_dim must be >= 1, got {feature_dim}")
         if label_kind is not None and label_kind not in LABEL_KINDS:
@@ -201,6 +203,8 @@ class ShardConsumer:
         self._reasons: Counter[str] = Counter()
         self._closed = threading.Event()
         self._error: BaseException | None = None
+        self._outage = Outage(f"Kafka at {bootstrap}", outage_limit_s, logger)
+        self._checked = 0.0  # when the brokers were last checked (monotonic)
         self._thread = threading.Thread(target=self._run, name=f"shard-consumer-{topic}", daemon=True)
         self._thread.start()
 
@@ -244,6 +248,8 @@ class ShardConsumer:
         """
         deadline = time.monotonic() + timeout_s
         while True:
+            if isinstance(self._error, DependencyUnavailable):
+                raise self._error
             if self._error is not None:
                 raise ConsumerClosedError(f"consumer of {self.topic} stopped: {self._error}") from self._error
             if self._closed.is_set():
@@ -359,6 +365,7 @@ class ShardConsumer:
                     self._closed.wait(0.02)
                     continue
                 polled = self._consumer.poll(timeout_ms=50, max_records=4096)
+                self._check_brokers(bool(polled))
                 epoch = self._epoch
                 for messages in polled.values():
                     for msg in messages:
@@ -389,6 +396,18 @@ class ShardConsumer:
                 return
             if future.set_running_or_notify_cancel():
                 future.set_exception(ConsumerClosedError(f"consumer of {self.topic} is closed"))
+
+    def _check_brokers(self, got_records: bool) -> None:
+        """Track a broker outage: one log line when it starts, one when it ends, and
+        :class:`DependencyUnavailable` (stopping the consumer) once it outlasts the limit."""
+        now = time.monotonic()
+        if not got_records and now - self._checked < 1.0:
+            return
+        self._checked = now
+        if got_records or broker_reachable(self._consumer._client):
+            self._outage.recovered()
+        else:
+            self._outage.failed(ConnectionError("no connection to any broker"))
 
     def _take(self, msg: Any) -> None:
         p, offset = msg.partition, msg.offset

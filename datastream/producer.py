@@ -31,9 +31,11 @@ from rich.console import Console
 from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from streamtrain.outage import DEFAULT_LIMIT_S, Outage
+
 from .records import encode_shard
 from .sources import Source, SourceError, load_source
-from .topics import MAX_MESSAGE_BYTES, ensure_topic
+from .topics import MAX_MESSAGE_BYTES, broker_reachable, ensure_topic
 
 __all__ = ["ProduceReport", "default_producer_id", "iter_shards", "produce"]
 
@@ -168,7 +170,8 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
             shard_size: int = 256, rate: float | None = None, limit: int | None = None,
             split: str = "all", producer_id: str | None = None, progress: bool = False,
             stop: threading.Event | None = None, max_in_flight_shards: int = 256,
-            flush_timeout_s: float = 60.0, console: Console | None = None) -> ProduceReport:
+            flush_timeout_s: float = 60.0, console: Console | None = None,
+            outage_limit_s: float = DEFAULT_LIMIT_S) -> ProduceReport:
     """Produce ``source`` to ``topic`` as shards and return exact acknowledged counts.
 
     Args:
@@ -184,6 +187,8 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
         stop: set it to stop early; Ctrl-C does the same in the main thread.
         max_in_flight_shards: unacknowledged shards allowed before waiting.
         flush_timeout_s: how long the final flush may take.
+        outage_limit_s: how long the brokers may stay unreachable (one log line when an outage
+            starts, one when it ends) before ``DependencyUnavailable`` names them.
 
     Raises:
         ValueError: a bad argument. SourceError: a bad source.
@@ -200,6 +205,7 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
     stop = stop or threading.Event()
     count = ensure_topic(bootstrap, topic, partitions)
     acks = _Acks(max_in_flight_shards)
+    outage = Outage(f"Kafka at {bootstrap}", outage_limit_s, logger)
     seq = 0
     started = time.monotonic()
     logger.info("producing %s to %s (%d partitions) as producer %s", src, topic, count, pid)
@@ -219,7 +225,12 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
                 while not acks.slots.acquire(timeout=0.1):  # backpressure: wait for acknowledgements
                     if stop.is_set():
                         break
+                    if broker_reachable(producer._sender._client):  # kafka-python keeps its client on the sender
+                        outage.recovered()
+                    else:  # logs the start of an outage; raises once it outlasts the limit
+                        outage.failed(ConnectionError("no connection to any broker"))
                 else:
+                    outage.recovered()
                     if rate is not None:
                         stop.wait(max(0.0, started + seq / rate - time.monotonic()))
                     if stop.is_set():

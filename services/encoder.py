@@ -89,6 +89,7 @@ class Pusher:
         self.layout = ParameterStore(client, job).layout
         self.residuals: dict[int, torch.Tensor] = {}
         self.momenta: dict[int, torch.Tensor] = {}
+        self._unsettled: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None
 
     def encode(self, grads: Mapping[str, torch.Tensor]) -> tuple[dict[int, bytes], dict[int, torch.Tensor],
                                                                  dict[int, torch.Tensor], int]:
@@ -179,11 +180,23 @@ class Pusher:
         update = Update(member_id=self.member_id, generation=generation, clock=clock, gradients=blobs,
                         codec=self.codec.name, offsets=dict(offsets or {}), samples=tuple(samples),
                         batch_size=batch_size, produced_ts_ms=produced_ts_ms)
-        update_id = push_update(self.client, self.job, update, max_pending=self.max_pending,
-                                backpressure_timeout_s=backpressure_timeout_s)
+        try:
+            update_id = push_update(self.client, self.job, update, max_pending=self.max_pending,
+                                    backpressure_timeout_s=backpressure_timeout_s)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._unsettled = (residuals, momenta)  # the reply may be lost: settle() decides
+            raise
         self.residuals.update(residuals)
         self.momenta.update(momenta)
         return PushResult(update_id, sum(len(b) for b in blobs.values()), raw)
+
+    def settle(self, committed: bool) -> None:
+        """After a push that failed with a connection error: keep its error-feedback state
+        when it went through after all (``services.updates.was_committed``), drop it when not."""
+        if self._unsettled is not None and committed:
+            self.residuals.update(self._unsettled[0])
+            self.momenta.update(self._unsettled[1])
+        self._unsettled = None
 
     def residual_norm(self) -> float:
         """L2 norm of all error-feedback residuals (0 when there are none)."""

@@ -61,9 +61,10 @@ import redis
 import torch
 
 from streamtrain.keys import JobKeys
+from streamtrain.outage import REDIS_DOWN, Outage, redis_name
 from streamtrain.settings import setting
 
-from .apply import Outcome, Persist, ShardWrite, write_batch
+from .apply import Housekeeping, Outcome, Persist, ShardWrite, WriteResult, write_batch
 from .codecs import Sent
 from .deltas import apply_deltas, encode_delta
 from .errors import LayoutError, ParameterPlaneError
@@ -103,10 +104,19 @@ class ServerSettings:
                                  help="persist the optimizer state after this many updates (or once the "
                                       "gradients applied since hold as many bytes as the state); the log "
                                       "keeps every update until then, and a restart replays them")
+    audit_horizon_s: float = setting(600.0, env="STREAMTRAIN_PS_AUDIT_HORIZON_S", min=0.0,
+                                     help="keep each applied update's applied_samples entry (what the record-by-"
+                                          "record audit reads) this long; older ones are trimmed and the "
+                                          "partitions' audit floor raised (0: keep them forever)")
+    housekeeping_s: float = setting(10.0, env="STREAMTRAIN_PS_HOUSEKEEPING_S", min=0.0, max=3600.0,
+                                    help="how often a write also trims applied_samples past the audit horizon "
+                                         "and drops departed members' clocks (0: every write)")
     checkpoint_every: int = setting(0, env="STREAMTRAIN_PS_CHECKPOINT_EVERY", min=0,
                                     help="group 0 saves a checkpoint every N model versions (0: off)")
     checkpoint_dir: str = setting("checkpoints", env="STREAMTRAIN_PS_CHECKPOINT_DIR",
                                   help="directory of automatic checkpoints")
+    outage_limit_s: float = setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
+                                    help="longest Redis outage ridden out before the server exits with an error")
     torch_threads: int = setting(1, env="STREAMTRAIN_PS_TORCH_THREADS", min=1, max=256,
                                  help="torch intra-op threads of the ps process (1 avoids spinning "
                                       "threads on a shared machine)")
@@ -222,6 +232,8 @@ class ParameterServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_checkpoint = 0
+        self._housekeeping_at = 0.0
+        """time.monotonic() from which the next write carries the housekeeping (the first does)."""
 
     # -- lifecycle ------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> None:
@@ -285,22 +297,17 @@ class ParameterServer:
         return not self._thread.is_alive()
 
     def _loop(self) -> None:
-        backoff = 0.05
+        outage = Outage(redis_name(self.client), self.settings.outage_limit_s, logger)
         try:
             while not self._stop.is_set():
                 try:
                     self.step()
-                    backoff = 0.05
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    logger.warning("ps job=%s group=%d: redis unavailable (%s); retrying in %.2fs",
-                                   self.settings.job, self.settings.group, exc, backoff)
-                    self._stop.wait(backoff)
-                    backoff = min(backoff * 2, 2.0)
-                    try:
-                        self.load()
-                    except (redis.ConnectionError, redis.TimeoutError):
-                        pass
-        except BaseException as exc:  # the loop died: record it, never hang silently
+                    outage.recovered()
+                except REDIS_DOWN as exc:
+                    # reload once Redis answers: one restarted on its AOF may be a second behind memory
+                    self._state_valid = False
+                    self._stop.wait(outage.failed(exc))
+        except BaseException as exc:  # the loop died (or an outage outlasted the limit): record it
             logger.exception("ps job=%s group=%d failed", self.settings.job, self.settings.group)
             self.error = exc
             self.status = ServerStatus.FAILED
@@ -435,13 +442,15 @@ class ParameterServer:
         self._merge(touched, self._steps(st, chunk))
         if not outcomes:
             self._state_valid = True  # nothing computed, nothing changed
+            self._housekeep_idle()
             return 0
         writes = [self._shard_write(i, changes) for i, changes in sorted(touched.items())]
         persist = self._persist_due(len(covered), grad_bytes)
+        housekeeping = self._housekeeping_due()
         n = len(outcomes)
         result = write_batch(self.client, self.settings.job, group=self.settings.group,
                              groups=self.settings.groups, cursor=st.cursor, outcomes=outcomes, shards=writes,
-                             persist=self._persist(covered) if persist else None,
+                             persist=self._persist(covered) if persist else None, housekeeping=housekeeping,
                              before_exec=lambda: self._fault("kill-before-write", n))
         self._fault("kill-after-write", n)
         if not result.ok:
@@ -458,6 +467,8 @@ class ParameterServer:
                 sh.delta_bytes += len(w.delta)
         st.version = max(st.version, result.version)
         st.cursor = outcomes[-1].update.log_id
+        if housekeeping is not None:
+            self._housekept(result)
         if persist:
             st.persisted, st.unpersisted, st.unpersisted_bytes = st.cursor, [], 0
         else:
@@ -483,6 +494,39 @@ class ParameterServer:
         if result.ok:
             st.persisted, st.unpersisted, st.unpersisted_bytes = st.cursor, [], 0
         return result.ok
+
+    def _housekeeping_due(self) -> Housekeeping | None:
+        """The housekeeping the next write carries: once every ``housekeeping_s`` (so ordinary
+        writes pay nothing), None in between."""
+        if time.monotonic() < self._housekeeping_at:
+            return None
+        return Housekeeping(horizon_ms=round(self.settings.audit_horizon_s * 1000))
+
+    def _housekept(self, result: WriteResult) -> None:
+        """Schedule the next housekeeping after a write that carried one (at once when entries
+        past the horizon are left)."""
+        self._housekeeping_at = time.monotonic() + (0.0 if result.more else self.settings.housekeeping_s)
+        if result.forgotten:
+            logger.info("ps job=%s group=%d: dropped the clocks of %d departed member(s)", self.settings.job,
+                        self.settings.group, result.forgotten)
+        if result.trimmed:
+            logger.debug("ps job=%s group=%d: trimmed %d applied_samples entries past the audit horizon",
+                         self.settings.job, self.settings.group, result.trimmed)
+
+    def _housekeep_idle(self) -> None:
+        """With no update to apply, write the housekeeping on its own when it is due (departed
+        members' fields; entries crossing the horizon): nothing moves the cursor or the version."""
+        housekeeping = self._housekeeping_due()
+        if housekeeping is None or self._stop.is_set():
+            return
+        result = write_batch(self.client, self.settings.job, group=self.settings.group,
+                             groups=self.settings.groups, cursor=self._state.cursor, outcomes=[], shards=[],
+                             housekeeping=housekeeping)
+        if result.ok:
+            self._housekept(result)
+        else:  # another server of the group moved the cursor: reload before the next round
+            self._housekeeping_at = time.monotonic() + self.settings.housekeeping_s
+            self._state_valid = False
 
     def _persist_due(self, updates: int, grad_bytes: int) -> bool:
         st = self._state

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from .outage import DependencyUnavailable
 from .settings import SettingsError
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -71,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(load_command(ns.command).run(args) or 0)
     except SettingsError as exc:
         parser.error(str(exc))
+    except DependencyUnavailable as exc:  # an outage longer than the service's limit: say what, not a traceback
+        logging.getLogger(f"streamtrain.{ns.command}").error("giving up: %s", exc)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

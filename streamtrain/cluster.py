@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import secrets
+import signal
 import tempfile
 import time
 import urllib.error
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .launcher import KafkaBroker, RedisServer, ServiceProcess, free_port, wait_until
+from .outage import REDIS_DOWN
 
 logger = logging.getLogger(__name__)
 
@@ -280,13 +283,35 @@ class LocalCluster:
         trainer.stop()
         return trainer
 
-    def restart(self, which: str) -> None:
-        """SIGKILL the ``ps`` or the ``coordinator`` and start a new one."""
+    def restart(self, which: str, down_s: float = 0.0) -> None:
+        """SIGKILL ``which`` (``ps``, ``coordinator``, ``redis`` or ``kafka``), wait ``down_s``, and
+        start a new one: Redis and Kafka on the same port and folder (Redis reloads its AOF)."""
         proc = getattr(self, which)
         with contextlib.suppress(Exception):
             proc.kill()
             proc.stop()
-        (self.start_ps if which == "ps" else self.start_coordinator)()
+        time.sleep(down_s)
+        if which == "redis":
+            self.redis = RedisServer(port=proc.port, password=proc.password, appendonly=self.spec.redis_aof,
+                                     workdir=proc.workdir).start()
+        elif which == "kafka":
+            self.kafka = KafkaBroker(port=proc.port, heap_mb=self.spec.kafka_heap_mb, log_level="WARN",
+                                     workdir=proc.workdir).start()
+        elif which in ("ps", "coordinator"):
+            (self.start_ps if which == "ps" else self.start_coordinator)()
+        else:
+            raise ValueError(f"cannot restart {which!r}: ps, coordinator, redis or kafka")
+
+    def freeze_trainer(self, index: int = 0) -> ServiceProcess:
+        """SIGSTOP trainer ``index``: alive, silent, its lease running out (see :meth:`thaw`)."""
+        trainer = self.trainers[index]
+        os.kill(trainer.pid, signal.SIGSTOP)
+        return trainer
+
+    @staticmethod
+    def thaw(trainer: ServiceProcess) -> None:
+        """SIGCONT a frozen trainer."""
+        os.kill(trainer.pid, signal.SIGCONT)
 
     def quiesce(self, timeout_s: float = 60.0) -> None:
         """Stop the producer and the trainers (they drain, commit and leave), then wait until
@@ -299,9 +324,15 @@ class LocalCluster:
             if proc is not None:
                 proc.stop()
         client = redis_lib.Redis.from_url(self.redis_url)
+
+        def applied() -> bool:
+            try:
+                return unapplied_updates(client, self.spec.job) == 0
+            except REDIS_DOWN:  # restarting: ask again
+                return False
+
         try:
-            wait_until(lambda: unapplied_updates(client, self.spec.job) == 0, timeout_s,
-                       what="the parameter server to apply every pushed update")
+            wait_until(applied, timeout_s, what="the parameter server to apply every pushed update")
         finally:
             client.close()
 

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from . import settings as cfg
 from .cluster import ClusterSpec, LocalCluster
+from .outage import REDIS_DOWN, Outage
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class UpSettings:
                                    help="give up after this long")
     forever: bool = cfg.setting(False, env="STREAMTRAIN_FOREVER",
                                 help="online continuous training: stream forever until Ctrl-C")
+    outage_limit_s: float = cfg.setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
+                                        help="longest Redis outage the live view rides out before giving up")
     kafka_heap_mb: int = cfg.setting(512, env="STREAMTRAIN_KAFKA_HEAP_MB", min=128,
                                      help="heap of the local Kafka broker")
 
@@ -86,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                             f"{settings.trainers} trainers and the producer"):
             cluster.start()
         console.print(f"Kafka {cluster.bootstrap} (ready in {cluster.kafka.ready_after_s:.1f}s) · "
-                      f"Redis {cluster.redis_url} · coordinator {cluster.coordinator_url} · "
+                      f"Redis {cluster.redis.display_url} · coordinator {cluster.coordinator_url} · "
                       f"logs in {cluster.workdir}")
         final: dict[str, Any] = {}
         reached = _watch(console, cluster, settings, final)  # final: the score that ended it
@@ -110,12 +113,13 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
     """
     t0 = time.monotonic()
     status: dict[str, Any] | None = None
+    outage = Outage("Redis of the local job", s.outage_limit_s, logger)
     try:
         with Live(console=console, refresh_per_second=4) as live:
             while time.monotonic() - t0 < s.timeout_s or s.forever:
                 cluster.raise_if_crashed()
                 status = cluster.status() or status
-                score = _score(cluster, s)
+                score = _score(cluster, s, outage)
                 if score is not None:
                     latest.update(score)
                 if status is not None:
@@ -156,8 +160,12 @@ def _fmt(value: float | None, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _score(cluster: LocalCluster, s: UpSettings) -> dict[str, Any] | None:
-    """Score the parameters stored in Redis now on the held-out split (not a trainer's word)."""
+def _score(cluster: LocalCluster, s: UpSettings, outage: Outage | None = None) -> dict[str, Any] | None:
+    """Score the parameters stored in Redis now on the held-out split (not a trainer's word).
+
+    None when there is no model yet, or while Redis is unreachable (``outage`` then logs its
+    start and end, and raises once it outlasts its limit).
+    """
     from services import LayoutError
     from trainers import score_job
 
@@ -165,6 +173,13 @@ def _score(cluster: LocalCluster, s: UpSettings) -> dict[str, Any] | None:
         result = score_job(cluster.redis_url, cluster.spec.job, s.model, s.eval_source)
     except LayoutError:  # no model stored yet
         return None
+    except REDIS_DOWN as exc:
+        if outage is None:
+            raise
+        outage.failed(exc)
+        return None
+    if outage is not None:
+        outage.recovered()
     return {"version": result.version, "accuracy": result.accuracy, "loss": result.loss,
             "samples": result.samples}
 

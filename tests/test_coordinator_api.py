@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from importlib import resources
 from typing import Any
 
 import pytest
 import redis as redis_lib
 import yaml
-from aiohttp.test_utils import TestClient
+from aiohttp.test_utils import TestClient, make_mocked_request
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator import routes
 from coordinator.app import create_app
 from coordinator.client import CoordinatorClient
 from coordinator.errors import AuthError, BadRequestError, FencedError, MemberGoneError
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
 from coordinator.state import check_fence, parse_assignment
+from coordinator.settings import CONSISTENCY_MODELS, OPTIMIZERS
+from coordinator.validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field
 from streamtrain.keys import JobKeys
 
 JOB = "job1"
@@ -191,6 +196,18 @@ async def test_sticky_rebalance_on_join_and_graceful_leave(settings: Coordinator
         assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_member"
 
 
+async def test_the_coordinator_forgets_departed_members_after_its_retention(settings: CoordinatorSettings,
+                                                                            redis: redis_lib.Redis) -> None:
+    async with running_coordinator(replace(settings, departed_retention_s=0.0)) as client:
+        a = await register(client)
+        resp = await client.post(f"/v1/members/{a['member_id']}/leave", headers=JOB_AUTH)
+        assert resp.status == 200
+        # the lease checker sweeps the departed records (at most once a second at this retention)
+        await wait_for(lambda: not redis.hexists(KEYS.departed, a["member_id"]), timeout_s=10)
+        resp = await client.post(f"/v1/members/{a['member_id']}/heartbeat", headers=JOB_AUTH)
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_member"
+
+
 async def test_two_coordinators_compare_and_set(settings: CoordinatorSettings,
                                                 redis: redis_lib.Redis) -> None:
     """Concurrent registrations through two coordinators on one Redis: none is lost."""
@@ -294,7 +311,7 @@ async def test_drain_pause_resume(settings: CoordinatorSettings, redis: redis_li
     ("POST", "/v1/members", JOB_AUTH, {"capabilities": {"device": "cpu", "threads": 1.5}}, 400,
      "capabilities.threads: expected an integer"),
     ("POST", "/v1/members", JOB_AUTH, b'{"capabilities": {"device": "cpu", "hostname": "'
-     + b"x" * 5000 + b'"}}', 400, "request body too large: the limit is 4096 bytes"),
+     + b"x" * 5000 + b'"}}', 413, "request body too large: the limit is 4096 bytes"),
     ("PATCH", "/v1/admin/config", ADMIN_AUTH, {"consistency": "eventual"}, 400,
      "consistency: must be one of bsp, ssp, asp"),
     ("PATCH", "/v1/admin/config", ADMIN_AUTH, {"momentum": 0.9}, 400, "unknown field(s) 'momentum'"),
@@ -325,6 +342,120 @@ async def test_refused_requests_change_nothing(settings: CoordinatorSettings, re
                                  headers=JOB_AUTH, json={"stats": {"loss": "low"}})
         assert resp.status == 400 and "stats.loss" in (await resp.json())["error"]["message"]
         assert dump(redis) == before
+
+
+async def test_error_statuses_follow_rfc_9110(settings: CoordinatorSettings) -> None:
+    """413 (not 400) for an over-size body, naming the limit; 405 lists the methods in ``Allow``."""
+    async with running_coordinator(settings) as client:
+        big = {"capabilities": {"device": "cpu", "gpu_name": "x" * 200}, "pad": "y" * 5000}
+        for method, path in [("POST", "/v1/members"), ("PATCH", "/v1/admin/config"),
+                             ("POST", "/v1/members/m-1/heartbeat")]:
+            resp = await client.request(method, path, json=big,
+                                        headers=ADMIN_AUTH if "admin" in path else JOB_AUTH)
+            assert resp.status == 413, (path, await resp.text())
+            assert (await resp.json())["error"] == {
+                "code": "body_too_large",
+                "message": "request body too large: the limit is 4096 bytes"}
+        resp = await client.delete("/v1/members")
+        assert resp.status == 405 and resp.content_type == "application/json"
+        assert set(resp.headers["Allow"].split(",")) == {"GET", "HEAD", "POST"}
+        assert (await resp.json())["error"]["code"] == "method_not_allowed"
+        resp = await client.get("/v1/admin/config")
+        assert resp.status == 405 and resp.headers["Allow"] == "PATCH"
+        resp = await client.post("/v1/members", json=CPU)  # 401 keeps its challenge
+        assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
+        assert "Allow" not in resp.headers
+
+
+def test_tokens_are_compared_with_compare_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(routes.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    request = make_mocked_request("POST", "/v1/members", headers={"Authorization": "Bearer s3cret"})
+    routes.authenticate(request, "s3cret", "job")
+    with pytest.raises(routes.ApiError, match="wrong admin token"):
+        routes.authenticate(request, "other", "admin")
+    assert calls == [(b"s3cret", b"s3cret"), (b"s3cret", b"other")]
+
+
+_OPENAPI_TYPES = {"str": "string", "int": "integer", "number": "number", "bool": "boolean",
+                  "object": "object", "numbers": "array"}
+
+
+def _resolve(doc: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in schema:
+        node: Any = doc
+        for part in schema["$ref"].removeprefix("#/").split("/"):
+            node = node[part]
+        schema = node
+    return schema
+
+
+def _limit_problems(doc: dict[str, Any], where: str, fields: dict[str, Field],
+                    schema: dict[str, Any]) -> list[str]:
+    """Every way the OpenAPI object ``schema`` differs from the validation ``fields``: the
+    same properties, required set, types, enum, minimum, maximum and maxLength/maxItems."""
+    schema = _resolve(doc, schema)
+    problems = []
+    if schema.get("type") != "object" or schema.get("additionalProperties") is not False:
+        problems.append(f"{where}: must be a closed object (additionalProperties: false)")
+    props = schema.get("properties", {})
+    if set(props) != set(fields):
+        problems.append(f"{where}: properties {sorted(props)} != validated {sorted(fields)}")
+    required = sorted(n for n, f in fields.items() if f.required)
+    if sorted(schema.get("required", [])) != required:
+        problems.append(f"{where}: required {schema.get('required', [])} != {required}")
+    for name, field in fields.items():
+        if name not in props:
+            continue
+        path, prop = f"{where}.{name}", _resolve(doc, props[name])
+        if prop.get("type") != _OPENAPI_TYPES[field.kind]:
+            problems.append(f"{path}: type {prop.get('type')!r}, validated as {field.kind!r}")
+        if field.kind == "object":
+            problems += _limit_problems(doc, path, dict(field.schema or {}), prop)
+            continue
+        bounded = prop
+        if field.kind == "numbers":
+            if prop.get("maxItems") != field.max_len:
+                problems.append(f"{path}: maxItems {prop.get('maxItems')} != {field.max_len}")
+            bounded = prop.get("items", {})
+            if bounded.get("type") != "number":
+                problems.append(f"{path}: items must be numbers")
+        elif field.kind == "str" and field.choices is None and prop.get("maxLength") != field.max_len:
+            problems.append(f"{path}: maxLength {prop.get('maxLength')} != {field.max_len}")
+        choices = list(field.choices) if field.choices is not None else None
+        for key, want in (("enum", choices), ("minimum", field.min), ("maximum", field.max)):
+            if bounded.get(key) != want:
+                problems.append(f"{path}: {key} {bounded.get(key)!r} != enforced {want!r}")
+    return problems
+
+
+def test_openapi_declares_the_enforced_limits() -> None:
+    doc = yaml.safe_load(resources.files("coordinator").joinpath("openapi.yaml").read_text("utf-8"))
+    bodies = {("post", "/v1/members"): REGISTER,
+              ("post", "/v1/members/{member_id}/heartbeat"): HEARTBEAT,
+              ("patch", "/v1/admin/config"): CONFIG_CHANGE,
+              ("post", "/v1/members/{member_id}/leave"): {},
+              ("post", "/v1/admin/members/{member_id}/drain"): {},
+              ("post", "/v1/admin/pause"): {},
+              ("post", "/v1/admin/resume"): {}}
+    problems = []
+    for (method, path), fields in bodies.items():
+        op = doc["paths"][path][method]
+        schema = op["requestBody"]["content"]["application/json"]["schema"]
+        problems += _limit_problems(doc, f"{method.upper()} {path}", fields, schema)
+        problems += [f"{method.upper()} {path}: no {code} answer" for code in ("400", "413")
+                     if code not in op["responses"]]
+    job_config = _resolve(doc, {"$ref": "#/components/schemas/JobConfig"})["properties"]
+    problems += _limit_problems(doc, "JobConfig", CONFIG_CHANGE, {
+        "type": "object", "additionalProperties": False,
+        "properties": {k: job_config[k] for k in CONFIG_CHANGE}})
+    assert job_config["consistency"]["enum"] == list(CONSISTENCY_MODELS)
+    assert job_config["optimizer"]["enum"] == list(OPTIMIZERS)
+    limit = CoordinatorSettings.__dataclass_fields__["max_request_bytes"]
+    assert doc["info"]["x-max-request-bytes"] == {"default": limit.default, "minimum": limit.metadata["min"],
+                                                  "maximum": limit.metadata["max"]}
+    assert not problems, "\n".join(problems)
 
 
 async def test_metrics_parse_and_freshness(settings: CoordinatorSettings) -> None:
@@ -369,3 +500,33 @@ def test_settings_refuse_heartbeat_not_below_lease() -> None:
         CoordinatorSettings(lease_ms=500, heartbeat_interval_ms=500)
     with pytest.raises(ValueError, match="admin-token"):
         create_app(CoordinatorSettings())
+
+
+async def test_a_closed_presence_channel_removes_the_member_at_once_and_others_hear_of_it(
+        settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    """A trainer's process dying closes its channel: it is removed long before its lease (3 s) runs
+    out, and the other member's channel announces the new generation."""
+    async with running_coordinator(settings) as client:
+        a = await register(client)
+        b = await register(client)
+        url = "/v1/members/{}/channel"
+        ws_a = await client.ws_connect(url.format(a["member_id"]), headers=JOB_AUTH)
+        ws_b = await client.ws_connect(url.format(b["member_id"]), headers=JOB_AUTH)
+        generation = int(redis.get(KEYS.generation))
+        t0 = time.monotonic()
+        await ws_a.close()  # what the kernel does when the trainer dies
+        announced = await asyncio.wait_for(ws_b.receive_json(), timeout=2.0)
+        assert time.monotonic() - t0 < 1.0
+        assert announced == {"generation": generation + 1}
+        assert redis.hkeys(KEYS.members) == [b["member_id"].encode()]
+        assert {owner for owner, _ in assignment(redis).values()} == {b["member_id"]}
+        # a member that left gracefully first closes its channel as a no-op
+        resp = await client.post(f"/v1/members/{b['member_id']}/leave", headers=JOB_AUTH)
+        assert resp.status == 200
+        await ws_b.close()
+        assert int(redis.get(KEYS.generation)) == generation + 2
+        # a channel for nobody, or without the token, is refused
+        resp = await client.get(url.format("nobody"), headers=JOB_AUTH)
+        assert resp.status == 404
+        resp = await client.get(url.format(a["member_id"]))
+        assert resp.status == 401

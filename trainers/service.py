@@ -27,7 +27,9 @@ import math
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,10 +38,11 @@ from coordinator.errors import CoordinatorError
 from datastream import Batch, ShardConsumer, load_source
 from services import (
     FencedError, OffsetConflictError, OptimizerConfig, ParameterStore, Pusher, Snapshot, connect,
-    starting_clock, wait_for_clock,
+    starting_clock, wait_for_clock, was_committed,
 )
 from services.consistency import ClockWait, Consistency, StalenessTimeout
 from streamtrain.keys import JobKeys
+from streamtrain.outage import REDIS_DOWN, Outage, redis_name
 
 from .device import plan_device
 from .evaluate import EvalResult, evaluate
@@ -48,6 +51,7 @@ from .settings import TrainerSettings
 from .step import Replica, StepResult
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 class PushRefused(Exception):
     """The parameter plane refused a push (fenced, or offsets out of line): resynchronise."""
@@ -84,6 +88,8 @@ class Trainer:
         self.snapshot: Snapshot | None = None
         self._covers = -1  # the replica holds every live member's updates up to this clock
         self._last_wait: ClockWait | None = None  # what the last clock wait observed
+        self._unsettled_clock: int | None = None  # a push whose reply a Redis outage may have lost
+        self._redis_outage = Outage(redis_name(self.redis), settings.outage_limit_s, logger)
         self._phases: collections.Counter[str] = collections.Counter()  # seconds per step phase
         self.clock = 1
         self._last_pushed_clock = 0
@@ -99,6 +105,7 @@ class Trainer:
         self._window = _Window(started=time.monotonic())
         self._eval_data: tuple[torch.Tensor, torch.Tensor] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._heartbeat_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -124,13 +131,18 @@ class Trainer:
             await self._mirror_offsets_to_kafka()
             return 0
         finally:
-            for task in [self._heartbeat_task, *self._background]:
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-            await self._leave()
+            await self._cancel(self._heartbeat_task)
+            await self._leave()  # before the presence channel closes: a closed channel reads as a death
+            for task in self._background:
+                await self._cancel(task)
             await self._close()
+
+    @staticmethod
+    async def _cancel(task: asyncio.Task[None] | None) -> None:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _close(self) -> None:
         if self.consumer is not None:
@@ -163,10 +175,11 @@ class Trainer:
         self.heartbeat_interval_s = reg.heartbeat_interval_ms / 1000
         if self._heartbeat_task is None:  # the lease runs from now on: renew it from now on
             self._heartbeat_task = asyncio.create_task(self._heartbeats(), name="heartbeats")
+            self._background.append(asyncio.create_task(self._presence(), name="presence"))
             if self.settings.commit_to_kafka:
                 self._background.append(asyncio.create_task(self._kafka_mirror(), name="kafka-mirror"))
         config = reg.assignment.config
-        meta = await asyncio.to_thread(
+        meta = await self._with_redis(
             self.store.init_model, self.replica.initial_tensors(),
             optimizer=OptimizerConfig(name=config.optimizer, lr=config.lr))
         options = {"density": self.settings.topk_density} if "topk" in config.codec else {}
@@ -177,14 +190,15 @@ class Trainer:
                            "(a full write per update), and the bursts of accumulated top-k gradients make "
                            "its momentum overshoot; lazyadam or dgc step only where the gradient is",
                            meta.optimizer.name, config.codec)
-        self.clock = await asyncio.to_thread(starting_clock, self.redis, self.settings.job, reg.member_id)
+        self.clock = await self._with_redis(starting_clock, self.redis, self.settings.job, reg.member_id)
         self._last_wait = None  # a new member id: observe afresh
         self._last_pushed_clock = self.clock - 1
         if self.consumer is None:
             self.consumer = ShardConsumer(
                 self.settings.kafka_bootstrap, config.topic,
                 max_records_per_batch=self.settings.batch_size, prefetch=self.settings.prefetch,
-                group_id=f"streamtrain-{self.settings.job}" if self.settings.commit_to_kafka else None)
+                group_id=f"streamtrain-{self.settings.job}" if self.settings.commit_to_kafka else None,
+                outage_limit_s=self.settings.outage_limit_s)
         self.assignment = None
         self._wanted = reg.assignment
         logger.info("member %s joined job %s: generation %d, partitions %s, %s, clock %d",
@@ -218,16 +232,29 @@ class Trainer:
                 logger.debug("could not mirror offsets to Kafka: %s", exc)
 
     async def _heartbeat(self) -> None:
-        try:
-            self._wanted = await self.coordinator.heartbeat(self._stats())
-        except (MemberGoneError, UnknownMemberError) as exc:
-            logger.warning("member %s lost its lease (%s); registering anew",
-                           self.coordinator.member_id, exc)
-            self._wanted = None
-            self.coordinator.member_id = None
-            await self._join()
-        except CoordinatorError as exc:
-            logger.warning("heartbeat failed (%s); training on with the current assignment", exc)
+        async with self._heartbeat_lock:  # the heartbeat task and the presence channel both call it
+            try:
+                self._wanted = await self.coordinator.heartbeat(self._stats())
+            except (MemberGoneError, UnknownMemberError) as exc:
+                logger.warning("member %s lost its lease (%s); registering anew",
+                               self.coordinator.member_id, exc)
+                self._wanted = None
+                self.coordinator.member_id = None
+                await self._join()
+            except CoordinatorError as exc:
+                logger.warning("heartbeat failed (%s); training on with the current assignment", exc)
+
+    async def _presence(self) -> None:
+        """Hold the presence channel open, so the coordinator sees this process die the moment its
+        socket closes, and fetch the new assignment as soon as it announces a new generation."""
+        while True:
+            try:
+                async for generation in self.coordinator.channel():
+                    if self.assignment is None or generation != self.assignment.generation:
+                        await self._heartbeat()
+            except CoordinatorError as exc:
+                logger.debug("presence channel closed (%s); reopening", exc)
+            await asyncio.sleep(0.2)  # the coordinator restarted, or we registered anew
 
     def _stats(self) -> dict[str, object]:
         now = time.monotonic()
@@ -268,6 +295,50 @@ class Trainer:
         logger.info("member %s generation %d: consuming %s", wanted.member_id, wanted.generation,
                     positions or "nothing")
 
+    async def _with_redis(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on a worker thread, retried through a Redis outage (up to the limit)."""
+        while True:
+            try:
+                result = await asyncio.to_thread(fn, *args, **kwargs)
+            except REDIS_DOWN as exc:
+                await asyncio.sleep(self._redis_outage.failed(exc))
+                continue
+            self._redis_outage.recovered()
+            return result
+
+    async def _ride_out(self, exc: BaseException) -> None:
+        """Redis went away: wait until it answers (giving up after ``outage_limit_s`` with an error
+        naming it), settle the push that was in flight with ``was_committed``, and resume from the
+        committed offsets with a fresh replica (a Redis restarted on its AOF may be a second behind
+        what this trainer saw)."""
+        delay = self._redis_outage.failed(exc)
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await asyncio.to_thread(self.redis.ping)
+                break
+            except REDIS_DOWN as again:
+                delay = self._redis_outage.failed(again)
+        self._redis_outage.recovered()
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            with contextlib.suppress(PushRefused, *REDIS_DOWN):
+                await inflight
+        clock, self._unsettled_clock = self._unsettled_clock, None
+        if clock is not None:
+            committed = await asyncio.to_thread(was_committed, self.redis, self.settings.job,
+                                                self.pusher.member_id, clock)
+            self.pusher.settle(committed)
+            if committed:
+                self._last_pushed_clock = clock
+            logger.info("push at clock %d was %s before the outage", clock,
+                        "committed" if committed else "not committed")
+        self.snapshot, self._covers, self._last_wait = None, -1, None
+        try:
+            await self._resync("redis outage")
+        except REDIS_DOWN as again:  # it went away again: the training loop rides that out too
+            logger.info("redis unreachable again during the resync: %s", again)
+
     async def _resync(self, reason: str) -> None:
         """After a refused push: learn the current assignment, restart from committed offsets."""
         logger.info("member %s resynchronising: %s", self.coordinator.member_id, reason)
@@ -293,6 +364,9 @@ class Trainer:
             except PushRefused as exc:
                 await self._resync(str(exc))
                 continue
+            except REDIS_DOWN as exc:
+                await self._ride_out(exc)
+                continue
             if self.assignment is None or self.assignment.state != "active" or not self.assignment.partitions:
                 await asyncio.sleep(0.1)
                 continue
@@ -302,8 +376,11 @@ class Trainer:
                     await self._tick_if_others_wait()
                 else:
                     await self._step(batch)
+                self._redis_outage.recovered()
             except (PushRefused, StalenessTimeout) as exc:
                 await self._resync(str(exc))
+            except REDIS_DOWN as exc:
+                await self._ride_out(exc)
 
     async def _step(self, batch: Batch, *, tick: bool = False) -> None:
         """Wait for the clock bound, pull, compute, and hand the push to the push thread.
@@ -373,6 +450,9 @@ class Trainer:
                                       produced_ts_ms=batch.produced_ts_ms)
         except (FencedError, OffsetConflictError) as exc:
             raise PushRefused(f"push at clock {clock} refused: {exc}") from exc
+        except REDIS_DOWN:
+            self._unsettled_clock = clock  # its reply may be lost: settled once Redis answers
+            raise
         self._last_pushed_clock = clock
         self._window.wire_bytes += pushed.wire_bytes
         if batch.produced_ts_ms:

@@ -49,6 +49,8 @@ class TrainerSettings:
                                       "(bounds the update log and the staleness it causes)")
     staleness_timeout_s: float = setting(60.0, env="STREAMTRAIN_STALENESS_TIMEOUT_S", min=0.1,
                                          help="longest wait for the SSP/BSP clock bound")
+    outage_limit_s: float = setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
+                                    help="longest Redis outage ridden out before the trainer exits with an error")
     commit_to_kafka: bool = setting(True, env="STREAMTRAIN_COMMIT_TO_KAFKA",
                                     help="mirror committed offsets to Kafka (group streamtrain-<job>) "
                                          "so Kafka's tools show the lag")

@@ -1,0 +1,72 @@
+"""Presence channels: a WebSocket per trainer, so the coordinator learns of a death at once.
+
+A trainer opens ``GET /v1/members/{member_id}/channel`` (job token) after it
+registers and keeps it open. When its process dies the kernel closes the
+socket, the channel ends, and the member is removed at once (a
+:class:`~coordinator.membership.Disconnected` event: its partitions move and its
+generation is fenced), instead of a lease later. The lease stays for what a
+closed socket never shows: a frozen process or a lost network.
+
+The coordinator also writes on every channel, ``{"generation": g}``, whenever
+the membership moves to a new generation, so the other trainers fetch their
+new assignment (a heartbeat) without waiting for their next period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from aiohttp import WSMsgType, web
+
+from .app import RUNTIME, Runtime, apply_event
+from .errors import UnknownMemberError
+from .membership import Disconnected
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["channel", "close_channels"]
+
+
+async def channel(request: web.Request) -> web.StreamResponse:
+    """The presence channel of one live member (see the module docstring)."""
+    from .routes import ApiError, authenticate
+
+    rt: Runtime = request.app[RUNTIME]
+    authenticate(request, rt.settings.job_token, "job")
+    member_id = request.match_info["member_id"]
+    state = await rt.store.load()
+    if member_id not in state.members:
+        raise ApiError(404, "unknown_member", f"member {member_id!r} is not a live member")
+    # no pings: a closed socket is the signal; a busy trainer slow to pong must not read as dead
+    # (frozen processes and lost networks are the lease's)
+    ws = web.WebSocketResponse()
+    await ws.prepare(request)
+    previous = rt.channels.get(member_id)
+    rt.channels[member_id] = ws
+    if previous is not None:
+        await previous.close()
+    try:
+        async for msg in ws:  # trainers send nothing; the point is to learn when it closes
+            if msg.type == WSMsgType.ERROR:
+                break
+    finally:
+        if rt.channels.get(member_id) is ws:
+            del rt.channels[member_id]
+            if not rt.closing:  # the coordinator's own shutdown closes channels: nobody died
+                with contextlib.suppress(UnknownMemberError):
+                    _, actions = await apply_event(rt, Disconnected(member_id, now_ms=time.time_ns() // 1_000_000))
+                    if actions:
+                        logger.info("member %s disconnected: removed before its lease ran out", member_id)
+    return ws
+
+
+async def close_channels(app: web.Application) -> None:
+    """On shutdown: mark the runtime closing (a closed channel is then no death) and close them all."""
+    rt = app.get(RUNTIME)
+    if rt is None:
+        return
+    rt.closing = True
+    for ws in list(rt.channels.values()):
+        await ws.close(code=1001, message=b"coordinator shutting down")
