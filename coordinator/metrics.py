@@ -40,7 +40,9 @@ class Metrics:
                                    "training throughput per member", ["member"], registry=r)
         self.loss = Gauge("streamtrain_member_loss", "last reported loss per member", ["member"],
                           registry=r)
-        self.lag = Gauge("streamtrain_member_lag", "consumer lag (records) per member", ["member"],
+        self.lag = Gauge("streamtrain_member_lag",
+                         "consumer lag (Kafka messages) per member, as its heartbeat reports it: the sum over "
+                         "its partitions of the end offset minus its consumer's position", ["member"],
                          registry=r)
         self.heartbeats = Counter("streamtrain_heartbeats", "heartbeats accepted", registry=r)
 
@@ -89,6 +91,11 @@ class Metrics:
             self.loss.labels(member.member_id).set(stats["loss"])
         if "lag" in stats:
             self.lag.labels(member.member_id).set(stats["lag"])
+        else:  # no partition fetched yet (or none left): no stale value from an earlier assignment
+            try:
+                self.lag.remove(member.member_id)
+            except KeyError:
+                pass
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -87,6 +87,9 @@ class ConsumerStats:
     """Records sent to the dead-letter topic."""
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     """Rejected messages per reason."""
+    lag: dict[int, int] = field(default_factory=dict)
+    """Assigned partition -> messages between the consumer's position and the partition's end
+    (its high watermark as of the last fetch); a partition not fetched yet is absent."""
 
 
 class ConsumerClosedError(RuntimeError):
@@ -201,6 +204,7 @@ class ShardConsumer:
         self._stats_lock = threading.Lock()
         self._messages = self._records = self._batches = self._rejected = 0
         self._reasons: Counter[str] = Counter()
+        self._lag: dict[int, int] = {}
         self._closed = threading.Event()
         self._error: BaseException | None = None
         self._outage = Outage(f"Kafka at {bootstrap}", outage_limit_s, logger)
@@ -302,7 +306,8 @@ class ShardConsumer:
         """Counters since the consumer started."""
         with self._stats_lock:
             return ConsumerStats(messages=self._messages, records=self._records, batches=self._batches,
-                                 rejected_records=self._rejected, rejected_by_reason=dict(self._reasons))
+                                 rejected_records=self._rejected, rejected_by_reason=dict(self._reasons),
+                                 lag=dict(self._lag))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the background thread and close the Kafka clients (idempotent)."""
@@ -355,6 +360,8 @@ class ShardConsumer:
         self._handed = dict(resolved)
         self._builder = _Builder()
         self._epoch += 1
+        with self._stats_lock:
+            self._lag = {}
         logger.info("consumer of %s assigned %s (epoch %d)", self.topic, resolved, self._epoch)
 
     def _run(self) -> None:
@@ -372,6 +379,7 @@ class ShardConsumer:
                         if self._epoch != epoch:
                             break  # reassigned meanwhile: the rest is from the old assignment
                         self._take(msg)
+                self._note_lag()
                 b = self._builder
                 if not b.empty and (b.rows >= self.max_records_per_batch or not polled
                                     or time.monotonic() - b.started >= self._max_wait_s):
@@ -408,6 +416,16 @@ class ShardConsumer:
             self._outage.recovered()
         else:
             self._outage.failed(ConnectionError("no connection to any broker"))
+
+    def _note_lag(self) -> None:
+        """Per-partition lag from the high watermarks of the last fetch (no broker request)."""
+        lag = {}
+        for p, position in self._positions.items():
+            end = self._consumer.highwater(TopicPartition(self.topic, p))
+            if end is not None:
+                lag[p] = max(0, end - position)
+        with self._stats_lock:
+            self._lag = lag
 
     def _take(self, msg: Any) -> None:
         p, offset = msg.partition, msg.offset

@@ -12,6 +12,7 @@ import torch
 from streamtrain.settings import add_arguments as add_settings
 from streamtrain.settings import from_args
 
+from .metrics import MetricsServer
 from .server import ParameterServer, ServerSettings, ServerStatus
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server = ParameterServer(settings)
+    http = MetricsServer(server.metrics.registry, settings.metrics_port) if settings.metrics_port else None
     try:
         server.start(timeout_s=args.start_timeout_s)
         while not stop.wait(0.2):
@@ -39,5 +41,7 @@ def run(args: argparse.Namespace) -> int:
                 return 1
     finally:
         server.close()
+        if http is not None:
+            http.close()
     logger.info("ps job=%s group=%d stopped after %d updates", settings.job, settings.group, server.applied)
     return 1 if server.status is ServerStatus.FAILED else 0

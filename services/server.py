@@ -68,6 +68,7 @@ from .apply import Housekeeping, Outcome, Persist, ShardWrite, WriteResult, writ
 from .codecs import Sent
 from .deltas import apply_deltas, encode_delta
 from .errors import LayoutError, ParameterPlaneError
+from .metrics import ServerMetrics
 from .optim import clip_factor, slots, step
 from .store import ModelMeta, ParameterStore, connect
 from .updates import Update, blob_keys, load_gradients, parse_entry, validate_gradients
@@ -117,6 +118,8 @@ class ServerSettings:
                                   help="directory of automatic checkpoints")
     outage_limit_s: float = setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
                                     help="longest Redis outage ridden out before the server exits with an error")
+    metrics_port: int = setting(0, env="STREAMTRAIN_METRICS_PORT", min=0, max=65535,
+                                help="serve Prometheus metrics on this port, all interfaces (0: off)")
     torch_threads: int = setting(1, env="STREAMTRAIN_PS_TORCH_THREADS", min=1, max=256,
                                  help="torch intra-op threads of the ps process (1 avoids spinning "
                                       "threads on a shared machine)")
@@ -234,6 +237,8 @@ class ParameterServer:
         self._last_checkpoint = 0
         self._housekeeping_at = 0.0
         """time.monotonic() from which the next write carries the housekeeping (the first does)."""
+        self.metrics = ServerMetrics(self)
+        """This server's Prometheus metrics (served by ``streamtrain ps --metrics-port``)."""
 
     # -- lifecycle ------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> None:
@@ -277,10 +282,16 @@ class ParameterServer:
                     logger.warning("ps job=%s group=%d: could not persist the optimizer state on stop (%s); "
                                    "the next start replays the log", self.settings.job, self.settings.group, exc)
         finally:
+            self.metrics.close()
             if self._own_client:
                 self.client.close()
             if self.status is not ServerStatus.FAILED:
                 self.status = ServerStatus.CLOSED
+
+    @property
+    def version(self) -> int:
+        """Newest model version this server loaded or published."""
+        return self._state.version
 
     def __enter__(self) -> ParameterServer:
         self.start()
@@ -425,6 +436,7 @@ class ParameterServer:
         grad_bytes = 0
         chunk: list[dict[int, Sent]] = []  # decoded, not yet applied
         chunk_bytes = 0
+        started = time.monotonic()
         self._state_valid = False  # the shards are changed in place from here on
         for eid, update, error in self._load(entries):
             if self._stop.is_set() and self._thread is not None:
@@ -476,6 +488,7 @@ class ParameterServer:
             st.unpersisted_bytes += grad_bytes
         self._state_valid = True
         self.applied += n
+        self.metrics.observe_write(outcomes, time.monotonic() - started, published=bool(writes))
         logger.debug("ps job=%s group=%d: %d update(s) %s..%s (%d rejected) -> version %d", self.settings.job,
                      self.settings.group, n, outcomes[0].update.log_id, st.cursor,
                      sum(o.status == "rejected" for o in outcomes), result.version)

@@ -7,13 +7,20 @@ the file defines, on the port that service listens on. Secrets have no
 defaults: the file is interpolated the way compose does it (``${VAR}``,
 ``${VAR:-default}``, ``${VAR:?message}``), with made-up values for the secrets,
 and refuses to interpolate without them.
+
+Prometheus (``compose/prometheus.yml``) must scrape only services the file
+defines, each on the port its command and environment serve metrics on, and
+Grafana's provisioned data source and dashboards must exist, parse, point at
+that Prometheus, and query only series some endpoint of ours exports.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
+from types import SimpleNamespace
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,9 +29,22 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from coordinator.metrics import Metrics as CoordinatorMetrics
+from coordinator.routes import routes as coordinator_routes
+from coordinator.settings import CoordinatorSettings
+from datastream.consumer import ConsumerStats
+from services.metrics import ServerMetrics
+from services.server import ServerSettings
 from streamtrain.cli import COMMANDS, build_parser
+from streamtrain.keys import JobKeys
+from streamtrain.settings import from_args
+from trainers.metrics import TrainerMetrics
+from trainers.settings import TrainerSettings
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose" / "docker-compose.yml"
+METRICS_PORT = {"coordinator": (CoordinatorSettings, "port"), "ps": (ServerSettings, "metrics_port"),
+                "trainer": (TrainerSettings, "metrics_port")}
+"""Subcommand -> (its settings, the field naming the port its /metrics is served on)."""
 OUR_PACKAGES = ("streamtrain", "services", "coordinator", "trainers", "datastream")
 SECRETS = ("STREAMTRAIN_JOB_TOKEN", "STREAMTRAIN_ADMIN_TOKEN", "STREAMTRAIN_REDIS_PASSWORD")
 """Variables compose must refuse to start without."""
@@ -252,3 +272,162 @@ def test_trainer_is_scalable(compose: dict) -> None:
     trainer = compose["services"]["trainer"]
     assert "container_name" not in trainer  # a fixed name would forbid --scale
     assert "ports" not in trainer or all(":" not in str(p) for p in trainer["ports"])
+
+
+# -- Prometheus and Grafana ---------------------------------------------------------------------
+
+
+def _served_metrics_port(svc: dict) -> int | None:
+    """The port ``svc``'s command serves /metrics on, from its flags and environment (None: it
+    serves none; 0 means off for ps and trainers)."""
+    command = svc.get("command") or []
+    if "build" not in svc or len(command) < 2 or command[1] not in METRICS_PORT:
+        return None
+    cls, field = METRICS_PORT[command[1]]
+    settings = from_args(cls, build_parser(command[1]).parse_args(command[2:]), environ=_env(svc))
+    return getattr(settings, field) or None
+
+
+def _bind_mounts(svc: dict) -> dict[str, Path]:
+    """Container path -> host path of ``svc``'s bind mounts (relative ones resolved like compose)."""
+    out = {}
+    for v in svc.get("volumes", []):
+        source, target = str(v).split(":")[:2]
+        if source.startswith((".", "/")):
+            out[target] = (COMPOSE.parent / source).resolve()
+    return out
+
+
+def _host_file(svc: dict, container_path: str) -> Path:
+    """The host file a container path of ``svc`` reads, through its bind mounts."""
+    for target, source in sorted(_bind_mounts(svc).items(), key=lambda kv: -len(kv[0])):
+        if container_path == target or container_path.startswith(target.rstrip("/") + "/"):
+            return source / container_path[len(target):].lstrip("/")
+    raise AssertionError(f"{container_path} is not mounted from the host")
+
+
+def _flag_value(command: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(command):
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if arg == flag and i + 1 < len(command):
+            return command[i + 1]
+    return None
+
+
+def _prometheus_port(compose: dict) -> int:
+    address = _flag_value(compose["services"]["prometheus"].get("command", []), "--web.listen-address")
+    return int((address or ":9090").rsplit(":", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def prometheus_config(compose: dict) -> dict:
+    svc = compose["services"]["prometheus"]
+    assert svc["image"].startswith("prom/prometheus:")
+    path = _flag_value(svc["command"], "--config.file")
+    assert path, "prometheus must be given its --config.file"
+    return yaml.safe_load(_host_file(svc, path).read_text())
+
+
+def _targets(job: dict) -> list[tuple[str, int]]:
+    """(host, port) of every target of a scrape job (static and DNS discovered)."""
+    out = []
+    for static in job.get("static_configs", []):
+        for target in static["targets"]:
+            host, port = target.rsplit(":", 1)
+            out.append((host, int(port)))
+    for dns in job.get("dns_sd_configs", []):
+        assert dns.get("type") == "A", f"{job['job_name']}: compose's DNS answers A records (type: A)"
+        out.extend((name, int(dns["port"])) for name in dns["names"])
+    return out
+
+
+def test_prometheus_scrapes_every_metrics_endpoint_on_its_port(compose: dict, prometheus_config: dict) -> None:
+    services = compose["services"]
+    scraped: set[str] = set()
+    for job in prometheus_config["scrape_configs"]:
+        path = job.get("metrics_path", "/metrics")
+        targets = _targets(job)
+        assert targets, f"scrape job {job['job_name']} has no target"
+        for host, port in targets:
+            assert host in services, f"{job['job_name']}: {host} is not a compose service"
+            served = _served_metrics_port(services[host])
+            assert served == port, f"{job['job_name']}: {host} serves metrics on {served}, not {port}"
+            if services[host]["command"][1] == "coordinator":  # prometheus_client's server answers any path
+                assert path in {r.path for r in coordinator_routes if r.method == "GET"}, path
+            scraped.add(host)
+    serving = {name for name, svc in services.items() if _served_metrics_port(svc)}
+    assert serving == scraped, f"serving metrics but not scraped: {serving - scraped}"
+    assert {"coordinator", "ps", "trainer"} <= scraped
+    # trainers scale with --scale: they are discovered by DNS, never listed one by one
+    trainer_jobs = [j for j in prometheus_config["scrape_configs"]
+                    if any(h == "trainer" for h, _ in _targets(j))]
+    assert trainer_jobs and all(not j.get("static_configs") for j in trainer_jobs)
+
+
+def _provisioned(svc: dict, kind: str) -> list[dict]:
+    root = _host_file(svc, "/etc/grafana/provisioning") / kind
+    files = sorted(root.glob("*.yml")) + sorted(root.glob("*.yaml"))
+    assert files, f"no Grafana {kind} provisioned under {root}"
+    docs = [yaml.safe_load(f.read_text()) for f in files]
+    assert all(d.get("apiVersion") == 1 for d in docs)
+    return docs
+
+
+def _dashboards(compose: dict) -> list[dict]:
+    grafana = compose["services"]["grafana"]
+    out = []
+    for doc in _provisioned(grafana, "dashboards"):
+        for provider in doc["providers"]:
+            assert provider["type"] == "file"
+            folder = _host_file(grafana, provider["options"]["path"])
+            files = sorted(folder.glob("*.json"))
+            assert files, f"no dashboard JSON in {folder}"
+            out.extend(json.loads(f.read_text()) for f in files)
+    return out
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose: dict) -> None:
+    grafana = compose["services"]["grafana"]
+    assert grafana["image"].startswith("grafana/grafana:")
+    for target, source in _bind_mounts(grafana).items():
+        assert source.exists(), f"grafana mounts {source} at {target}: missing"
+    sources = [d for doc in _provisioned(grafana, "datasources") for d in doc["datasources"]]
+    prometheus = [d for d in sources if d["type"] == "prometheus"]
+    assert len(prometheus) == 1 and prometheus[0].get("isDefault")
+    url = urlsplit(prometheus[0]["url"])
+    assert url.hostname == "prometheus" and url.port == _prometheus_port(compose)
+    assert "prometheus" in compose["services"]
+    uids = {d["uid"] for d in sources}
+    dashboards = _dashboards(compose)
+    titles = {p["title"] for d in dashboards for p in d["panels"]}
+    for want in ("loss", "accuracy", "records/s", "lag", "staleness", "freshness", "versions/s", "updates/s"):
+        assert any(want in t.lower() for t in titles), f"no dashboard panel for {want}: {sorted(titles)}"
+    for d in dashboards:
+        assert d["uid"] and d["title"]
+        for panel in d["panels"]:
+            assert panel["datasource"]["uid"] in uids, f"{panel['title']}: unknown data source"
+            assert panel["targets"] and all(t["expr"] and t["datasource"]["uid"] in uids
+                                            for t in panel["targets"]), panel["title"]
+
+
+def _exported_series() -> set[str]:
+    """Every series name our /metrics endpoints can expose (sample names: _total, _bucket...)."""
+    server = SimpleNamespace(settings=SimpleNamespace(group=0, redis_url="redis://127.0.0.1:1/0"),
+                             version=0, keys=JobKeys("j"))
+    consumer = SimpleNamespace(stats=lambda: ConsumerStats(0, 0, 0, 0))
+    trainer = SimpleNamespace(steps=0, clock=1, last_staleness=0, loss_ema=0.5, consumer=consumer,
+                              last_eval=SimpleNamespace(loss=0.5, accuracy=0.5), snapshot=SimpleNamespace(version=1))
+    registries = [ServerMetrics(server).registry, TrainerMetrics(trainer).registry,
+                  CoordinatorMetrics().registry]
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    return {f.name + s for r in registries for f in r.collect() for s in suffixes.get(f.type, ("",))}
+
+
+def test_dashboard_queries_only_exported_series(compose: dict) -> None:
+    exported = _exported_series()
+    for d in _dashboards(compose):
+        for panel in d["panels"]:
+            for target in panel["targets"]:
+                for name in re.findall(r"\bstreamtrain_[a-z0-9_]+", target["expr"]):
+                    assert name in exported, f"panel {panel['title']!r} queries {name}, which nothing exports"

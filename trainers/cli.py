@@ -17,7 +17,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the trainer from flags and environment and run it."""
-    from .service import Trainer  # torch is imported only when a trainer really starts
+    from services.metrics import MetricsServer  # torch is imported only when a trainer really starts
+
+    from .service import Trainer
 
     settings = cfg.from_args(TrainerSettings, args)
-    return asyncio.run(Trainer(settings).run())
+    trainer = Trainer(settings)
+    http = MetricsServer(trainer.metrics.registry, settings.metrics_port) if settings.metrics_port else None
+    try:
+        return asyncio.run(trainer.run())
+    finally:
+        if http is not None:
+            http.close()

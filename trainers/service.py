@@ -47,6 +47,7 @@ from streamtrain.outage import REDIS_DOWN, Outage, redis_name
 from .device import plan_device
 from .evaluate import EvalResult, evaluate
 from .models import build_model
+from .metrics import TrainerMetrics
 from .settings import TrainerSettings
 from .step import Replica, StepResult
 
@@ -107,6 +108,8 @@ class Trainer:
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._heartbeat_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
+        self.metrics = TrainerMetrics(self)
+        """This trainer's Prometheus metrics (served by ``streamtrain trainer --metrics-port``)."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -269,6 +272,9 @@ class Trainer:
             stats["bytes_per_step"] = w.wire_bytes / w.steps
         if self.last_eval is not None and self.last_eval.accuracy is not None:
             stats["accuracy"] = self.last_eval.accuracy
+        lag = self.consumer.stats().lag if self.consumer is not None else {}
+        if lag:  # the coordinator's streamtrain_member_lag
+            stats["lag"] = sum(lag.values())
         if self._freshness:
             stats["freshness_s"], self._freshness = self._freshness[:1000], []
         return stats
@@ -455,6 +461,7 @@ class Trainer:
             raise
         self._last_pushed_clock = clock
         self._window.wire_bytes += pushed.wire_bytes
+        self.metrics.pushed(self.pusher.codec.name, pushed.wire_bytes, pushed.raw_bytes)
         if batch.produced_ts_ms:
             self._pushed.append((clock, batch.produced_ts_ms))
 

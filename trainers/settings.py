@@ -51,6 +51,8 @@ class TrainerSettings:
                                          help="longest wait for the SSP/BSP clock bound")
     outage_limit_s: float = setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
                                     help="longest Redis outage ridden out before the trainer exits with an error")
+    metrics_port: int = setting(0, env="STREAMTRAIN_METRICS_PORT", min=0, max=65535,
+                                help="serve Prometheus metrics on this port, all interfaces (0: off)")
     commit_to_kafka: bool = setting(True, env="STREAMTRAIN_COMMIT_TO_KAFKA",
                                     help="mirror committed offsets to Kafka (group streamtrain-<job>) "
                                          "so Kafka's tools show the lag")

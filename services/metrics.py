@@ -1,0 +1,143 @@
+"""Prometheus metrics of one parameter server, in its own registry, and the HTTP endpoint that
+serves a registry (``--metrics-port``), shared with the trainers.
+
+A server exports what only it sees: the model versions it publishes, the updates each of its
+writes applied or refused, how long one write batch takes from its read to its commit, and
+freshness measured at the moment the version holding a record's gradient became visible in
+Redis (sharper than the trainers' heartbeat view of it in the coordinator, which lags by up
+to a heartbeat and a clock wait). Per-group series carry the server's shard ``group``; the
+Prometheus target adds ``instance``. See ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .apply import Outcome
+    from .server import ParameterServer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["APPLY_BUCKETS", "FRESHNESS_BUCKETS", "MetricsServer", "ServerMetrics"]
+
+FRESHNESS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
+"""Buckets (seconds) of produce-to-model freshness (the coordinator's histogram uses the same)."""
+APPLY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+"""Buckets (seconds) of one write batch."""
+
+
+class MetricsServer:
+    """prometheus_client's own HTTP server for ``registry`` on a daemon thread (``GET /metrics``;
+    any path answers). ``port`` 0 binds a free port (tests); :attr:`port` is the bound one.
+
+    Raises:
+        OSError: the port cannot be bound (the message names it).
+    """
+
+    def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=addr, registry=registry)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror}") from exc
+        self.port: int = self._httpd.server_port
+        """The port it listens on."""
+        logger.info("serving Prometheus metrics on %s:%d", addr, self.port)
+
+    def close(self) -> None:
+        """Stop serving and release the port (idempotent)."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._thread.join(5.0)
+        self._httpd.server_close()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Backlog(Collector):
+    """``streamtrain_unapplied_updates``, read from Redis at scrape time (no sample while Redis is
+    not answering: a scrape never waits out an outage)."""
+
+    def __init__(self, server: ParameterServer) -> None:
+        self._server = server
+        self._client: redis.Redis | None = None
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily("streamtrain_unapplied_updates",
+                                   "pushed updates not yet applied by every shard group (job-wide)")
+        try:
+            if self._client is None:  # its own client, with timeouts shorter than a scrape's
+                self._client = redis.Redis.from_url(self._server.settings.redis_url, socket_timeout=1.0,
+                                                    socket_connect_timeout=1.0)
+            raw = self._client.get(self._server.keys.unapplied)
+        except Exception as exc:  # noqa: BLE001 - a scrape reports what it can
+            logger.debug("unapplied count unavailable: %s", exc)
+        else:
+            family.add_metric([], int(raw or 0))
+        yield family
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class ServerMetrics:
+    """The metrics of one :class:`~services.server.ParameterServer`; the server calls
+    :meth:`observe_write` after each committed write."""
+
+    def __init__(self, server: ParameterServer) -> None:
+        self.registry = CollectorRegistry()
+        r, group = self.registry, str(server.settings.group)
+        self.model_version = Gauge("streamtrain_model_version",
+                                   "newest model version this server loaded or published", registry=r)
+        self.model_version.set_function(lambda: server.version)
+        self._applied = Counter("streamtrain_updates_applied", "updates applied to the model, by shard group",
+                                ["group"], registry=r).labels(group)
+        self._rejected = Counter("streamtrain_updates_rejected",
+                                 "updates refused at apply time (recorded as rejected), by shard group",
+                                 ["group"], registry=r).labels(group)
+        self._versions = Counter("streamtrain_versions_published",
+                                 "model versions this server published (writes that changed a shard), by shard group", ["group"],
+                                 registry=r).labels(group)
+        self._apply_seconds = Histogram(
+            "streamtrain_apply_seconds",
+            "one write batch: from its updates read to its atomic write committed (decode, optimizer "
+            "steps, write), by shard group", ["group"], registry=r, buckets=APPLY_BUCKETS).labels(group)
+        self._freshness = Histogram(
+            "streamtrain_freshness_seconds",
+            "from the oldest produce time of an update's records to the model version holding its "
+            "gradient (this group's part) being visible", ["group"], registry=r,
+            buckets=FRESHNESS_BUCKETS).labels(group)
+        self._backlog = _Backlog(server)
+        r.register(self._backlog)
+
+    def observe_write(self, outcomes: Sequence[Outcome], seconds: float, published: bool) -> None:
+        """Count one committed write of ``outcomes`` that took ``seconds`` (``published``: it
+        changed a shard, so it bumped the model version)."""
+        now_ms = time.time() * 1000
+        applied = [o for o in outcomes if o.status == "applied"]
+        self._applied.inc(len(applied))
+        self._rejected.inc(len(outcomes) - len(applied))
+        if published:
+            self._versions.inc()
+        self._apply_seconds.observe(seconds)
+        for o in applied:
+            if o.update.produced_ts_ms:
+                self._freshness.observe(max(0.0, now_ms - o.update.produced_ts_ms) / 1000)
+
+    def close(self) -> None:
+        """Release the Redis client of the backlog gauge (a later scrape opens it again)."""
+        self._backlog.close()

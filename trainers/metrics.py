@@ -1,0 +1,104 @@
+"""Prometheus metrics of one trainer, in its own registry (served on ``--metrics-port``).
+
+Most series are read from the trainer and its consumer when Prometheus scrapes, so the
+training loop carries one hook only (the bytes of each push, by codec). What the trainer
+exports is what only it sees: its steps and loss, the records its consumer took and
+dead-lettered, its partitions' lag as its consumer sees it, and the staleness of the
+parameters it computed on (``streamtrain_ssp_*``, the histograms of
+:mod:`services.consistency`). Job-wide views stay in the coordinator; see ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from services.consistency import STALENESS, WAIT_SECONDS
+
+if TYPE_CHECKING:
+    from .service import Trainer
+
+__all__ = ["TrainerMetrics"]
+
+
+class _Collector(Collector):
+    """The trainer's own state, read at scrape time."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    def collect(self) -> Iterable[Metric]:
+        t = self._trainer
+        steps = CounterMetricFamily("streamtrain_trainer_steps", "training steps this trainer computed")
+        steps.add_metric([], t.steps)
+        yield steps
+        gauges = [("streamtrain_trainer_clock", "clock of this trainer's next step", t.clock),
+                  ("streamtrain_trainer_staleness_clocks",
+                   "staleness (clocks) of the parameters of the last step", t.last_staleness)]
+        if t.loss_ema is not None and math.isfinite(t.loss_ema):
+            gauges.append(("streamtrain_trainer_loss", "training loss (moving average over steps)", t.loss_ema))
+        if t.snapshot is not None:
+            gauges.append(("streamtrain_trainer_model_version", "model version of the replica's parameters",
+                           t.snapshot.version))
+        if t.last_eval is not None:
+            gauges.append(("streamtrain_trainer_eval_loss", "held-out loss at the last evaluation",
+                           t.last_eval.loss))
+            if t.last_eval.accuracy is not None:
+                gauges.append(("streamtrain_trainer_accuracy", "held-out accuracy at the last evaluation",
+                               t.last_eval.accuracy))
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+        if t.consumer is None:
+            return
+        stats = t.consumer.stats()
+        for name, doc, value in (
+                ("streamtrain_messages_consumed", "Kafka messages consumed (rejected ones included)",
+                 stats.messages),
+                ("streamtrain_records_consumed", "records handed to training in batches", stats.records),
+                ("streamtrain_rejected_records", "records rejected to the dead-letter topic",
+                 stats.rejected_records)):
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], value)
+            yield counter
+        dead = CounterMetricFamily("streamtrain_dead_letters",
+                                   "messages written to the dead-letter topic, by reason", labels=["reason"])
+        for reason, n in sorted(stats.rejected_by_reason.items()):
+            dead.add_metric([reason], n)
+        yield dead
+        lag = GaugeMetricFamily("streamtrain_partition_lag",
+                                "messages between this trainer's consumer position and the end of each "
+                                "partition it consumes", labels=["partition"])
+        for p, n in sorted(stats.lag.items()):
+            lag.add_metric([str(p)], n)
+        yield lag
+
+
+class TrainerMetrics:
+    """The metrics of one :class:`~trainers.service.Trainer`; the push thread calls :meth:`pushed`."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._wire = Counter("streamtrain_pushed_bytes", "encoded gradient bytes pushed, by codec", ["codec"],
+                             registry=r)
+        self._raw = Counter("streamtrain_pushed_fp32_bytes",
+                            "the same gradients as float32 (wire bytes over these: the compression), by codec",
+                            ["codec"], registry=r)
+        self._pushes = Counter("streamtrain_pushes", "updates pushed, by codec", ["codec"], registry=r)
+        r.register(_Collector(trainer))
+        # process-wide histograms observed by every clock wait of this process
+        r.register(STALENESS)
+        r.register(WAIT_SECONDS)
+
+    def pushed(self, codec: str, wire_bytes: int, raw_bytes: int) -> None:
+        """Count one push of ``wire_bytes`` encoded with ``codec`` (``raw_bytes`` as float32)."""
+        self._wire.labels(codec).inc(wire_bytes)
+        self._raw.labels(codec).inc(raw_bytes)
+        self._pushes.labels(codec).inc()
