@@ -1,0 +1,181 @@
+"""``GET /v1/model``: the job's model, one consistent version, as a safetensors file.
+
+The bytes come from :mod:`services.export` (the same code as ``streamtrain
+export``): one MULTI/EXEC reads every shard with its deltas, the tensors are
+rebuilt at one version and named by parameter, so
+``module.load_state_dict(safetensors.torch.load_file(path))`` loads them.
+
+- ``X-Model-Version`` names the version, ``ETag`` is ``"<job>-v<version>"``;
+  ``If-None-Match`` with it answers 304 without reading the shards.
+- ``?version=N`` returns version N while Redis can still rebuild it (every
+  shard's base at most N); an older one is 410 ``version_gone`` naming the
+  oldest available, a newer one 404 ``version_not_found``.
+- Job token or admin token (the model is the job's product, not a public view).
+
+The coordinator does not import the parameter plane (nor torch) until the
+first request, and all the work (the Redis reads, rebuilding, serialising) runs
+on a thread of its own with a synchronous Redis client, never on the event
+loop. It is not the Runtime's executor: that single thread serves the Kafka
+probe, whose calls are bounded by the Kafka timeout, so a large export there
+would make ``/readyz`` report Kafka down. One export thread also bounds the
+memory that concurrent downloads take (each holds the model about three times).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+from aiohttp import web
+
+from .app import SETTINGS
+from .routes import ApiError, authenticate
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+__all__ = ["setup_model_route", "get_model", "etag", "MODEL_EXPORT", "ModelExport"]
+
+_VERSION_RE = re.compile(r"[0-9]{1,18}")
+_PARAMS = frozenset({"version"})
+
+
+@dataclass
+class ModelExport:
+    """What ``GET /v1/model`` runs on: a synchronous Redis client and its own thread."""
+
+    client: redis.Redis
+    """Synchronous client of the job's Redis (used only on :attr:`executor`)."""
+    executor: ThreadPoolExecutor
+    """One thread: exports run one at a time, off the event loop."""
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(client, *args)`` on the export thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, self.client, *args)
+
+
+MODEL_EXPORT = web.AppKey("model_export", ModelExport)
+"""The app's :class:`ModelExport` (set while the app runs)."""
+
+
+def etag(job: str, version: int) -> str:
+    """The entity tag of ``job``'s model at ``version`` (a version's content never changes)."""
+    return f'"{job}-v{version}"'
+
+
+def _matches(if_none_match: str | None, tag: str) -> bool:
+    """Whether an ``If-None-Match`` header names ``tag`` (weak comparison, RFC 9110 13.1.2)."""
+    if not if_none_match:
+        return False
+    for item in if_none_match.split(","):
+        item = item.strip()
+        if item == "*" or item.removeprefix("W/") == tag:
+            return True
+    return False
+
+
+class _VersionError(ApiError):
+    """An :class:`ApiError` whose JSON also names the current (and oldest) version."""
+
+    def __init__(self, status: int, code: str, message: str, **versions: int) -> None:
+        super().__init__(status, code, message)
+        self.versions = versions
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"code": self.code, "message": self.message, **self.versions}},
+                                 status=self.status)
+
+
+def _requested_version(request: web.Request) -> int | None:
+    """``?version=N`` (None when absent); 400 ``invalid_query`` for anything else."""
+    unknown = sorted(set(request.query) - _PARAMS)
+    if unknown:
+        raise ApiError(400, "invalid_query", f"unknown query parameter {unknown[0]!r}: /v1/model takes only "
+                                             "'version' (a model version; absent: the current one)")
+    values = request.query.getall("version", [])
+    if not values:
+        return None
+    if len(values) > 1 or not _VERSION_RE.fullmatch(values[0]):
+        shown = values[0] if len(values) == 1 else "&".join(values)
+        raise ApiError(400, "invalid_query", f"version must be one non-negative integer (a model version), "
+                                             f"got {shown!r}")
+    return int(values[0])
+
+
+def _translate(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` with the export's refusals turned into API errors (in the export thread, where
+    :mod:`services.export` is imported)."""
+    @functools.wraps(fn)
+    def call(*args: Any) -> T:
+        from services.export import NoModelError, VersionGoneError, VersionNotFoundError
+        try:
+            return fn(*args)
+        except NoModelError as exc:
+            raise ApiError(404, "no_model", str(exc)) from None
+        except VersionNotFoundError as exc:
+            raise _VersionError(404, "version_not_found", str(exc), current=exc.current) from None
+        except VersionGoneError as exc:
+            raise _VersionError(410, "version_gone", str(exc), oldest=exc.oldest, current=exc.current) from None
+    return call
+
+
+@_translate
+def _resolve(client: redis.Redis, job: str, requested: int | None) -> int:
+    """The version a request names (the current one when it names none); cheap: no shards."""
+    from services.export import resolve_version, retained
+    return resolve_version(job, requested, retained(client, job))
+
+
+@_translate
+def _export(client: redis.Redis, job: str, requested: int | None) -> tuple[int, bytes]:
+    from services.export import snapshot, to_safetensors_bytes
+    version, tensors = snapshot(client, job, requested)
+    return version, to_safetensors_bytes(tensors, job=job, version=version)
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """The job's model (current, or ``?version=N``) as safetensors, with its version and ETag."""
+    settings = request.app[SETTINGS]
+    try:
+        authenticate(request, settings.job_token, "job")
+    except ApiError:
+        authenticate(request, settings.admin_token, "job or admin")
+    requested = _requested_version(request)
+    export = request.app[MODEL_EXPORT]
+    job = settings.job
+    version = await export.call(_resolve, job, requested)
+    if _matches(request.headers.get("If-None-Match"), etag(job, version)):
+        return web.Response(status=304, headers={"ETag": etag(job, version), "X-Model-Version": str(version),
+                                                 "Cache-Control": "no-cache"})
+    # the current version may have moved on since: an export of "the current one" returns the newest
+    version, body = await export.call(_export, job, requested)
+    logger.info("model_export job=%s version=%d bytes=%d requested=%s", job, version, len(body),
+                "current" if requested is None else requested)
+    return web.Response(body=body, content_type="application/octet-stream", headers={
+        "ETag": etag(job, version), "X-Model-Version": str(version), "Cache-Control": "no-cache",
+        "Content-Disposition": f'attachment; filename="{job}-v{version}.safetensors"'})
+
+
+async def _export_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5.0, socket_timeout=60.0)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coordinator-export")
+    app[MODEL_EXPORT] = ModelExport(client, executor)
+    try:
+        yield
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        client.close()
+
+
+def setup_model_route(app: web.Application) -> None:
+    """Add ``GET /v1/model`` (and its export thread) to ``app``."""
+    app.router.add_get("/v1/model", get_model)
+    app.cleanup_ctx.append(_export_ctx)
