@@ -2,10 +2,25 @@
 
 Starts a real Kafka broker and Redis server on loopback, the coordinator, a
 parameter server, the trainers and a producer streaming the digits data set
-(:class:`streamtrain.cluster.LocalCluster`); shows a live view; stops when the
-held-out accuracy reaches the target (or the stream, up to ``--max-records``, is
-consumed, or time runs out); scores the final parameters itself on the held-out split; and stops
-everything it started, also on Ctrl-C and on error.
+(:class:`streamtrain.cluster.LocalCluster`); shows a live view; stops when a
+held-out target is reached (the accuracy of a classifier, the loss of any model),
+or the stream, up to ``--max-records``, is consumed, or time runs out; scores the
+final parameters itself on the held-out split (accuracy for classification;
+loss, MAE and R² for regression); and stops everything it started, also on
+Ctrl-C and on error.
+
+With ``--forever`` it trains online from an unbounded stream at ``--rate``
+records/s (:data:`FOREVER_RATE` by default) until Ctrl-C, and the live view
+says whether the trainers keep up (:mod:`streamtrain.overload`,
+``docs/online.md``).
+
+**Exit status** (:func:`exit_code`): 0 when the run ended as asked — a target
+reached, the stream up to ``--max-records`` consumed, a ``--forever`` run
+stopped with Ctrl-C, or, with no target in force (a regression job without
+``--target-loss``), the stream or the time limit ended; 1 when a target that
+was the stop condition was not reached (the bounded stream or the time ran out
+first), when ``--max-records`` were not consumed in time, or on a crash; 130
+when Ctrl-C stopped a run that was not ``--forever``.
 """
 
 from __future__ import annotations
@@ -14,17 +29,41 @@ import argparse
 import logging
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from . import settings as cfg
 from .cluster import ClusterSpec, LocalCluster
 from .outage import REDIS_DOWN, Outage
+from .overload import LagWindow, Trend, Verdict, sample_from_status
 
 logger = logging.getLogger(__name__)
+
+FOREVER_RATE = 1000.0
+"""Records/s a ``--forever`` producer stays under unless ``--rate`` says otherwise: a realistic
+online stream, well under what two trainers sustain on two cores (``bench/pipeline.py`` measures
+that capacity), so the live view shows the headroom; raise ``--rate`` to see the advice."""
+
+LAG_WINDOW_S = 30.0
+"""Seconds of lag samples the keeping-up verdict fits (``docs/online.md``)."""
+
+
+class Outcome(str, Enum):
+    """Why the live view stopped."""
+
+    TARGET = "target"
+    """A held-out target (accuracy, loss) was reached."""
+    CONSUMED = "consumed"
+    """The stream (up to ``--max-records``) was produced and trained on."""
+    TIMEOUT = "timeout"
+    """``--timeout-s`` passed first."""
+    INTERRUPTED = "interrupted"
+    """Ctrl-C."""
 
 
 @dataclass(frozen=True)
@@ -48,13 +87,18 @@ class UpSettings:
     eval_source: str = cfg.setting("digits", env="STREAMTRAIN_EVAL_SOURCE",
                                    help="held-out data (its test split)")
     target_accuracy: float = cfg.setting(0.95, env="STREAMTRAIN_TARGET_ACCURACY", min=0.0, max=1.0,
-                                         help="stop once the held-out accuracy reaches this")
+                                         help="stop once the held-out accuracy reaches this (classification)")
+    target_loss: float | None = cfg.setting(None, env="STREAMTRAIN_TARGET_LOSS", min=0.0,
+                                            help="stop once the held-out loss is at or below this (any task)")
     max_records: int = cfg.setting(0, env="STREAMTRAIN_MAX_RECORDS", min=0,
                                    help="stop once this many records are produced and trained on (0: no limit)")
     timeout_s: float = cfg.setting(600.0, env="STREAMTRAIN_UP_TIMEOUT_S", min=1.0,
                                    help="give up after this long")
     forever: bool = cfg.setting(False, env="STREAMTRAIN_FOREVER",
                                 help="online continuous training: stream forever until Ctrl-C")
+    rate: float | None = cfg.setting(None, env="STREAMTRAIN_UP_RATE", min=0.0,
+                                     help=f"records/s the producer stays under, 0 for unbounded (default: "
+                                          f"{FOREVER_RATE:g} with --forever, else unbounded)")
     outage_limit_s: float = cfg.setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
                                         help="longest Redis outage the live view rides out before giving up")
     kafka_heap_mb: int = cfg.setting(512, env="STREAMTRAIN_KAFKA_HEAP_MB", min=128,
@@ -71,19 +115,58 @@ def cluster_spec(s: UpSettings) -> ClusterSpec:
     source = s.source
     if s.forever and source.split("?")[0] == "digits":
         source = "digits?repeat=0"  # online continuous training: the data set, pass after pass
+    rate = s.rate if s.rate is not None else (FOREVER_RATE if s.forever else None)
     return ClusterSpec(trainers=s.trainers, partitions=s.partitions, consistency=s.consistency,
                        staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr, source=source,
                        model=s.model,
                        eval_source=s.eval_source, kafka_heap_mb=s.kafka_heap_mb,
-                       limit=s.max_records or None)
+                       limit=s.max_records or None, rate=rate or None)
+
+
+def has_target(s: UpSettings, *, classification: bool) -> bool:
+    """True when a held-out target is a stop condition: the accuracy target of a classifier, or
+    ``--target-loss``."""
+    return classification or s.target_loss is not None
+
+
+def reached_target(score: dict[str, Any], s: UpSettings, *, classification: bool) -> bool:
+    """True when ``score`` meets a target in force: accuracy >= ``--target-accuracy`` (classification
+    only), or loss <= ``--target-loss`` (when given)."""
+    acc, loss = score.get("accuracy"), score.get("loss")
+    if classification and acc is not None and acc >= s.target_accuracy:
+        return True
+    return s.target_loss is not None and loss is not None and loss <= s.target_loss
+
+
+def exit_code(outcome: Outcome, s: UpSettings, *, classification: bool) -> int:
+    """0 when the run ended as asked, 1 when it failed, 130 for Ctrl-C of a bounded run (module docstring)."""
+    if outcome is Outcome.TARGET:
+        return 0
+    if outcome is Outcome.INTERRUPTED:
+        return 0 if s.forever else 130
+    targeted = has_target(s, classification=classification)
+    if outcome is Outcome.CONSUMED:
+        return 0 if s.max_records or not targeted else 1
+    return 1 if targeted or s.max_records else 0  # the time ran out first
+
+
+def _classification(model: str) -> bool:
+    """Whether ``model`` is a classifier; a bad spec is a settings error, before anything starts."""
+    from trainers import build_model
+
+    try:
+        return build_model(model).classification
+    except ValueError as exc:
+        raise cfg.SettingsError(f"--model / STREAMTRAIN_MODEL: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the local main job; 0 when the target accuracy was reached (or --forever ended)."""
+    """Run the local main job; its exit status follows :func:`exit_code`."""
     settings = cfg.from_args(UpSettings, args)
+    classification = _classification(settings.model)
     console = Console()
     cluster = LocalCluster(cluster_spec(settings))
-    reached = False
+    final: dict[str, Any] = {}
     try:
         with console.status("starting Kafka (KRaft), Redis, coordinator, parameter server, "
                             f"{settings.trainers} trainers and the producer"):
@@ -91,72 +174,97 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"Kafka {cluster.bootstrap} (ready in {cluster.kafka.ready_after_s:.1f}s) · "
                       f"Redis {cluster.redis.display_url} · coordinator {cluster.coordinator_url} · "
                       f"logs in {cluster.workdir}")
-        final: dict[str, Any] = {}
-        reached = _watch(console, cluster, settings, final)  # final: the score that ended it
-        if not reached:  # the stream ended, time ran out or Ctrl-C: score what training left
+        outcome = _watch(console, cluster, settings, final, classification)  # final: the score that ended it
+        if outcome is not Outcome.TARGET:  # the stream ended, time ran out or Ctrl-C: score what training left
             with console.status("draining trainers and applying their last updates"):
                 cluster.quiesce()
             final.update(_score(cluster, settings) or {})
+            if outcome is not Outcome.INTERRUPTED and reached_target(final, settings, classification=classification):
+                outcome = Outcome.TARGET  # the last updates made it
         final["status"] = cluster.status()
     finally:
         with console.status("stopping everything"):
             cluster.stop()
-    _print_final(console, cluster, settings, final, reached)
+    _print_final(console, cluster, settings, final, outcome, classification)
     cluster.cleanup()
-    return 0 if reached or settings.forever else 1
+    return exit_code(outcome, settings, classification=classification)
 
 
-def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[str, Any]) -> bool:
-    """Show the live view until the target, the end of the stream, Ctrl-C or the timeout.
+def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[str, Any],
+           classification: bool) -> Outcome:
+    """Show the live view until a target, the end of the stream, Ctrl-C or the timeout.
 
-    ``latest`` receives the newest independent score of the stored parameters.
+    ``latest`` receives the newest independent score of the stored parameters, and,
+    when the producer is paced (``--forever``, ``--rate``), under ``"keeping_up"`` the
+    newest verdict on the lag (:mod:`streamtrain.overload`).
     """
     t0 = time.monotonic()
     status: dict[str, Any] | None = None
     outage = Outage("Redis of the local job", s.outage_limit_s, logger)
+    window = LagWindow(LAG_WINDOW_S)
+    verdict: Verdict | None = None
+    paced = cluster.spec.rate is not None  # an unpaced producer outruns any trainer: no advice then
     try:
         with Live(console=console, refresh_per_second=4) as live:
             while time.monotonic() - t0 < s.timeout_s or s.forever:
                 cluster.raise_if_crashed()
-                status = cluster.status() or status
+                fresh = cluster.status()
+                if fresh is not None:
+                    status = fresh
+                    sample = sample_from_status(fresh, time.monotonic())
+                    if paced and sample is not None:
+                        window.add(sample)
+                        verdict = window.verdict(len(fresh.get("members", [])), partitions=s.partitions,
+                                                 records_per_message=cluster.spec.shard_size)
+                        latest["keeping_up"] = verdict
                 score = _score(cluster, s, outage)
                 if score is not None:
                     latest.update(score)
                 if status is not None:
-                    live.update(_view(status, latest, time.monotonic() - t0))
-                    acc = latest.get("accuracy")
-                    if not s.forever and acc is not None and acc >= s.target_accuracy:
-                        return True
+                    live.update(_view(status, latest, time.monotonic() - t0, classification, verdict))
+                    if not s.forever and reached_target(latest, s, classification=classification):
+                        return Outcome.TARGET
                     if not s.forever and cluster.consumed(status):
-                        return False
+                        return Outcome.CONSUMED
                 time.sleep(1.0)
     except KeyboardInterrupt:
         console.print("interrupted: stopping")
-    return False
+        return Outcome.INTERRUPTED
+    return Outcome.TIMEOUT
 
 
-def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float) -> Group:
-    """The live tables: the job (with the independent held-out score), then one row per trainer."""
+def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float, classification: bool,
+          verdict: Verdict | None) -> Group:
+    """The live tables: the job (with the independent held-out score: accuracy for a classifier,
+    loss, MAE and R² for regression), one row per trainer, then whether training keeps up."""
     job = Table(title=f"job {st.get('job')} · {elapsed:.0f}s", expand=False)
-    for col in ("records/s", "loss", "held-out acc", "version", "generation", "lag", "staleness"):
+    held_out = ("held-out acc",) if classification else ("held-out loss", "MAE", "R²")
+    for col in ("records/s", "loss", *held_out, "version", "generation", "lag (msgs)", "staleness"):
         job.add_column(col, justify="right")
     versions = st.get("versions", {})
-    job.add_row(f"{st.get('throughput_records_per_s', 0):,.0f}", _fmt(st.get("loss")),
-                _fmt(score.get("accuracy"), ".1%"), str(versions.get("max", "-")), str(st.get("generation")),
+    metrics = ((_fmt(score.get("accuracy"), ".1%"),) if classification else
+               (_fmt(score.get("loss")), _fmt(score.get("mae")), _fmt(score.get("r2"))))
+    job.add_row(f"{st.get('throughput_records_per_s', 0):,.0f}", _fmt(st.get("loss")), *metrics,
+                str(versions.get("max", "-")), str(st.get("generation")),
                 str(st.get("lag")), str(st.get("staleness", {}).get("clock_spread", "-")))
     members = Table(title="trainers", expand=False)
-    for col in ("member", "state", "device", "partitions", "records/s", "loss", "acc", "clock"):
+    for col in ("member", "state", "device", "partitions", "records/s", "loss", *(("acc",) if classification else ()),
+                "clock"):
         members.add_column(col)
     for m in st.get("members", []):
         stats = m.get("stats", {})
+        acc = (_fmt(stats.get("accuracy"), ".1%"),) if classification else ()
         members.add_row(m["member_id"], m["state"], str(m.get("capabilities", {}).get("device", "")),
                         ",".join(map(str, m.get("partitions", []))),
-                        f"{stats.get('records_per_s', 0):,.0f}", _fmt(stats.get("loss")),
-                        _fmt(stats.get("accuracy"), ".1%"), str(stats.get("clock", "")))
-    return Group(job, members)
+                        f"{stats.get('records_per_s', 0):,.0f}", _fmt(stats.get("loss")), *acc,
+                        str(stats.get("clock", "")))
+    if verdict is None:
+        return Group(job, members)
+    style = {Trend.FALLING_BEHIND: "bold red", Trend.CATCHING_UP: "yellow"}.get(verdict.trend, "green")
+    return Group(job, members, Text(verdict.line(), style=style))
 
 
-def _fmt(value: float | None, spec: str = ".4f") -> str:
+def _fmt(value: float | None, spec: str = ".4g") -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -181,21 +289,45 @@ def _score(cluster: LocalCluster, s: UpSettings, outage: Outage | None = None) -
     if outage is not None:
         outage.recovered()
     return {"version": result.version, "accuracy": result.accuracy, "loss": result.loss,
-            "samples": result.samples}
+            "mae": result.mae, "r2": result.r2, "samples": result.samples}
+
+
+def _ending(s: UpSettings, outcome: Outcome, classification: bool) -> str:
+    """How the run ended, in words, with the targets in force."""
+    if s.forever:
+        return "continuous training (--forever) until stopped"
+    targets = ([f"accuracy {s.target_accuracy:.0%}"] if classification else []) + (
+        [f"loss {s.target_loss:g}"] if s.target_loss is not None else [])
+    wanted = f"target {' or '.join(targets)}: " if targets else ""
+    if outcome is Outcome.TARGET:
+        return wanted + "reached"
+    if outcome is Outcome.CONSUMED and s.max_records:
+        return f"--max-records {s.max_records:,} consumed" + (f"; {wanted}not reached" if targets else "")
+    if outcome is Outcome.CONSUMED:
+        return "the stream ended" + (f"; {wanted}NOT reached" if targets else "")
+    if outcome is Outcome.TIMEOUT:
+        return f"time limit {s.timeout_s:g} s" + (f"; {wanted}NOT reached" if targets else "")
+    return "interrupted" + (f"; {wanted}not reached" if targets else "")
 
 
 def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: dict[str, Any],
-                 reached: bool) -> None:
+                 outcome: Outcome, classification: bool) -> None:
     st = final.get("status") or {}
     parts = st.get("partitions", [])
     committed = sum(p["committed"] or 0 for p in parts)
     table = Table(title="final", show_header=False)
-    verdict = ("continuous training (--forever) until stopped" if s.forever else
-               f"target {s.target_accuracy:.0%}: {'reached' if reached else 'NOT reached'}")
-    table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%")
-                  + f" on {final.get('samples', 0)} records ({verdict})")
-    table.add_row("held-out loss", _fmt(final.get("loss")))
+    ending = f" on {final.get('samples', 0)} records ({_ending(s, outcome, classification)})"
+    if classification:
+        table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%") + ending)
+        table.add_row("held-out loss", _fmt(final.get("loss")))
+    else:
+        table.add_row("held-out loss", _fmt(final.get("loss")) + ending)
+        table.add_row("held-out MAE", _fmt(final.get("mae")))
+        table.add_row("held-out R²", _fmt(final.get("r2")))
     table.add_row("model version", str(final.get("version", "-")))
+    verdict = final.get("keeping_up")
+    if isinstance(verdict, Verdict):
+        table.add_row("lag trend", verdict.line())
     table.add_row("messages committed", f"{committed:,} Kafka offsets over {len(parts)} partitions")
     table.add_row("status endpoints", f"{cluster.coordinator_url}/v1/status · /healthz · /readyz · "
                   "/metrics · / (page) — served while the job ran")

@@ -11,7 +11,12 @@ from .models import LossFn
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Loss and accuracy of one model version on held-out data."""
+    """Loss and the task's metrics of one model version on held-out data.
+
+    Classification has an accuracy; regression has the mean absolute error and
+    the coefficient of determination R² (1 - residual sum of squares / total
+    sum of squares around the targets' mean) instead.
+    """
 
     version: int
     """Parameter version that was scored."""
@@ -21,17 +26,38 @@ class EvalResult:
     """Fraction of correct predictions (None for regression)."""
     samples: int
     """Number of held-out samples."""
+    mae: float | None = None
+    """Regression: mean absolute error of the predictions (None for classification)."""
+    r2: float | None = None
+    """Regression: R², 1.0 for perfect predictions, 0.0 for predicting the mean, negative for worse
+    (None for classification, and when every target is the same, where R² is undefined)."""
+
+    @property
+    def classification(self) -> bool:
+        """True when this scores a classifier (it has an accuracy)."""
+        return self.accuracy is not None
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, *,
              version: int, classification: bool, batch_size: int = 1024) -> EvalResult:
-    """Score ``model`` on ``(x, y)`` in batches; the model's mode is restored afterwards."""
+    """Score ``model`` on ``(x, y)`` in batches; the model's mode is restored afterwards.
+
+    Classification counts correct predictions (argmax of the logits); regression
+    sums absolute and squared errors (in float64) for :attr:`EvalResult.mae` and
+    :attr:`EvalResult.r2`, comparing an output of one value per row (``[n]`` or
+    ``[n, 1]``) with the targets; any other output (a loss that is neither
+    cross-entropy nor one value per target) gets the loss alone.
+
+    Raises:
+        ValueError: empty data, or a label count that differs from the rows.
+    """
     if len(x) != len(y) or len(x) == 0:
         raise ValueError(f"held-out data must be non-empty with as many labels as rows, got {len(x)} and {len(y)}")
     was_training = model.training
     model.eval()
-    total_loss, correct = 0.0, 0
+    total_loss, correct, abs_err, sq_err = 0.0, 0, 0.0, 0.0
+    per_target = not classification  # regression metrics while every output is one value per target
     try:
         for start in range(0, len(x), batch_size):
             xb, yb = x[start:start + batch_size], y[start:start + batch_size]
@@ -39,10 +65,23 @@ def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.
             total_loss += float(loss_fn(out, yb)) * len(xb)
             if classification:
                 correct += int((out.argmax(dim=1) == yb).sum())
+                continue
+            per_target = per_target and out.numel() == yb.numel()
+            if not per_target:
+                continue
+            err = out.reshape(yb.shape).double() - yb.double()
+            abs_err += float(err.abs().sum())
+            sq_err += float((err * err).sum())
     finally:
         model.train(was_training)
     n = len(x)
-    return EvalResult(version, total_loss / n, correct / n if classification else None, n)
+    if classification:
+        return EvalResult(version, total_loss / n, correct / n, n)
+    if not per_target:
+        return EvalResult(version, total_loss / n, None, n)
+    total = float(((y.double() - y.double().mean()) ** 2).sum())
+    return EvalResult(version, total_loss / n, None, n, mae=abs_err / y.numel(),
+                      r2=1.0 - sq_err / total if total > 0 else None)
 
 
 def score_job(redis_url: str, job: str, model: str, eval_source: str, *, limit: int | None = None) -> EvalResult:
