@@ -3,7 +3,8 @@
 :func:`create_app` builds the application; its ``cleanup_ctx`` connects Redis,
 writes the job configuration if absent, renews every stored lease (a
 restarted coordinator does not kill trainers that could not reach it), starts
-the lease checker and the Kafka probe, and closes all of them on shutdown.
+the lease checker, the Kafka probe and the history sampler (:mod:`coordinator.sampler`),
+and closes all of them on shutdown.
 Handlers live in :mod:`coordinator.routes`.
 """
 
@@ -28,6 +29,7 @@ from .kafka_probe import KafkaProbe
 from .membership import (Action, CheckLeases, Event, Membership, MemberDrained, MemberExpired,
                          MemberJoined, MemberLeft, Rebalanced, RenewLeases)
 from .metrics import Metrics
+from .sampler import Sampler
 from .settings import CoordinatorSettings
 from .state import JobConfig, Store
 
@@ -73,6 +75,9 @@ RUNTIME = web.AppKey("runtime", Runtime)
 """The app's :class:`Runtime` (set while the app runs)."""
 LEASE_CHECKER = web.AppKey("lease_checker", asyncio.Task)
 """The lease checker task."""
+SAMPLER = web.AppKey("sampler", Sampler)
+"""The app's :class:`~coordinator.sampler.Sampler` (its task samples the job every second; its
+history feeds ``/v1/history``)."""
 
 
 def log_actions(actions: list[Action]) -> None:
@@ -190,8 +195,12 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
                     config.partitions, config.consistency)
         app[RUNTIME] = rt
         app[LEASE_CHECKER] = asyncio.create_task(lease_checker(rt), name="lease-checker")
+        app[SAMPLER] = Sampler(settings)
+        app[SAMPLER].start(rt)
         yield
     finally:
+        if SAMPLER in app:
+            await app[SAMPLER].close()
         task = app.get(LEASE_CHECKER)
         if task is not None:
             task.cancel()
@@ -220,6 +229,8 @@ def create_app(settings: CoordinatorSettings) -> web.Application:
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_runtime_ctx)
     setup_routes(app)
+    from .model_route import setup_model_route  # GET /v1/model (imports torch on first use only)
+    setup_model_route(app)
     app.router.add_get("/v1/members/{member_id}/channel", channel)
     app.on_shutdown.append(close_channels)
     return app

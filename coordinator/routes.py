@@ -21,7 +21,7 @@ from aiohttp import web
 
 from streamtrain.outage import REDIS_DOWN
 
-from .app import RUNTIME, Runtime, apply_event, now_ms
+from .app import RUNTIME, SAMPLER, Runtime, apply_event, now_ms
 from .assign import capability_weight
 from .errors import ConflictError, MemberGoneError, UnknownMemberError
 from .membership import Drain, Event, Heartbeat, Leave, Membership, Register
@@ -173,6 +173,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     state = await _apply(rt, Heartbeat(member_id=member_id, stats=stats, now_ms=now_ms(),
                                        lease_ms=rt.settings.lease_ms))
     rt.metrics.observe_heartbeat(state.members[member_id], stats)
+    request.app[SAMPLER].observe_heartbeat(stats.get("freshness_s", ()))
     return web.json_response(_reply(rt, state, member_id, await rt.store.config()))
 
 
@@ -314,6 +315,22 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+@routes.get("/v1/history")
+async def history(request: web.Request) -> web.Response:
+    """The job sampled once a second (loss, accuracy, records/s, lag, staleness, freshness,
+    versions/s; loss, accuracy and records/s per member too) as columns; ``?since_ms=T``
+    answers only the samples after ``T``."""
+    raw = request.query.get("since_ms")
+    since = None
+    if raw is not None:
+        try:
+            since = int(raw)
+        except ValueError:
+            raise ApiError(400, "bad_request",
+                           f"since_ms: expected integer milliseconds since the epoch, got {raw!r}") from None
+    return web.json_response(request.app[SAMPLER].history.columns(since_ms=since))
+
+
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text exposition (refreshes the membership gauges first)."""
@@ -332,9 +349,25 @@ async def openapi(request: web.Request) -> web.Response:
 
 @routes.get("/")
 async def index(request: web.Request) -> web.Response:
-    """The status page (refreshes itself from ``/v1/status``)."""
+    """The status page: live plots from ``/v1/history``, tables from ``/v1/status``."""
     text = resources.files(__package__).joinpath("static/index.html").read_text("utf-8")
     return web.Response(text=text, content_type="text/html")
+
+
+_VENDORED = {"uPlot.iife.min.js": "application/javascript", "uPlot.min.css": "text/css",
+             "LICENSE": "text/plain"}
+"""Files in ``static/vendor`` (uPlot, vendored so the page works offline) and their types."""
+
+
+@routes.get("/static/vendor/{name}")
+async def vendored(request: web.Request) -> web.Response:
+    """A vendored file of the status page (only those in :data:`_VENDORED`)."""
+    name = request.match_info["name"]
+    if name not in _VENDORED:
+        raise ApiError(404, "not_found", f"no vendored file {name!r}; there are {', '.join(sorted(_VENDORED))}")
+    body = resources.files(__package__).joinpath("static", "vendor", name).read_bytes()
+    return web.Response(body=body, content_type=_VENDORED[name], charset="utf-8",
+                        headers={"Cache-Control": "max-age=3600"})
 
 
 def setup_routes(app: web.Application) -> None:

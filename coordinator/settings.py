@@ -62,6 +62,9 @@ class CoordinatorSettings:
                                                "it is gone) this long, then forget it")
     kafka_timeout_ms: int = setting(2000, env="STREAMTRAIN_COORDINATOR_KAFKA_TIMEOUT_MS", min=100,
                                     max=60_000, help="timeout of Kafka probes (readyz, end offsets)")
+    history_samples: int = setting(3600, env="STREAMTRAIN_COORDINATOR_HISTORY_SAMPLES", min=10,
+                                   max=86_400, help="samples (one a second) of loss, throughput, lag, "
+                                                    "staleness and freshness kept for /v1/history and the dashboard")
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_ms >= self.lease_ms:

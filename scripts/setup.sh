@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine; a second run reuses what the first fetched.
-#   - redis-server (Debian package), Java 17 and Maven when missing
+#   - redis-server (Debian package), Java 17, Maven and Chromium (for the dashboard test) when missing
+#   - promtool (Debian package prometheus) when missing, to check the /metrics endpoints
 #   - the Kafka broker's jars from Maven Central, into a cache outside the repo
 #     (skipped when KAFKA_HOME points at an unpacked Kafka distribution)
 #   - a virtual environment in .venv with streamtrain and its test extras;
-#     torch from ../shared/wheels when that folder has it, else from the registry
+#     torch from a local wheel folder ($STREAMTRAIN_WHEELS, default ../shared/wheels) when it
+#     holds one, else from the registry
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,6 +34,17 @@ if ! command -v redis-server >/dev/null; then
 fi
 if [ -z "${KAFKA_HOME:-}" ]; then
   command -v java >/dev/null || { log "installing Java 17"; apt_install openjdk-17-jre-headless; }
+fi
+if [ ! -x /usr/bin/chromium ]; then
+  # tests/test_dashboard.py drives the coordinator's status page in headless Chromium.
+  log "installing chromium"
+  apt_install chromium
+fi
+if ! command -v promtool >/dev/null; then
+  # promtool only (tests check every /metrics endpoint with `promtool check metrics`): a 23 MB download
+  log "installing promtool (Debian package prometheus)"
+  apt_install --no-install-recommends prometheus
+  (command -v systemctl >/dev/null && systemctl disable --now prometheus >/dev/null 2>&1) || true
 fi
 
 # --- Kafka jars ---------------------------------------------------------------
@@ -61,7 +74,7 @@ if [ ! -x "$venv/bin/python" ]; then
   log "creating $venv"
   "$py" -m venv "$venv"
 fi
-wheels="$root/../shared/wheels"
+wheels="${STREAMTRAIN_WHEELS:-$root/../shared/wheels}"
 stamp="$venv/.streamtrain-deps"
 want=$( (cat "$root/pyproject.toml"; ls "$wheels" 2>/dev/null || true) | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

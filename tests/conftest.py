@@ -8,6 +8,7 @@ database, flushed before use.
 from __future__ import annotations
 
 import itertools
+import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -100,3 +101,13 @@ def redis(redis_url: str) -> Iterator[redis_lib.Redis]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+def silent_broker() -> Iterator[str]:
+    """``host:port`` of a TCP listener that never answers: a Kafka broker that is down."""
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()

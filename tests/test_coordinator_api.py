@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from importlib import resources
 from typing import Any
@@ -35,15 +34,6 @@ JOB_AUTH = {"Authorization": "Bearer job-secret"}
 ADMIN_AUTH = {"Authorization": "Bearer admin-secret"}
 CPU = {"capabilities": {"device": "cpu", "threads": 1, "hostname": "host-a"}}
 
-
-@pytest.fixture
-def silent_broker() -> Iterator[str]:
-    """``host:port`` of a TCP listener that never answers: a Kafka broker that is down."""
-    server = socket.create_server(("127.0.0.1", 0))
-    try:
-        yield f"127.0.0.1:{server.getsockname()[1]}"
-    finally:
-        server.close()
 
 
 @pytest.fixture

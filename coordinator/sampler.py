@@ -1,0 +1,171 @@
+"""The coordinator's sampler: once a second, read the job and add a sample to its history.
+
+The thin I/O shell around :mod:`coordinator.history`. Each tick reads the
+membership (members' last heartbeat stats), the ``versions`` and
+``staleness`` hashes and the committed offsets from Redis, the topic's end
+offsets from Kafka, and drains the freshness samples that heartbeats brought
+since the previous tick (:meth:`Sampler.observe_heartbeat`).
+
+Kafka is probed with the sampler's own consumer on its own thread, so a slow
+or absent broker never queues ahead of ``/readyz`` or ``/v1/status``; after a
+failed probe the lag is ``None`` for :data:`KAFKA_RETRY_S` before the next try.
+A tick that fails (Redis away: the lease checker reports the outage) is
+skipped, leaving a gap in the time axis.
+
+The sampler owns its task: :meth:`Sampler.start` and :meth:`Sampler.close`.
+It waits with ``asyncio.timeout``, never ``asyncio.wait_for``: on Python 3.11
+``wait_for`` swallows a cancellation that arrives as its inner future
+completes, which left the loop running and the coordinator's shutdown waiting
+on it for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from streamtrain.outage import REDIS_DOWN
+
+from .history import SAMPLE_INTERVAL_S, History, Sample, take_sample
+from .kafka_probe import KafkaProbe
+from .settings import CoordinatorSettings
+from .state import JobConfig
+from .status import partitions_view
+
+if TYPE_CHECKING:
+    from .app import Runtime
+    from .membership import Membership
+
+logger = logging.getLogger(__name__)
+
+KAFKA_RETRY_S = 10.0
+"""After a failed end-offset probe, seconds before the sampler probes Kafka again."""
+
+MAX_PENDING_FRESHNESS = 100_000
+"""Freshness samples held between two ticks at most (more are dropped, and counted in the log)."""
+
+
+def _ints(raw: dict[bytes, bytes]) -> dict[str, int]:
+    out = {}
+    for k, v in raw.items():
+        try:
+            out[k.decode()] = int(v)
+        except ValueError:
+            continue
+    return out
+
+
+class Sampler:
+    """Samples the job into :attr:`history` every :data:`SAMPLE_INTERVAL_S` from :meth:`start`
+    until :meth:`close`."""
+
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        self.history = History(settings.history_samples)
+        """The samples taken so far (the newest ``settings.history_samples``)."""
+        self._settings = settings
+        self._freshness: list[float] = []
+        self._dropped = 0
+        self._probe = KafkaProbe(settings.kafka_bootstrap, settings.kafka_timeout_ms)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coordinator-history")
+        self._kafka_retry_at = 0.0
+        self._kafka_failing = False
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    def observe_heartbeat(self, freshness_s: Iterable[float]) -> None:
+        """Keep a heartbeat's freshness samples for the next tick's p50/p99."""
+        room = MAX_PENDING_FRESHNESS - len(self._freshness)
+        values = list(freshness_s)
+        self._freshness.extend(values[:max(room, 0)])
+        self._dropped += max(0, len(values) - max(room, 0))
+
+    async def _lag(self, state: Membership, config: JobConfig, committed: dict[str, int]) -> int | None:
+        now = time.monotonic()
+        if now < self._kafka_retry_at:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._settings.kafka_timeout_ms / 1000 * 3):
+                offsets = await loop.run_in_executor(self._executor, self._probe.offsets,
+                                                     config.topic, config.partitions)
+        except Exception as exc:  # noqa: BLE001 - the history degrades to no lag without Kafka
+            if not self._kafka_failing:
+                logger.warning("history: end offsets of %s unavailable (%r); lag left empty, "
+                               "retrying every %.0fs", config.topic, exc, KAFKA_RETRY_S)
+            self._kafka_failing = True
+            self._kafka_retry_at = now + KAFKA_RETRY_S
+            return None
+        if self._kafka_failing:
+            logger.info("history: end offsets of %s available again", config.topic)
+            self._kafka_failing = False
+        parts = partitions_view(state, {}, committed, offsets)
+        return sum(p["lag"] for p in parts if p["lag"] is not None)
+
+    async def sample_once(self, rt: Runtime) -> Sample:
+        """Read the job, add one sample to :attr:`history` and return it."""
+        keys = rt.store.keys
+        config = await rt.store.config()
+        state = await rt.store.load()
+        pipe = rt.redis.pipeline(transaction=False)
+        pipe.hgetall(keys.versions)
+        pipe.hgetall(keys.staleness)
+        pipe.hgetall(keys.offsets)
+        versions, staleness, committed = await pipe.execute()
+        lag = await self._lag(state, config, _ints(committed))
+        freshness, self._freshness = self._freshness, []
+        if self._dropped:
+            logger.warning("history: dropped %d freshness samples (more than %d in one tick)",
+                           self._dropped, MAX_PENDING_FRESHNESS)
+            self._dropped = 0
+        last = self.history.last
+        t_ms = time.time_ns() // 1_000_000
+        if last is not None:
+            t_ms = max(t_ms, last.t_ms + 1)  # the wall clock stepped back: keep the axis ordered
+        sample = take_sample(t_ms, {m.member_id: m.stats for m in state.members.values()},
+                             lag=lag, staleness=_ints(staleness),
+                             version=max(_ints(versions).values(), default=None),
+                             freshness_s=freshness, previous=last)
+        self.history.add(sample)
+        return sample
+
+    def start(self, rt: Runtime) -> None:
+        """Start sampling in a background task (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(rt), name="history-sampler")
+
+    async def _run(self, rt: Runtime) -> None:
+        """Take a sample every :data:`SAMPLE_INTERVAL_S` until closed; a failed tick is
+        skipped (logged once per kind of failure in a row)."""
+        failing: type[BaseException] | None = None
+        while not self._closing:
+            started = time.monotonic()
+            try:
+                await self.sample_once(rt)
+                failing = None
+            except asyncio.CancelledError:
+                raise
+            except REDIS_DOWN as exc:  # the lease checker logs the outage and gives up after its limit
+                if failing is not type(exc):
+                    logger.info("history: no sample while Redis is unreachable (%s)", exc)
+                failing = type(exc)
+            except Exception as exc:  # noqa: BLE001 - the history must never end the coordinator
+                if failing is not type(exc):
+                    logger.exception("history: sample of job %s failed", self._settings.job)
+                failing = type(exc)
+            await asyncio.sleep(max(0.0, SAMPLE_INTERVAL_S - (time.monotonic() - started)))
+
+    async def close(self) -> None:
+        """Stop sampling, then close the sampler's Kafka consumer and thread."""
+        self._closing = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._probe.close)
+        self._executor.shutdown(wait=True)

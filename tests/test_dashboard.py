@@ -1,0 +1,212 @@
+"""The coordinator's dashboard: the history it samples every second, and the page in a real browser.
+
+The browser test drives Debian's headless Chromium over the DevTools protocol
+(``tests/cdp.py``) against a coordinator on the real Redis and Kafka, with two
+members heartbeating through the HTTP API. It writes the screenshot into the
+test's tmp_path, and also to ``docs/img/dashboard.png`` when
+``STREAMTRAIN_DOCS_SCREENSHOT=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_lib
+from aiohttp.test_utils import TestClient
+from kafka import KafkaProducer
+
+from cdp import CHROMIUM, chromium
+from coordinator.settings import CoordinatorSettings
+from coordinator.testing import running_coordinator
+from streamtrain.keys import JobKeys
+
+pytestmark = pytest.mark.timeout(180)  # the first Kafka test of a session starts the broker
+
+JOB = "dash"
+KEYS = JobKeys(JOB)
+JOB_AUTH = {"Authorization": "Bearer job-secret"}
+DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img" / "dashboard.png"
+PLOT_IDS = {"loss", "accuracy", "records", "lag", "staleness", "freshness", "versions"}
+
+
+def coordinator_settings(redis_url: str, kafka_bootstrap: str, topic: str, partitions: int) -> CoordinatorSettings:
+    return CoordinatorSettings(job=JOB, redis_url=redis_url, kafka_bootstrap=kafka_bootstrap, topic=topic,
+                               partitions=partitions, lease_ms=3000, heartbeat_interval_ms=500,
+                               admin_token="admin-secret", job_token="job-secret", kafka_timeout_ms=500)
+
+
+
+async def register(client: TestClient, host: str) -> str:
+    resp = await client.post("/v1/members", headers=JOB_AUTH,
+                             json={"capabilities": {"device": "cpu", "threads": 1, "hostname": host}})
+    assert resp.status == 201, await resp.text()
+    return (await resp.json())["member_id"]
+
+
+async def heartbeat(client: TestClient, member_id: str, stats: dict[str, Any]) -> None:
+    resp = await client.post(f"/v1/members/{member_id}/heartbeat", headers=JOB_AUTH, json={"stats": stats})
+    assert resp.status == 200, await resp.text()
+
+
+async def history(client: TestClient, query: str = "") -> dict[str, Any]:
+    resp = await client.get("/v1/history" + query)
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def wait_for_history(client: TestClient, predicate: Callable[[dict[str, Any]], bool],
+                           timeout_s: float = 20.0) -> dict[str, Any]:
+    """Poll ``/v1/history`` until ``predicate`` holds for it (samples come once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        h = await history(client)
+        if predicate(h):
+            return h
+        if time.monotonic() > deadline:
+            raise AssertionError(f"history never satisfied the condition within {timeout_s}s: {h}")
+        await asyncio.sleep(0.1)
+
+
+async def test_history_samples_heartbeats_and_redis_once_a_second(
+        redis_url: str, redis: redis_lib.Redis, silent_broker: str) -> None:
+    """Per-member loss and records/s, job means and sums, staleness from the hash, freshness
+    quantiles of exactly the samples heartbeats brought, versions/s; lag is null without Kafka."""
+    settings = coordinator_settings(redis_url, silent_broker, "train", 2)
+    async with running_coordinator(settings) as client:
+        a = await register(client, "host-a")
+        b = await register(client, "host-b")
+        redis.hset(KEYS.versions, mapping={"0": 100, "1": 100})
+        redis.hset(KEYS.staleness, mapping={a: 1, b: 3})
+        await heartbeat(client, a, {"loss": 0.5, "accuracy": 0.8, "records_per_s": 300.0,
+                                    "freshness_s": [1.0, 2.0, 3.0]})
+        await heartbeat(client, b, {"loss": 0.25, "records_per_s": 100.0})
+
+        def seen_both(h: dict[str, Any]) -> bool:
+            return len(h["t_ms"]) >= 2 and h["job"]["loss"][-1] == pytest.approx(0.375)
+
+        h = await wait_for_history(client, seen_both)
+        last = {name: column[-1] for name, column in h["job"].items()}
+        assert last["records_per_s"] == 400.0
+        assert last["accuracy"] == 0.8  # b reports none: the mean is a's, not dragged to 0.4
+        assert (last["staleness_max"], last["staleness_mean"]) == (3.0, 2.0)
+        assert last["lag"] is None  # Kafka is down
+        assert h["members"][a]["loss"][-1] == 0.5 and h["members"][b]["accuracy"][-1] is None
+        p50 = [v for v in h["job"]["freshness_p50_s"] if v is not None]
+        p99 = [v for v in h["job"]["freshness_p99_s"] if v is not None]
+        assert p50 == [2.0] and p99 == [pytest.approx(2.98)]  # one heartbeat's samples, one tick
+
+        since = h["t_ms"][-1]
+        redis.hincrby(KEYS.versions, "0", 50)
+        redis.hincrby(KEYS.versions, "1", 50)
+        h = await wait_for_history(client, lambda h: h["job"]["version"][-1] == 150)
+        rates = [v for v in h["job"]["versions_per_s"] if v]
+        assert rates and 0 < rates[-1] <= 50 / 0.5  # 50 versions over about a second
+        newer = await history(client, f"?since_ms={since}")
+        assert newer["t_ms"] and all(t > since for t in newer["t_ms"])
+        assert newer["capacity"] == settings.history_samples and newer["interval_s"] == 1.0
+
+        bad = await client.get("/v1/history?since_ms=yesterday")
+        assert bad.status == 400 and "since_ms" in (await bad.json())["error"]["message"]
+
+
+async def test_vendored_uplot_is_served_and_nothing_else(redis_url: str, silent_broker: str) -> None:
+    settings = coordinator_settings(redis_url, silent_broker, "train", 2)
+    async with running_coordinator(settings) as client:
+        page = await (await client.get("/")).text()
+        assert "/static/vendor/uPlot.iife.min.js" in page and "/v1/history" in page
+        script = await client.get("/static/vendor/uPlot.iife.min.js")
+        assert script.status == 200 and script.content_type == "application/javascript"
+        assert "uPlot" in await script.text()
+        css = await client.get("/static/vendor/uPlot.min.css")
+        assert css.status == 200 and css.content_type == "text/css"
+        licence = await client.get("/static/vendor/LICENSE")
+        assert licence.status == 200 and "MIT" in await licence.text()
+        for name in ("README.md", "..%2Fopenapi.yaml", "index.html"):
+            missing = await client.get(f"/static/vendor/{name}")
+            assert missing.status == 404, name
+            assert (await missing.json())["error"]["code"] == "not_found"
+
+
+@contextlib.asynccontextmanager
+async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis,
+                                members: list[str]) -> AsyncIterator[None]:
+    """Heartbeat like two trainers and publish versions, four times a second, until the block
+    ends. The first reports a held-out accuracy; the second none, and a training loss of 3e-5 and
+    below (a memorised training set: what the page once showed as 0.0000)."""
+
+    async def beat() -> None:
+        for step in range(10_000):
+            for i, member in enumerate(members):
+                stats: dict[str, Any] = {"loss": 2.0 / (1 + 0.2 * step) if i == 0 else 3e-5 / (1 + step),
+                                         "records_per_s": 800.0 + 100 * i + 10 * (step % 7),
+                                         "clock": step, "staleness": i,
+                                         "freshness_s": [0.2 + 0.05 * (step % 5), 0.9]}
+                if i == 0:
+                    stats["accuracy"] = min(0.97, 0.2 + 0.05 * step)
+                await heartbeat(client, member, stats)
+            redis.hincrby(KEYS.versions, "0", 3)
+            redis.hset(KEYS.staleness, mapping={m: (step + i) % 3 for i, m in enumerate(members)})
+            await asyncio.sleep(0.25)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed "
+                                             "(scripts/setup.sh installs it: apt-get install chromium)")
+async def test_dashboard_plots_the_live_history_in_chromium_without_errors(  # type: ignore[no-untyped-def]
+        redis_url: str, redis: redis_lib.Redis, kafka, tmp_path: Path) -> None:
+    topic = kafka.create_topic(partitions=2, prefix="dash")
+    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap)
+    try:
+        for i in range(60):
+            producer.send(topic, b"record %d" % i, partition=i % 2)
+        producer.flush(timeout=30)
+    finally:
+        producer.close()
+    settings = coordinator_settings(redis_url, kafka.bootstrap, topic, 2)
+    async with running_coordinator(settings) as client:
+        members = [await register(client, "host-a"), await register(client, "host-b")]
+        redis.hset(KEYS.offsets, "0", 10)  # lag: 30 - 10 on partition 0, 30 on partition 1
+        async with trainers_heartbeating(client, redis, members), chromium(tmp_path / "profile") as page:
+            await page.navigate(str(client.make_url("/")))
+            await page.wait_for("window.plots && Object.keys(window.plots).length === 7 && "
+                                "Object.values(window.plots).every(u => u.data[0].length > 3 && "
+                                "u.data.slice(1).some(s => s.some(v => v !== null)))", timeout_s=40)
+            points = await page.evaluate(
+                "Object.fromEntries(Object.entries(window.plots).map(([id, u]) => [id, "
+                "u.series.slice(1).map((s, i) => [s.label, u.data[i + 1].filter(v => v !== null).length])]))")
+            assert set(points) == PLOT_IDS
+            for plot_id, series in points.items():
+                assert any(n > 0 for _, n in series), f"plot {plot_id} has no values: {series}"
+            for plot_id in ("loss", "records", "accuracy"):  # a line per trainer, and the job's
+                assert [label for label, _ in points[plot_id]][1:] == sorted(members), points[plot_id]
+            accuracy = dict(points["accuracy"])
+            assert accuracy[members[0]] > 0 and accuracy[members[1]] == 0  # b reports none: no line
+            lag = await page.evaluate("window.plots.lag.data[1].filter(v => v !== null).slice(-1)[0]")
+            assert lag == 50
+            rows = await page.wait_for("document.querySelectorAll('#members tr').length")
+            assert rows == 2
+            losses = await page.evaluate("[...document.querySelectorAll('#members tr')]"
+                                         ".map(tr => tr.children[6].textContent)")
+            assert all(float(v) > 0 for v in losses), losses  # a tiny loss keeps its digits
+            assert any(float(v) < 3e-5 for v in losses), losses
+            png = await page.screenshot()
+            assert page.errors() == []
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    (tmp_path / "dashboard.png").write_bytes(png)
+    if os.environ.get("STREAMTRAIN_DOCS_SCREENSHOT") == "1":
+        DOCS_IMG.parent.mkdir(parents=True, exist_ok=True)
+        DOCS_IMG.write_bytes(png)
