@@ -132,7 +132,7 @@ def test_live_view_shows_the_task_metrics_and_the_keeping_up_line() -> None:
     behind = assess([LagSample(i, 100 + 40 * i, 100 + 30 * i, 10 * i) for i in range(11)], trainers=1,
                     records_per_message=32)
     regression = render(_view(status, score, 5.0, False, behind))
-    assert "MAE" in regression and "R²" in regression and "0.8750" in regression
+    assert "MAE" in regression and "R²" in regression and "0.875" in regression and "0.25" in regression
     assert "acc" not in regression  # neither the job's held-out accuracy nor the trainers' column
     assert "falling behind: lag +320 records/s; consumption 960/s vs input 1,280/s; add about 1 trainer " \
            "(each does ~960 records/s)" in regression
