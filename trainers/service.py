@@ -393,6 +393,10 @@ class Trainer:
 
         ``tick``: an empty batch that only advances our clock (not counted as a step).
         """
+        if self.assignment is None:
+            # re-registered while the batch was polled (a fenced member comes back under a new id):
+            # drop it; the new assignment restarts the consumer from the committed offsets
+            return
         t0 = time.monotonic()
         phases = self._phases
         clock, generation = self.clock, self.assignment.generation
