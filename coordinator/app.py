@@ -65,8 +65,10 @@ class Runtime:
     async def kafka(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking probe call in the Kafka thread, bounded by the Kafka timeout."""
         loop = asyncio.get_running_loop()
-        timeout = self.settings.kafka_timeout_ms / 1000 * 3
-        return await asyncio.wait_for(loop.run_in_executor(self.executor, fn, *args), timeout)
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that arrives as
+        # the call completes, and a shutdown then waits for a task that never ends
+        async with asyncio.timeout(self.settings.kafka_timeout_ms / 1000 * 3):
+            return await loop.run_in_executor(self.executor, fn, *args)
 
 
 SETTINGS = web.AppKey("settings", CoordinatorSettings)

@@ -212,7 +212,8 @@ async def test_two_coordinators_compare_and_set(settings: CoordinatorSettings,
 
 
 async def test_restart_keeps_state_and_config(settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
-    settings = replace(settings, lease_ms=400, heartbeat_interval_ms=100)
+    # leases long enough to outlive the first coordinator's start and stop on a loaded machine
+    settings = replace(settings, lease_ms=2000, heartbeat_interval_ms=500)
     async with running_coordinator(settings) as client:
         a = await register(client)
         b = await register(client)
