@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .updates import unapplied_updates
+
 if TYPE_CHECKING:
     from .apply import Outcome
     from .server import ParameterServer
@@ -81,11 +83,11 @@ class _Backlog(Collector):
             if self._client is None:  # its own client, with timeouts shorter than a scrape's
                 self._client = redis.Redis.from_url(self._server.settings.redis_url, socket_timeout=1.0,
                                                     socket_connect_timeout=1.0)
-            raw = self._client.get(self._server.keys.unapplied)
+            count = unapplied_updates(self._client, self._server.settings.job)
         except Exception as exc:  # noqa: BLE001 - a scrape reports what it can
             logger.debug("unapplied count unavailable: %s", exc)
         else:
-            family.add_metric([], int(raw or 0))
+            family.add_metric([], count)
         yield family
 
     def close(self) -> None:

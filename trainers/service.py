@@ -317,15 +317,8 @@ class Trainer:
         naming it), settle the push that was in flight with ``was_committed``, and resume from the
         committed offsets with a fresh replica (a Redis restarted on its AOF may be a second behind
         what this trainer saw)."""
-        delay = self._redis_outage.failed(exc)
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                await asyncio.to_thread(self.redis.ping)
-                break
-            except REDIS_DOWN as again:
-                delay = self._redis_outage.failed(again)
-        self._redis_outage.recovered()
+        await asyncio.sleep(self._redis_outage.failed(exc))
+        await self._with_redis(self.redis.ping)  # retries until Redis answers, or gives up
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             with contextlib.suppress(PushRefused, *REDIS_DOWN):
