@@ -40,7 +40,7 @@ from aiohttp import web  # noqa: E402
 from coordinator import CoordinatorClient, CoordinatorSettings  # noqa: E402
 from coordinator.app import create_app  # noqa: E402
 from coordinator.state import parse_assignment  # noqa: E402
-from streamtrain.keys import JobKeys  # noqa: E402
+from common.keys import JobKeys  # noqa: E402
 from streamtrain.launcher import RedisServer, free_port  # noqa: E402
 
 RESULTS = _HERE / "results" / "coordinator.json"

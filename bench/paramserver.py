@@ -53,7 +53,7 @@ from services import (  # noqa: E402
     OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, Update, connect, get_codec,
     push_update,
 )
-from streamtrain.keys import JobKeys  # noqa: E402
+from common.keys import JobKeys  # noqa: E402
 from streamtrain.launcher import RedisServer  # noqa: E402
 
 RESULTS = _HERE / "results" / "paramserver.json"

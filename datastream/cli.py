@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from streamtrain import settings as cfg
+from common import settings as cfg
 
 from .producer import produce
 

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from streamtrain.outage import DEFAULT_LIMIT_S, Outage
+from common.outage import DEFAULT_LIMIT_S, Outage
 
 from .records import encode_shard
 from .sources import Source, SourceError, load_source

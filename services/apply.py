@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 from .scripts import execute_with_script
 from .updates import Update

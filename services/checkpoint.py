@@ -23,7 +23,7 @@ from typing import Any
 import redis
 import torch
 
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 from .errors import LayoutError, ParameterPlaneError
 from .optim import slots

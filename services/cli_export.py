@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import redis
 
-from streamtrain.keys import validate_job
-from streamtrain.outage import REDIS_DOWN, redis_name
-from streamtrain.settings import add_arguments as add_settings
-from streamtrain.settings import from_args, setting
+from common.keys import validate_job
+from common.outage import REDIS_DOWN, redis_name
+from common.settings import add_arguments as add_settings
+from common.settings import from_args, setting
 
 from .errors import ParameterPlaneError
 from .export import export_model

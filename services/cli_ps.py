@@ -9,8 +9,8 @@ import threading
 
 import torch
 
-from streamtrain.settings import add_arguments as add_settings
-from streamtrain.settings import from_args
+from common.settings import add_arguments as add_settings
+from common.settings import from_args
 
 from .metrics import MetricsServer
 from .server import ParameterServer, ServerSettings, ServerStatus

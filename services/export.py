@@ -36,7 +36,7 @@ import redis
 import torch
 from safetensors.torch import save as _save_safetensors
 
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 from .deltas import apply_deltas
 from .errors import LayoutError, ParameterPlaneError

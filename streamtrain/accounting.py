@@ -26,7 +26,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from datastream import DecodeError, decode_record, dlq_topic, parse_dlq_headers
 
-from .keys import JobKeys
+from common.keys import JobKeys
 
 Sample = tuple[str, int]
 

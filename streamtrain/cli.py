@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from .outage import DependencyUnavailable
-from .settings import SettingsError
+from common.outage import DependencyUnavailable
+from common.settings import SettingsError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("streamtrain.up", "bring everything up locally and train from a stream"),

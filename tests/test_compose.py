@@ -36,9 +36,9 @@ from datastream.consumer import ConsumerStats
 from services.metrics import ServerMetrics
 from services.server import ServerSettings
 from streamtrain.cli import COMMANDS, build_parser
-from streamtrain.keys import JobKeys
-from streamtrain.settings import from_args
-from trainers.metrics import TrainerMetrics
+from common.settings import from_args
+from trainers.evaluate import EvalResult
+from trainers.metrics import TrainerMetrics, TrainerReport
 from trainers.settings import TrainerSettings
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose" / "docker-compose.yml"
@@ -413,12 +413,11 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose: dict)
 
 def _exported_series() -> set[str]:
     """Every series name our /metrics endpoints can expose (sample names: _total, _bucket...)."""
-    server = SimpleNamespace(settings=SimpleNamespace(group=0, redis_url="redis://127.0.0.1:1/0"),
-                             version=0, keys=JobKeys("j"))
-    consumer = SimpleNamespace(stats=lambda: ConsumerStats(0, 0, 0, 0))
-    trainer = SimpleNamespace(steps=0, clock=1, last_staleness=0, loss_ema=0.5, consumer=consumer,
-                              last_eval=SimpleNamespace(loss=0.5, accuracy=0.5), snapshot=SimpleNamespace(version=1))
-    registries = [ServerMetrics(server).registry, TrainerMetrics(trainer).registry,
+    server = SimpleNamespace(settings=SimpleNamespace(group=0, redis_url="redis://127.0.0.1:1/0", job="j"),
+                             version=0)
+    report = TrainerReport(steps=0, clock=1, staleness=0, loss=0.5, version=1,
+                           last_eval=EvalResult(1, 0.5, 0.5, 10), consumer=ConsumerStats(0, 0, 0, 0))
+    registries = [ServerMetrics(server).registry, TrainerMetrics(lambda: report).registry,
                   CoordinatorMetrics().registry]
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     return {f.name + s for r in registries for f in r.collect() for s in suffixes.get(f.type, ("",))}
@@ -431,3 +430,15 @@ def test_dashboard_queries_only_exported_series(compose: dict) -> None:
             for target in panel["targets"]:
                 for name in re.findall(r"\bstreamtrain_[a-z0-9_]+", target["expr"]):
                     assert name in exported, f"panel {panel['title']!r} queries {name}, which nothing exports"
+
+
+def test_image_copies_every_package() -> None:
+    """The image installs what pyproject packages: a package missing from the Dockerfile would
+    import-fail only inside the container."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in include}
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", (root / "compose" / "Dockerfile").read_text(), re.M))
+    assert packages == copied

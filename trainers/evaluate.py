@@ -82,27 +82,3 @@ def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.
     total = float(((y.double() - y.double().mean()) ** 2).sum())
     return EvalResult(version, total_loss / n, None, n, mae=abs_err / y.numel(),
                       r2=1.0 - sq_err / total if total > 0 else None)
-
-
-def score_job(redis_url: str, job: str, model: str, eval_source: str, *, limit: int | None = None) -> EvalResult:
-    """Score the parameters a job stores in Redis now on ``eval_source``'s test split.
-
-    This is the independent check used by ``streamtrain up`` and the tests: it
-    reads one consistent snapshot, not what a trainer reports.
-    """
-    from datastream import load_source
-    from services import ParameterStore, connect
-
-    from .models import build_model
-
-    client = connect(redis_url)
-    try:
-        snapshot = ParameterStore(client, job).pull()
-    finally:
-        client.close()
-    spec = build_model(model)
-    spec.model.load_state_dict(snapshot.tensors)
-    x, y = load_source(eval_source, split="test").read(limit=limit)
-    target = torch.from_numpy(y).long() if spec.classification else torch.from_numpy(y).float()
-    return evaluate(spec.model, spec.loss_fn, torch.from_numpy(x).float(), target,
-                    version=snapshot.version, classification=spec.classification)

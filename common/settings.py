@@ -4,7 +4,9 @@ Each field is declared with :func:`setting`, which records its environment
 variable, bounds and a one-line help. :func:`add_arguments` turns the fields
 into ``--flag-name`` options and :func:`from_args` builds the dataclass with the
 precedence *flag > environment > default*, validating every value with a
-``ValueError`` that names the field and the bad value.
+``ValueError`` that names the field and the bad value. :func:`to_flags` is their
+inverse: the command line that gives a service exactly these settings (what
+``streamtrain.cluster`` runs its child processes with).
 
 Example::
 
@@ -21,7 +23,7 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -129,3 +131,40 @@ def from_args(cls: type[T], args: argparse.Namespace | Mapping[str, Any] | None 
         raise
     except (TypeError, ValueError) as exc:  # checks across fields in __post_init__
         raise SettingsError(f"{cls.__name__}: {exc}") from exc
+
+
+def to_flags(settings: Any, *, omit: Collection[str] = ()) -> list[str]:
+    """The flags that :func:`add_arguments`' parser and :func:`from_args` turn back into ``settings``.
+
+    Every field is written, default or not, so the command line alone decides the
+    settings: a variable the child process inherits cannot change them. A value is
+    written ``--name=value`` (so an empty value, or one starting with ``-``, stays a
+    value), a boolean ``--name`` or ``--no-name``. Left out: a field that is None
+    (no flag spells None; it is then the default) and the fields named in ``omit``
+    (e.g. secrets, passed in their environment variables instead, off the command
+    line). For any settings object ``s`` of class ``C``::
+
+        from_args(C, parser.parse_args(to_flags(s)), environ={}) == s
+
+    Raises:
+        ValueError: a field is None where its default is not, or ``omit`` names no field.
+    """
+    fields = dataclasses.fields(settings)
+    unknown = set(omit) - {f.name for f in fields}
+    if unknown:
+        raise ValueError(f"{type(settings).__name__} has no field {', '.join(sorted(unknown))}")
+    flags: list[str] = []
+    for f in fields:
+        if f.name in omit:
+            continue
+        value = getattr(settings, f.name)
+        if value is None:
+            if f.default is not None:
+                raise ValueError(f"{type(settings).__name__}.{f.name}: None cannot be given as a flag "
+                                 f"(its default is {f.default!r})")
+            continue
+        if isinstance(value, bool):
+            flags.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            flags.append(f"{_flag(f.name)}={value}")
+    return flags

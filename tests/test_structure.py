@@ -1,0 +1,81 @@
+"""The import drawing of the tree: one floor, one roof, no circles.
+
+Packages sit on layers: ``common`` (the floor: key names, settings, outages)
+under the planes (``datastream``, ``services``), the coordinator over them, the
+trainers over the coordinator's client, and ``streamtrain`` (the roof: the
+command, ``up``, the local cluster, the audit, the operator's scoring) on top.
+An import may only point down or sideways within its own package, and no
+modules import each other in a circle. Read from the source with :mod:`ast`,
+so a lazy import inside a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"common": 0, "datastream": 1, "services": 1, "coordinator": 2, "trainers": 3, "streamtrain": 4}
+"""Package -> layer; an import must not reach a higher layer, nor a peer on the same one."""
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute, ours or not (``from x import y`` yields ``x`` and
+    ``x.y``: ``y`` may be a submodule)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """Our module -> the modules of ours it imports."""
+    paths = [p for pkg in LAYERS for p in (ROOT / pkg).rglob("*.py")]
+    ours = {_module_name(p) for p in paths}
+    return {_module_name(p): {m for m in _imports(p) if m in ours and m != _module_name(p)} for p in paths}
+
+
+def test_every_package_has_a_layer() -> None:
+    from tomllib import loads
+
+    include = loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {p.rstrip("*") for p in include} == set(LAYERS)
+
+
+def test_imports_only_point_down() -> None:
+    upward = []
+    for module, targets in _graph().items():
+        here = module.split(".")[0]
+        for target in targets:
+            there = target.split(".")[0]
+            if there != here and LAYERS[there] >= LAYERS[here]:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports that run up or sideways:\n" + "\n".join(sorted(upward))
+
+
+def test_no_module_imports_itself_in_a_circle() -> None:
+    # a package's __init__ re-exporting its modules is not a circle: drop edges into a package
+    # from its own modules, which Python resolves by importing the package first
+    graph = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in _graph().items()}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
