@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 
 from aiohttp import WSMsgType, web
 
-from .app import RUNTIME, Runtime, apply_event
 from .errors import UnknownMemberError
 from .membership import Disconnected
+from .routes import ApiError, authenticate
+from .runtime import RUNTIME, Runtime, apply_event, now_ms
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,6 @@ __all__ = ["channel", "close_channels"]
 
 async def channel(request: web.Request) -> web.StreamResponse:
     """The presence channel of one live member (see the module docstring)."""
-    from .routes import ApiError, authenticate
-
     rt: Runtime = request.app[RUNTIME]
     authenticate(request, rt.settings.job_token, "job")
     member_id = request.match_info["member_id"]
@@ -56,7 +54,7 @@ async def channel(request: web.Request) -> web.StreamResponse:
             del rt.channels[member_id]
             if not rt.closing:  # the coordinator's own shutdown closes channels: nobody died
                 with contextlib.suppress(UnknownMemberError):
-                    _, actions = await apply_event(rt, Disconnected(member_id, now_ms=time.time_ns() // 1_000_000))
+                    _, actions = await apply_event(rt, Disconnected(member_id, now_ms=now_ms()))
                     if actions:
                         logger.info("member %s disconnected: removed before its lease ran out", member_id)
     return ws

@@ -7,10 +7,11 @@ import logging
 
 from aiohttp import web
 
-from streamtrain.settings import SettingsError, add_arguments as add_settings, from_args
-from streamtrain.urls import redact_url
+from common.settings import SettingsError, add_arguments as add_settings, from_args
+from common.urls import redact_url
 
-from .app import RUNTIME, create_app
+from .app import create_app
+from .runtime import RUNTIME
 from .settings import CoordinatorSettings
 
 logger = logging.getLogger(__name__)

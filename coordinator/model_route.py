@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 import redis
 from aiohttp import web
 
-from .app import SETTINGS
 from .routes import ApiError, authenticate
+from .runtime import SETTINGS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -19,13 +19,13 @@ from typing import Any
 
 from aiohttp import web
 
-from streamtrain.outage import REDIS_DOWN
+from common.outage import REDIS_DOWN
 
-from .app import RUNTIME, SAMPLER, Runtime, apply_event, now_ms
 from .assign import capability_weight
 from .errors import ConflictError, MemberGoneError, UnknownMemberError
 from .membership import Drain, Event, Heartbeat, Leave, Membership, Register
-from .state import JobConfig
+from .runtime import RUNTIME, SAMPLER, Runtime, apply_event, now_ms
+from .state import FIXED_CONFIG, JobConfig
 from .status import members_view, partitions_view, summary
 from .validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field, InvalidBody, parse_json
 
@@ -111,11 +111,11 @@ def authenticate(request: web.Request, token: str, kind: str) -> None:
         raise ApiError(401, "unauthorized", f"wrong {kind} token")
 
 
-async def _body(request: web.Request, schema: dict[str, Field], *,
-                allow_empty: bool = False) -> dict[str, Any]:
+async def _body(request: web.Request, schema: dict[str, Field], *, allow_empty: bool = False,
+                fixed: Mapping[str, str] | None = None) -> dict[str, Any]:
     raw = await request.read()
     try:
-        return parse_json(raw, schema, allow_empty=allow_empty)
+        return parse_json(raw, schema, allow_empty=allow_empty, fixed=fixed)
     except InvalidBody as exc:
         raise ApiError(400, "invalid_body", str(exc)) from None
 
@@ -225,10 +225,11 @@ async def resume(request: web.Request) -> web.Response:
 
 @routes.patch("/v1/admin/config")
 async def change_config(request: web.Request) -> web.Response:
-    """Change the consistency model, staleness bound or learning rate."""
+    """Change the consistency model, staleness bound or learning rate (``ps_groups``, fixed
+    with the model's layout, is refused naming the reason)."""
     rt = _rt(request)
     authenticate(request, rt.settings.admin_token, "admin")
-    changes = await _body(request, CONFIG_CHANGE)
+    changes = await _body(request, CONFIG_CHANGE, fixed=FIXED_CONFIG)
     if not changes:
         raise ApiError(400, "invalid_body",
                        f"body: name at least one of {', '.join(sorted(CONFIG_CHANGE))}")

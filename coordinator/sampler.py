@@ -29,16 +29,15 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from streamtrain.outage import REDIS_DOWN
+from common.outage import REDIS_DOWN
 
 from .history import SAMPLE_INTERVAL_S, History, Sample, take_sample
 from .kafka_probe import KafkaProbe
 from .settings import CoordinatorSettings
-from .state import JobConfig
+from .state import JobConfig, Store
 from .status import partitions_view
 
 if TYPE_CHECKING:
-    from .app import Runtime
     from .membership import Membership
 
 logger = logging.getLogger(__name__)
@@ -106,12 +105,12 @@ class Sampler:
         parts = partitions_view(state, {}, committed, offsets)
         return sum(p["lag"] for p in parts if p["lag"] is not None)
 
-    async def sample_once(self, rt: Runtime) -> Sample:
-        """Read the job, add one sample to :attr:`history` and return it."""
-        keys = rt.store.keys
-        config = await rt.store.config()
-        state = await rt.store.load()
-        pipe = rt.redis.pipeline(transaction=False)
+    async def sample_once(self, store: Store) -> Sample:
+        """Read the job from ``store``, add one sample to :attr:`history` and return it."""
+        keys = store.keys
+        config = await store.config()
+        state = await store.load()
+        pipe = store.redis.pipeline(transaction=False)
         pipe.hgetall(keys.versions)
         pipe.hgetall(keys.staleness)
         pipe.hgetall(keys.offsets)
@@ -133,19 +132,19 @@ class Sampler:
         self.history.add(sample)
         return sample
 
-    def start(self, rt: Runtime) -> None:
-        """Start sampling in a background task (idempotent)."""
+    def start(self, store: Store) -> None:
+        """Start sampling the job of ``store`` in a background task (idempotent)."""
         if self._task is None:
-            self._task = asyncio.create_task(self._run(rt), name="history-sampler")
+            self._task = asyncio.create_task(self._run(store), name="history-sampler")
 
-    async def _run(self, rt: Runtime) -> None:
+    async def _run(self, store: Store) -> None:
         """Take a sample every :data:`SAMPLE_INTERVAL_S` until closed; a failed tick is
         skipped (logged once per kind of failure in a row)."""
         failing: type[BaseException] | None = None
         while not self._closing:
             started = time.monotonic()
             try:
-                await self.sample_once(rt)
+                await self.sample_once(store)
                 failing = None
             except asyncio.CancelledError:
                 raise

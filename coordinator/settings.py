@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamtrain.settings import setting
+from common.settings import setting
 
 CONSISTENCY_MODELS = ("bsp", "ssp", "asp")
 """Consistency models a job may run under (bulk-synchronous, stale-synchronous, asynchronous)."""
@@ -18,8 +18,9 @@ parameter plane)."""
 class CoordinatorSettings:
     """Configuration of ``streamtrain coordinator``.
 
-    The job fields (``topic`` .. ``lr``) seed ``JobKeys.config`` when a job is
-    first started; on a restart the configuration already stored in Redis wins.
+    The job fields (``topic`` .. ``ps_groups``) seed ``JobKeys.config`` when a
+    job is first started; on a restart the configuration already stored in
+    Redis wins.
     """
 
     job: str = setting("default", env="STREAMTRAIN_JOB", help="name of the training job")
@@ -51,6 +52,9 @@ class CoordinatorSettings:
                                   "gradient changes only its coordinates)")
     lr: float = setting(0.005, env="STREAMTRAIN_LR", min=0.0, max=10.0,
                         help="learning rate of a new job")
+    ps_groups: int = setting(1, env="STREAMTRAIN_PS_GROUPS", min=1, max=1024,
+                             help="parameter-server shard groups of a new job (shard i belongs to group "
+                                  "i mod N); fixed once the model exists")
     max_request_bytes: int = setting(64 * 1024, env="STREAMTRAIN_COORDINATOR_MAX_REQUEST_BYTES",
                                      min=1024, max=16 * 1024 * 1024,
                                      help="largest request body accepted")

@@ -1,6 +1,6 @@
 """Redis persistence of the control plane, with the generation as fencing token.
 
-Layout (all names from :class:`streamtrain.keys.JobKeys`):
+Layout (all names from :class:`common.keys.JobKeys`):
 
 - ``generation``: integer, bumped on every membership change.
 - ``members``: hash member id -> JSON of :class:`~coordinator.membership.Member`.
@@ -11,7 +11,8 @@ Layout (all names from :class:`streamtrain.keys.JobKeys`):
   (reason, generation, ``at_ms``), so late heartbeats get "gone"; records older
   than the retention are dropped by the lease checker's :class:`CheckLeases`
   (at most once a minute, :meth:`Store.forget_departed`).
-- ``config``: hash of the job configuration (:class:`JobConfig`).
+- ``config``: hash of the job configuration (:class:`JobConfig`); the fields of
+  :data:`FIXED_CONFIG` (``ps_groups``) are written once, when the job begins.
 
 :meth:`Store.apply` is a compare-and-set: it WATCHes the membership keys,
 reads the state, runs the pure :func:`coordinator.membership.handle`, and
@@ -39,7 +40,7 @@ import redis as redis_sync
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 from .errors import ConflictError, FencedError, MemberGoneError, UnknownMemberError
 from .membership import (Action, CheckLeases, Departure, Event, Member, Membership, departures, forgotten,
@@ -53,6 +54,12 @@ MAX_CAS_ATTEMPTS = 50
 
 FORGET_EVERY_MS = 60_000
 """Longest time between two sweeps of the departed-member records (shorter when the retention is)."""
+
+FIXED_CONFIG: Mapping[str, str] = MappingProxyType({
+    "ps_groups": "the parameter-server shard groups are fixed when the job's model is created "
+                 "(shard i belongs to group i mod ps_groups); start a new job to change it",
+})
+"""Job config fields that never change once the job exists, with the reason (for refusals)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,10 @@ class JobConfig:
     """Training topic."""
     partitions: int
     """Number of partitions of the topic."""
+    ps_groups: int = 1
+    """Parameter-server shard groups (shard i belongs to group ``i % ps_groups``); read by
+    ``services.ParameterStore.init_model`` when it creates the model, fixed after (absent in a
+    job begun before the field existed: 1, the layout such a job got)."""
     paused: bool = False
     """Trainers stop consuming while set."""
 
@@ -86,6 +97,8 @@ class JobConfig:
             raise ValueError(f"lr must be >= 0, got {self.lr!r}")
         if self.partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {self.partitions!r}")
+        if self.ps_groups < 1:
+            raise ValueError(f"ps_groups must be >= 1, got {self.ps_groups!r}")
 
     def to_hash(self) -> dict[str, str]:
         """Field -> string, as stored in Redis (``paused`` as 0|1)."""
@@ -102,11 +115,11 @@ class JobConfig:
         """
         d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
              for k, v in raw.items()}
-        kinds = {"staleness": int, "partitions": int, "lr": float}
+        kinds = {"staleness": int, "partitions": int, "ps_groups": int, "lr": float}
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in d:
-                if f.name == "paused":
+                if f.name in ("paused", "ps_groups"):  # optional: their defaults apply
                     continue
                 raise ValueError(f"job config lacks field {f.name!r}")
             text = d[f.name]
@@ -152,13 +165,31 @@ class Store:
     async def ensure_config(self, initial: JobConfig) -> JobConfig:
         """Write ``initial`` field by field where absent (HSETNX); return what is stored.
 
-        A restarted coordinator therefore continues with the stored configuration.
+        A restarted coordinator therefore continues with the stored configuration. When the
+        job's model already exists, ``ps_groups`` is the model's group count, whatever
+        ``initial`` says (a job begun before the field was written gains the true value).
         """
+        groups = await self.model_groups()
+        if groups is not None:
+            initial = replace(initial, ps_groups=groups)
         async with self.redis.pipeline(transaction=True) as pipe:
             for k, v in initial.to_hash().items():
                 pipe.hsetnx(self.keys.config, k, v)
             await pipe.execute()
         return await self.config()
+
+    async def model_groups(self) -> int | None:
+        """The shard-group count of the job's model (``groups`` of the JSON at ``JobKeys.meta``,
+        written by ``services.ParameterStore.init_model``), or None while there is no model
+        (or its meta is unreadable)."""
+        raw = await self.redis.get(self.keys.meta)
+        if raw is None:
+            return None
+        try:
+            groups = json.loads(raw).get("groups", 1)
+        except (ValueError, AttributeError):
+            return None
+        return groups if isinstance(groups, int) and groups >= 1 else None
 
     async def config(self) -> JobConfig:
         """The stored job configuration.
@@ -172,8 +203,12 @@ class Store:
         """Validate and store ``changes`` (fields of :class:`JobConfig`); return the result.
 
         Raises:
-            ValueError: an unknown field or a bad value; nothing is written.
+            ValueError: an unknown field, a bad value, or a field of :data:`FIXED_CONFIG`
+                (the message names it and says why); nothing is written.
         """
+        fixed = sorted(set(changes) & FIXED_CONFIG.keys())
+        if fixed:
+            raise ValueError(f"{fixed[0]} cannot change: {FIXED_CONFIG[fixed[0]]}")
         current = await self.config()
         new = replace(current, **changes)  # TypeError for unknown fields, ValueError for bad ones
         diff = {k: v for k, v in new.to_hash().items() if current.to_hash()[k] != v}

@@ -44,7 +44,8 @@ def render(status: dict[str, Any], console: Console) -> None:
     cfg = status["config"]
     console.print(
         f"[bold]job {status['job']}[/bold]  generation {status['generation']}  "
-        f"{cfg['consistency']} (s={cfg['staleness']})  lr {cfg['lr']}  codec {cfg['codec']}"
+        f"{cfg['consistency']} (s={cfg['staleness']})  lr {cfg['lr']}  codec {cfg['codec']}  "
+        f"ps groups {cfg.get('ps_groups', 1)}"
         f"{'  [red]PAUSED[/red]' if cfg['paused'] else ''}\n"
         f"throughput {_fmt(status['throughput_records_per_s'])} records/s  "
         f"loss {_fmt(status['loss'])}  accuracy {_fmt(status['accuracy'])}  lag {status['lag']}  "

@@ -76,16 +76,25 @@ def _check(path: str, spec: Field, value: Any) -> Any:
     return value
 
 
-def validate(body: Any, schema: Mapping[str, Field], path: str = "") -> dict[str, Any]:
+def validate(body: Any, schema: Mapping[str, Field], path: str = "", *,
+             fixed: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Check ``body`` against ``schema``; return it as a dict.
 
+    ``fixed`` names fields that exist but may not be set here, each with the reason
+    (``FIXED_CONFIG`` of :mod:`coordinator.state`); naming one is refused with that reason
+    rather than as an unknown field.
+
     Raises:
-        InvalidBody: not an object, an unknown field, a missing required field,
-            a wrong type or a value out of bounds.
+        InvalidBody: not an object, a fixed field, an unknown field, a missing required
+            field, a wrong type or a value out of bounds.
     """
     where = path or "body"
     if not isinstance(body, dict):
         raise InvalidBody(f"{where}: expected a JSON object, got {type(body).__name__}")
+    refused = sorted(set(body) & set(fixed)) if fixed else []
+    if fixed and refused:
+        sub = f"{path}.{refused[0]}" if path else refused[0]
+        raise InvalidBody(f"{sub} cannot change: {fixed[refused[0]]}")
     unknown = sorted(set(body) - set(schema))
     if unknown:
         raise InvalidBody(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; "
@@ -101,8 +110,9 @@ def validate(body: Any, schema: Mapping[str, Field], path: str = "") -> dict[str
     return out
 
 
-def parse_json(raw: bytes, schema: Mapping[str, Field], *, allow_empty: bool = False) -> dict[str, Any]:
-    """Decode a request body (UTF-8 JSON) and :func:`validate` it.
+def parse_json(raw: bytes, schema: Mapping[str, Field], *, allow_empty: bool = False,
+               fixed: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Decode a request body (UTF-8 JSON) and :func:`validate` it (``fixed``: see there).
 
     Raises:
         InvalidBody: not UTF-8 JSON, or invalid per ``schema``.
@@ -115,7 +125,7 @@ def parse_json(raw: bytes, schema: Mapping[str, Field], *, allow_empty: bool = F
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidBody(f"body: malformed JSON: {exc}") from None
-    return validate(body, schema)
+    return validate(body, schema, fixed=fixed)
 
 
 CAPABILITIES = {
@@ -162,4 +172,6 @@ CONFIG_CHANGE = {
     "staleness": setting_field("staleness", "int"),
     "lr": setting_field("lr", "number"),
 }
-"""Body of ``PATCH /v1/admin/config``: consistency bsp/ssp/asp, staleness 0..1000, lr 0..10."""
+"""Body of ``PATCH /v1/admin/config``: consistency bsp/ssp/asp, staleness 0..1000, lr 0..10.
+The other job fields are fixed; ``ps_groups`` (the model's layout) is refused with its reason
+(``FIXED_CONFIG`` of :mod:`coordinator.state`)."""

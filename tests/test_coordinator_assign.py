@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from coordinator.app import next_check_s
+from coordinator.runtime import next_check_s
 from coordinator.assign import assign, capability_weight, quotas
 from coordinator.errors import MemberGoneError, UnknownMemberError
 from coordinator.membership import (CheckLeases, Drain, Heartbeat, Leave, Member, MemberExpired,

@@ -11,7 +11,7 @@ import urllib.request
 
 import redis as redis_lib
 
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 from streamtrain.launcher import free_port, wait_until
 
 

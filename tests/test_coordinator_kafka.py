@@ -7,7 +7,7 @@ from kafka import KafkaProducer
 
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 
 
