@@ -8,7 +8,9 @@ Trainers use :class:`ParameterStore` (``init_model``, ``pull``),
 
 from .checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from .codecs import CodecChain, Sent, decode_gradient, decode_sent, get_codec
-from .consistency import ClockWait, Consistency, StalenessTimeout, starting_clock, wait_for_clock
+from .consistency import (
+    ClockWait, Consistency, JobClocks, StalenessTimeout, read_job_clocks, starting_clock, wait_for_clock,
+)
 from .encoder import Pusher, PushResult
 from .errors import (
     BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError,
@@ -18,7 +20,7 @@ from .layout import Layout, ShardSpec, TensorSpec
 from .optim import OPTIMIZERS, OptimizerConfig
 from .server import ParameterServer, ServerSettings, ServerStatus
 from .store import ModelMeta, ParameterStore, Snapshot, connect
-from .updates import Update, push_update, unapplied_updates, was_committed
+from .updates import Update, committed_offsets, push_update, unapplied_updates, was_committed
 
 __all__ = [
     # store and snapshots
@@ -36,6 +38,7 @@ __all__ = [
     "push_update",
     "was_committed",
     "unapplied_updates",
+    "committed_offsets",
     "Pusher",
     "PushResult",
     # consistency
@@ -43,6 +46,8 @@ __all__ = [
     "ClockWait",
     "wait_for_clock",
     "starting_clock",
+    "JobClocks",
+    "read_job_clocks",
     # codecs
     "get_codec",
     "decode_gradient",

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import redis
 from prometheus_client import Histogram
 
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 from .errors import ParameterPlaneError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Consistency", "ClockWait", "ClockView", "StalenessTimeout", "required_clock", "wait_for_clock",
-           "read_clocks", "starting_clock"]
+__all__ = ["Consistency", "ClockWait", "ClockView", "JobClocks", "StalenessTimeout", "required_clock",
+           "wait_for_clock", "read_clocks", "read_job_clocks", "starting_clock"]
 
 STALENESS = Histogram("streamtrain_ssp_staleness_clocks",
                       "Clocks between a trainer's step and the oldest live member's applied clock",
@@ -106,37 +106,58 @@ class ClockView:
     """Every live member participates (has pushed)."""
 
 
-def read_clocks(client: redis.Redis, job: str, member_id: str = "") -> ClockView:
-    """The job's clocks as ``member_id`` sees them, in one MULTI."""
+@dataclass(frozen=True)
+class JobClocks:
+    """One consistent read (one MULTI) of the live members and their pushed and applied clocks."""
+
+    live: frozenset[str]
+    """Member ids of the live membership (``JobKeys.members``)."""
+    pushed: dict[str, int]
+    """Member id -> last clock it pushed (``JobKeys.clocks``; departed members may linger)."""
+    applied: dict[str, int]
+    """Member id -> last clock of its applied by the servers (``JobKeys.applied_clocks``)."""
+
+    def view(self, member_id: str = "") -> ClockView:
+        """The clocks as ``member_id`` sees them: a live member takes part from its first push, and
+        one whose updates are not applied yet counts as applied clock 0."""
+        low: tuple[int | None, str | None] = (None, None)
+        for m in sorted(self.live):
+            if m not in self.pushed:
+                continue
+            value = self.applied.get(m, 0)
+            if low[0] is None or value < low[0]:
+                low = (value, m)
+        return ClockView(low[0], low[1], self.applied.get(member_id, 0), self.pushed.get(member_id, 0),
+                         all(m in self.pushed for m in self.live))
+
+    def starting_clock(self, member_id: str) -> int:
+        """The clock a (re)joining ``member_id`` should push first: one past its own last pushed
+        clock, and not behind the highest clock of the live members."""
+        live = [self.pushed[m] for m in self.live if m in self.pushed]
+        return max([self.pushed.get(member_id, 0), *live]) + 1
+
+
+def read_job_clocks(client: redis.Redis, job: str) -> JobClocks:
+    """The live members and their pushed and applied clocks, in one MULTI."""
     keys = JobKeys(job)
     pipe = client.pipeline(transaction=True)
     pipe.hkeys(keys.members)
     pipe.hgetall(keys.clocks)
     pipe.hgetall(keys.applied_clocks)
     members, clocks, applied = pipe.execute()
-    low: tuple[int | None, str | None] = (None, None)
-    for m in members:
-        if m not in clocks:
-            continue
-        value = int(applied.get(m, 0))
-        if low[0] is None or value < low[0]:
-            low = (value, m.decode())
-    me = member_id.encode()
-    return ClockView(low[0], low[1], int(applied.get(me, 0)), int(clocks.get(me, 0)),
-                     all(m in clocks for m in members))
+    return JobClocks(frozenset(m.decode() for m in members),
+                     {k.decode(): int(v) for k, v in clocks.items()},
+                     {k.decode(): int(v) for k, v in applied.items()})
+
+
+def read_clocks(client: redis.Redis, job: str, member_id: str = "") -> ClockView:
+    """The job's clocks as ``member_id`` sees them (:meth:`JobClocks.view` of one read)."""
+    return read_job_clocks(client, job).view(member_id)
 
 
 def starting_clock(client: redis.Redis, job: str, member_id: str) -> int:
-    """The clock a (re)joining member should push first: one past its own last pushed
-    clock, and not behind the highest clock of the live members."""
-    keys = JobKeys(job)
-    pipe = client.pipeline(transaction=True)
-    pipe.hkeys(keys.members)
-    pipe.hgetall(keys.clocks)
-    members, clocks = pipe.execute()
-    live = [int(clocks[m]) for m in members if m in clocks]
-    own = int(clocks.get(member_id.encode(), 0))
-    return max([own, *live]) + 1
+    """The clock a (re)joining member should push first (:meth:`JobClocks.starting_clock`)."""
+    return read_job_clocks(client, job).starting_clock(member_id)
 
 
 def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 from .codecs import Sent, decode_sent
 from .errors import (
@@ -39,7 +39,7 @@ from .wire import DEFAULT_MAX_BYTES, pack, unpack
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Update", "push_update", "was_committed", "unapplied_updates", "parse_entry", "load_gradients",
+__all__ = ["Update", "push_update", "was_committed", "committed_offsets", "unapplied_updates", "parse_entry", "load_gradients",
            "blob_keys", "validate_gradients", "DEFAULT_MAX_PENDING"]
 
 DEFAULT_MAX_PENDING = 64
@@ -201,6 +201,16 @@ def was_committed(client: redis.Redis, job: str, member_id: str, clock: int) -> 
     """
     last = client.hget(JobKeys(job).clocks, member_id)
     return last is not None and int(last) >= clock
+
+
+def committed_offsets(client: redis.Redis, job: str, partitions: Sequence[int]) -> dict[int, int | None]:
+    """Partition -> the next offset to consume, as the committed pushes left it (None: nothing of the
+    partition was ever committed: start where the consumer's policy says). Written only by a committed
+    push, atomically with its update (``push.lua``), so a new owner resumes exactly there."""
+    if not partitions:
+        return {}
+    committed = client.hmget(JobKeys(job).offsets, [str(p) for p in partitions])
+    return {p: (int(c) if c is not None else None) for p, c in zip(partitions, committed)}
 
 
 def unapplied_updates(client: redis.Redis, job: str) -> int:

@@ -29,7 +29,6 @@ from kafka import KafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 from test_services_server import grads_for
 from test_services_server import setup as setup_job
-from test_services_util import wait_for
 
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
@@ -40,8 +39,10 @@ from services import OptimizerConfig, ParameterServer, Pusher, ServerSettings
 from services.apply import Outcome
 from services.metrics import MetricsServer, ServerMetrics
 from services.updates import Update
-from streamtrain.keys import JobKeys
-from trainers.metrics import TrainerMetrics
+from common.keys import JobKeys
+from streamtrain.launcher import wait_until
+from trainers.evaluate import EvalResult
+from trainers.metrics import TrainerMetrics, TrainerReport
 from trainers.service import Trainer
 from trainers.settings import TrainerSettings
 
@@ -94,8 +95,7 @@ def test_promtool_is_checked_where_installed() -> None:
 
 def test_server_metrics_are_served_over_http() -> None:
     unreachable = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: the backlog has no sample
-    server = SimpleNamespace(settings=SimpleNamespace(group=1, redis_url=unreachable), version=7,
-                             keys=JobKeys("m"))
+    server = SimpleNamespace(settings=SimpleNamespace(group=1, job="m", redis_url=unreachable), version=7)
     metrics = ServerMetrics(server)  # type: ignore[arg-type]
     update = Update(member_id="a", generation=1, clock=1, gradients={},
                     produced_ts_ms=int(time.time() * 1000) - 1500)
@@ -125,17 +125,14 @@ def test_server_metrics_are_served_over_http() -> None:
 def test_trainer_metrics_read_the_trainer_when_scraped() -> None:
     stats = ConsumerStats(messages=12, records=300, batches=10, rejected_records=2,
                           rejected_by_reason={"bad_json": 1, "truncated": 1}, lag={0: 5, 3: 0})
-    trainer = SimpleNamespace(steps=0, clock=1, last_staleness=0, loss_ema=None, last_eval=None, snapshot=None,
-                              consumer=None)
-    metrics = TrainerMetrics(trainer)  # type: ignore[arg-type]
+    report = TrainerReport(steps=0, clock=1, staleness=0, loss=None, version=None, last_eval=None, consumer=None)
+    metrics = TrainerMetrics(lambda: report)
     with MetricsServer(metrics.registry, 0, addr="127.0.0.1") as http:
         before = samples(scrape(http.port))
         assert before[("streamtrain_trainer_steps_total", ())] == 0
         assert not named(before, "streamtrain_trainer_loss") and not named(before, "streamtrain_partition_lag")
-        trainer.steps, trainer.loss_ema, trainer.last_staleness = 10, 0.75, 2
-        trainer.consumer = SimpleNamespace(stats=lambda: stats)
-        trainer.snapshot = SimpleNamespace(version=42)
-        trainer.last_eval = SimpleNamespace(loss=0.5, accuracy=0.875)
+        report = TrainerReport(steps=10, clock=11, staleness=2, loss=0.75, version=42,
+                               last_eval=EvalResult(42, 0.5, 0.875, 100), consumer=stats)
         metrics.pushed("topk+fp16", 100, 4000)
         metrics.pushed("topk+fp16", 50, 4000)
         text = scrape(http.port)
@@ -162,8 +159,8 @@ def test_a_busy_metrics_port_is_refused_with_its_number() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        metrics = TrainerMetrics(SimpleNamespace(steps=0, clock=1, last_staleness=0, loss_ema=None,  # type: ignore[arg-type]
-                                                 last_eval=None, snapshot=None, consumer=None))
+        metrics = TrainerMetrics(lambda: TrainerReport(steps=0, clock=1, staleness=0, loss=None, version=None,
+                                                       last_eval=None, consumer=None))
         with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             MetricsServer(metrics.registry, port, addr="127.0.0.1")
 
@@ -216,7 +213,7 @@ def test_ps_serves_its_metrics_while_applying(redis: redis_lib.Redis, ps_process
                 return found
         return None
 
-    found = wait_for(applied_all, timeout_s=60, what="the ps to report 5 updates applied")
+    found = wait_until(applied_all, timeout_s=60, what="the ps to report 5 updates applied")
     g = (("group", "0"),)
     version = int(redis.get(JobKeys(JOB).model_version))
     assert found[("streamtrain_model_version", ())] == version >= 3  # 5 updates, at most 2 per write

@@ -9,7 +9,7 @@ from torch import nn
 
 from services import ParameterStore
 from streamtrain.cli import main
-from streamtrain.settings import SettingsError, from_args
+from common.settings import SettingsError, from_args
 from trainers import TrainerSettings, build_model, builtin_specs, evaluate, plan_device
 from trainers.step import Replica
 

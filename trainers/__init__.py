@@ -1,7 +1,7 @@
 """Trainer services: consume assigned partitions, compute gradients with PyTorch, push them."""
 
 from .device import DevicePlan, plan_device
-from .evaluate import EvalResult, evaluate, score_job
+from .evaluate import EvalResult, evaluate
 from .models import ModelSpec, build_model, builtin_specs, mlp
 from .settings import TrainerSettings
 
@@ -18,5 +18,4 @@ __all__ = [
     # evaluation
     "EvalResult",
     "evaluate",
-    "score_job",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from streamtrain import settings as cfg
+from common import settings as cfg
 
 from .settings import TrainerSettings
 

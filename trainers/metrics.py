@@ -1,7 +1,7 @@
 """Prometheus metrics of one trainer, in its own registry (served on ``--metrics-port``).
 
-Most series are read from the trainer and its consumer when Prometheus scrapes, so the
-training loop carries one hook only (the bytes of each push, by codec). What the trainer
+Most series are read when Prometheus scrapes, from a :class:`TrainerReport` the trainer builds
+on demand, so the training loop carries one hook only (the bytes of each push, by codec). What the trainer
 exports is what only it sees: its steps and loss, the records its consumer took and
 dead-lettered, its partitions' lag as its consumer sees it, and the staleness of the
 parameters it computed on (``streamtrain_ssp_*``, the histograms of
@@ -11,40 +11,60 @@ parameters it computed on (``streamtrain_ssp_*``, the histograms of
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from datastream.consumer import ConsumerStats
 from services.consistency import STALENESS, WAIT_SECONDS
 
-if TYPE_CHECKING:
-    from .service import Trainer
+from .evaluate import EvalResult
 
-__all__ = ["TrainerMetrics"]
+__all__ = ["TrainerMetrics", "TrainerReport"]
+
+
+@dataclass(frozen=True)
+class TrainerReport:
+    """What a trainer's metrics show, as it stands when Prometheus scrapes."""
+
+    steps: int
+    """Training steps computed."""
+    clock: int
+    """Clock of the next step."""
+    staleness: int
+    """Staleness (clocks) of the parameters of the last step."""
+    loss: float | None
+    """Training loss, moving average (None before the first step)."""
+    version: int | None
+    """Model version of the replica (None before the first pull)."""
+    last_eval: EvalResult | None
+    """The last held-out evaluation."""
+    consumer: ConsumerStats | None
+    """The consumer's counters and lag (None before it exists)."""
 
 
 class _Collector(Collector):
     """The trainer's own state, read at scrape time."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self._trainer = trainer
+    def __init__(self, read: Callable[[], TrainerReport]) -> None:
+        self._read = read
 
     def collect(self) -> Iterable[Metric]:
-        t = self._trainer
+        t = self._read()
         steps = CounterMetricFamily("streamtrain_trainer_steps", "training steps this trainer computed")
         steps.add_metric([], t.steps)
         yield steps
         gauges = [("streamtrain_trainer_clock", "clock of this trainer's next step", t.clock),
                   ("streamtrain_trainer_staleness_clocks",
-                   "staleness (clocks) of the parameters of the last step", t.last_staleness)]
-        if t.loss_ema is not None and math.isfinite(t.loss_ema):
-            gauges.append(("streamtrain_trainer_loss", "training loss (moving average over steps)", t.loss_ema))
-        if t.snapshot is not None:
+                   "staleness (clocks) of the parameters of the last step", t.staleness)]
+        if t.loss is not None and math.isfinite(t.loss):
+            gauges.append(("streamtrain_trainer_loss", "training loss (moving average over steps)", t.loss))
+        if t.version is not None:
             gauges.append(("streamtrain_trainer_model_version", "model version of the replica's parameters",
-                           t.snapshot.version))
+                           t.version))
         if t.last_eval is not None:
             gauges.append(("streamtrain_trainer_eval_loss", "held-out loss at the last evaluation",
                            t.last_eval.loss))
@@ -57,7 +77,7 @@ class _Collector(Collector):
             yield family
         if t.consumer is None:
             return
-        stats = t.consumer.stats()
+        stats = t.consumer
         for name, doc, value in (
                 ("streamtrain_messages_consumed", "Kafka messages consumed (rejected ones included)",
                  stats.messages),
@@ -81,9 +101,10 @@ class _Collector(Collector):
 
 
 class TrainerMetrics:
-    """The metrics of one :class:`~trainers.service.Trainer`; the push thread calls :meth:`pushed`."""
+    """The metrics of one trainer: ``read`` builds its :class:`TrainerReport` at each scrape, and the
+    trainer calls :meth:`pushed` for each committed push."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, read: Callable[[], TrainerReport]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self._wire = Counter("streamtrain_pushed_bytes", "encoded gradient bytes pushed, by codec", ["codec"],
@@ -92,7 +113,7 @@ class TrainerMetrics:
                             "the same gradients as float32 (wire bytes over these: the compression), by codec",
                             ["codec"], registry=r)
         self._pushes = Counter("streamtrain_pushes", "updates pushed, by codec", ["codec"], registry=r)
-        r.register(_Collector(trainer))
+        r.register(_Collector(read))
         # process-wide histograms observed by every clock wait of this process
         r.register(STALENESS)
         r.register(WAIT_SECONDS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamtrain.settings import setting
+from common.settings import setting
 
 
 @dataclass(frozen=True)

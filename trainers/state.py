@@ -1,0 +1,239 @@
+"""What a trainer knows between steps, and the rules that change it: no I/O, no clock.
+
+The service shell (:mod:`trainers.service`) does the I/O: it registers, polls
+Kafka, waits for the clock bound, pulls, computes and pushes. Between those
+calls it tells a :class:`TrainerState` what happened, and asks it what to do
+next. Every rule that decides *which clock*, *whether to pull*, *what an
+assignment means* and *where to resume after a refusal or an outage* lives
+here, so it is read and tested on its own (``tests/test_trainer_state.py``),
+like the coordinator's :mod:`coordinator.membership`.
+
+**Clocks.** A trainer numbers its pushes with clocks 1, 2, 3, ... Each push
+carries its clock; the parameter plane records the last clock each member
+pushed (``clocks``) and the last it applied (``applied_clocks``). A (re)joining
+member starts one past the highest live clock (``services.starting_clock``).
+
+**The push in flight.** At most one push is in flight: it overlaps the next
+step's compute, and the next push waits for it. It ends in one of three ways:
+committed (``last_pushed`` moves to its clock), refused (fenced, or offsets out
+of line: the shell resynchronises), or *unsettled* (Redis went away and the
+reply may be lost: ``services.was_committed`` settles it once Redis answers).
+
+**Resynchronising** after a refusal: the steps after the refused push were
+never pushed, so the clock resumes one past ``last_pushed`` (otherwise the
+clock bound would wait for updates of ours that will never exist), and the
+consumer restarts from the committed offsets of the assignment now wanted.
+
+**The replica.** ``covers`` is the clock up to which the local replica holds
+every live member's updates (the lowest applied clock read before the pull
+that filled it). A step needs a pull when the clock bound asks for more than
+that, always under ASP, and after an outage (a Redis restarted on its AOF may
+be a little behind what this trainer saw: ``covers`` is None, pull in full).
+
+**Assignments** come from heartbeats and the presence channel (``wanted``) and
+are followed between steps (:meth:`TrainerState.follow`): the same partitions
+under a new generation only move the fencing token; other partitions mean
+settle the push, then restart the consumer from the committed offsets; a
+``draining`` state means finish, commit and leave.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from coordinator import Assignment
+from services.consistency import ClockWait
+
+
+class Move(enum.Enum):
+    """What the shell must do before the next step (:meth:`TrainerState.follow`)."""
+
+    TRAIN = "train"
+    """Poll a batch and step."""
+    IDLE = "idle"
+    """Nothing to consume now (no assignment, not active, or no partitions): wait a little."""
+    REASSIGN = "reassign"
+    """Partitions changed: settle the push in flight, then restart the consumer from the committed
+    offsets of :attr:`TrainerState.wanted` and call :meth:`TrainerState.assigned`."""
+    LEAVE = "leave"
+    """The coordinator drains this member: finish, commit what is in flight, leave the membership."""
+
+
+class StateError(RuntimeError):
+    """A rule was called out of order (a bug in the shell, not a fault of the cluster)."""
+
+
+def needs_pull(covers: int | None, wait: ClockWait) -> bool:
+    """Does a step after ``wait`` need a pull, when the replica covers clock ``covers``? Yes when the
+    replica is not trusted (None), under ASP (no bound: always take the newest), and when the bound
+    asks for updates the replica lacks. (A function of its arguments: the worker thread that pulls
+    calls it with the values the event loop handed over.)"""
+    return covers is None or wait.required is None or covers < wait.required
+
+
+@dataclass
+class TrainerState:
+    """One trainer's clocks, push in flight, replica coverage and assignments (mutable, not shared
+    across threads: the shell calls it from its event loop only)."""
+
+    member_id: str | None = None
+    """The id this trainer is registered under now (a new one after a lost lease)."""
+    clock: int = 1
+    """Clock of the next step."""
+    last_pushed: int = 0
+    """Last clock whose push is known committed."""
+    inflight: int | None = None
+    """Clock of the push in flight, if any."""
+    inflight_member: str | None = None
+    """The member id the push in flight was made under."""
+    unsettled: int | None = None
+    """Clock of a push whose reply an outage may have lost (settled with ``was_committed``)."""
+    covers: int | None = None
+    """The replica holds every live member's updates up to this clock; None: not trusted (never
+    pulled, or after an outage): the next step pulls in full."""
+    assignment: Assignment | None = None
+    """The assignment the consumer follows now."""
+    wanted: Assignment | None = None
+    """The newest assignment heard from the coordinator, not yet followed."""
+    last_wait: ClockWait | None = None
+    """What the last clock wait observed (lets the next wait skip a read; see ``wait_for_clock``)."""
+    staleness: int = 0
+    """Staleness (clocks) of the parameters the last step computed on."""
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def joined(self, member_id: str, start_clock: int, assignment: Assignment) -> None:
+        """Registered (first time or anew) as ``member_id``, pushing from ``start_clock``
+        (``services.starting_clock``). The consumer follows nothing until :meth:`follow` says.
+        A push still in flight under an earlier id settles without moving this id's clocks."""
+        if start_clock < 1:
+            raise ValueError(f"start clock must be >= 1, got {start_clock}")
+        self.member_id = member_id
+        self.clock = start_clock
+        self.last_pushed = start_clock - 1
+        self.last_wait = None  # a new member id: observe afresh
+        self.assignment = None
+        self.wanted = assignment
+
+    def heard(self, assignment: Assignment) -> None:
+        """A heartbeat (or the presence channel) answered with ``assignment``."""
+        self.wanted = assignment
+
+    def lease_lost(self) -> None:
+        """The coordinator no longer knows this member: nothing is wanted until it registers anew."""
+        self.wanted = None
+
+    def follow(self) -> Move:
+        """Follow the wanted assignment as far as needs no I/O, and say what the shell must do.
+
+        The same partitions under a new generation are adopted at once (only the fencing token
+        moves on); other partitions need :data:`Move.REASSIGN`.
+        """
+        wanted = self.wanted
+        if wanted is not None and wanted.state == "draining":
+            return Move.LEAVE
+        if wanted is not None and wanted is not self.assignment:
+            if self.assignment is None or self.assignment.partitions != wanted.partitions:
+                return Move.REASSIGN
+            self.assignment = wanted
+        current = self.assignment
+        if current is None or current.state != "active" or not current.partitions:
+            return Move.IDLE
+        return Move.TRAIN
+
+    def assigned(self, assignment: Assignment) -> None:
+        """The consumer now follows ``assignment`` (restarted from its committed offsets)."""
+        self.assignment = assignment
+
+    def step_allowed(self) -> bool:
+        """A batch polled now may be stepped: False when the member re-registered while the batch
+        was polled (a fenced member comes back under a new id with no assignment yet); the batch is
+        then dropped, and the new assignment re-reads it from the committed offsets."""
+        return self.assignment is not None
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def waited(self, wait: ClockWait) -> None:
+        """The clock wait for this step returned ``wait``."""
+        self.last_wait = wait
+        self.staleness = wait.staleness
+
+    def needs_pull(self, wait: ClockWait) -> bool:
+        """Does the step after ``wait`` need a pull? Yes when the replica is not trusted, under ASP
+        (no bound: always take the newest), and when the bound asks for updates the replica lacks."""
+        return needs_pull(self.covers, wait)
+
+    def pulled(self, wait: ClockWait) -> None:
+        """The replica was pulled after ``wait``: every live member's updates up to the lowest
+        applied clock read by that wait (before the pull) are in it."""
+        self.covers = wait.min_applied if wait.min_applied is not None else -1
+
+    def pushing(self) -> int:
+        """A push of the step at :attr:`clock` is handed to the push thread; returns its clock.
+
+        Raises:
+            StateError: a push is still in flight (the shell must settle it first).
+        """
+        if self.inflight is not None:
+            raise StateError(f"push at clock {self.inflight} still in flight")
+        if self.member_id is None:
+            raise StateError("push before joining")
+        clock, self.inflight, self.inflight_member = self.clock, self.clock, self.member_id
+        self.clock += 1
+        return clock
+
+    def push_settled(self, committed: bool) -> None:
+        """The push in flight was committed, or refused (``committed=False``)."""
+        clock = self._take_inflight()
+        if clock is not None and committed:
+            self.last_pushed = max(self.last_pushed, clock)
+
+    def push_unsettled(self) -> None:
+        """The push in flight failed with Redis unreachable: it may or may not have been committed.
+        (One made under an earlier id is moot: that id is gone, and so are its clocks.)"""
+        self.unsettled = self._take_inflight()
+
+    def _take_inflight(self) -> int | None:
+        """End the push in flight: its clock, or None when it was made under an earlier member id."""
+        if self.inflight is None:
+            raise StateError("no push in flight")
+        clock, mine = self.inflight, self.inflight_member == self.member_id
+        self.inflight = self.inflight_member = None
+        return clock if mine else None
+
+    # -- recovery ---------------------------------------------------------------------------------
+
+    def resync(self) -> None:
+        """After a refused push (or a clock-bound timeout): resume one past the last committed push,
+        and observe the clocks afresh. The shell then restarts from the committed offsets."""
+        if self.inflight is not None:
+            raise StateError(f"settle the push at clock {self.inflight} before resynchronising")
+        self.clock = self.last_pushed + 1
+        self.last_wait = None
+
+    def outage_settled(self, committed: bool | None) -> None:
+        """Redis answers again. ``committed``: whether the unsettled push was committed
+        (``was_committed``; None when no push was unsettled). The replica is no longer trusted."""
+        if self.inflight is not None:
+            raise StateError(f"settle the push at clock {self.inflight} before the outage")
+        clock, self.unsettled = self.unsettled, None
+        if clock is not None and committed:
+            self.last_pushed = max(self.last_pushed, clock)
+        self.covers = None
+        self.last_wait = None
+
+    # -- idling -------------------------------------------------------------------------------------
+
+    def should_tick(self, consistency: str, live: Iterable[str], clocks: Mapping[str, int]) -> bool:
+        """With no data to step on, should this member push an empty update to advance its clock?
+
+        Yes when another live member has pushed up to our clock or beyond: under BSP/SSP our
+        lagging clock would hold it back. Never under ASP (nobody waits), and not before our first
+        push (the clock bound does not count a member that never pushed).
+        """
+        me = self.member_id
+        if consistency == "asp" or me is None or me not in clocks:
+            return False
+        return any(clocks[m] >= self.clock for m in live if m != me and m in clocks)
