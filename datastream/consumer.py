@@ -35,7 +35,7 @@ import torch
 from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from streamtrain.outage import DEFAULT_LIMIT_S, DependencyUnavailable, Outage
+from common.outage import DEFAULT_LIMIT_S, DependencyUnavailable, Outage
 
 from .dlq import DeadLetterWriter
 from .records import DEFAULT_MAX_RECORD_BYTES, LABEL_KINDS, DecodeError, Records, decode_record, label_kind_of
@@ -194,7 +194,7 @@ class ShardConsumer:
             fetch_max_bytes=fetch_max_bytes, max_partition_fetch_bytes=max_partition_fetch_bytes,
             fetch_min_bytes=fetch_min_bytes, fetch_max_wait_ms=fetch_max_wait_ms)
         self._dlq = DeadLetterWriter(bootstrap, topic) if dlq else None
-        self._out: queue.Queue[tuple[int, Batch | BaseException]] = queue.Queue(maxsize=prefetch)
+        self._out: queue.Queue[tuple[int, Batch]] = queue.Queue(maxsize=prefetch)  # (epoch, batch)
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._epoch = 0  # bumped by every assign(); batches of an older epoch are dropped
         self._positions: dict[int, int] = {}  # partition -> next offset expected (worker-owned)
@@ -248,7 +248,8 @@ class ShardConsumer:
         """The next batch, or ``None`` when none is ready within ``timeout_s``.
 
         Raises:
-            ConsumerClosedError: closed, or the background thread failed (cause chained).
+            DependencyUnavailable: the brokers were unreachable for longer than the outage limit.
+            ConsumerClosedError: closed, or the background thread failed otherwise (cause chained).
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -259,16 +260,14 @@ class ShardConsumer:
             if self._closed.is_set():
                 raise ConsumerClosedError(f"consumer of {self.topic} is closed")
             try:
-                epoch, item = self._out.get(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+                epoch, batch = self._out.get(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() >= deadline:
                     return None
                 continue
-            if isinstance(item, BaseException):
-                continue  # the error is in self._error; raised above
             if epoch == self._epoch:
-                self._handed.update(item.next_offsets)
-                return item
+                self._handed.update(batch.next_offsets)
+                return batch
 
     def __iter__(self) -> Iterator[Batch]:
         """Batches until the consumer is closed."""

@@ -106,10 +106,6 @@ class Source:
     def __repr__(self) -> str:
         return f"Source({self.name!r}, split={self.split!r})"
 
-    def with_split(self, split: str) -> Source:
-        """The same source restricted to ``split``."""
-        return Source(self.name, self._blocks, split)
-
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for start, x, y in self._blocks():
             mask = split_mask(start, len(x), self.split)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -25,16 +25,44 @@ from .updates import unapplied_updates
 
 if TYPE_CHECKING:
     from .apply import Outcome
-    from .server import ParameterServer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["APPLY_BUCKETS", "FRESHNESS_BUCKETS", "MetricsServer", "ServerMetrics"]
+__all__ = ["APPLY_BUCKETS", "FRESHNESS_BUCKETS", "MeteredServer", "MeteredSettings", "MetricsServer", "ServerMetrics"]
 
 FRESHNESS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 """Buckets (seconds) of produce-to-model freshness (the coordinator's histogram uses the same)."""
 APPLY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 """Buckets (seconds) of one write batch."""
+
+
+class MeteredSettings(Protocol):
+    """The settings :class:`ServerMetrics` reads (``services.server.ServerSettings`` has them)."""
+
+    @property
+    def redis_url(self) -> str:
+        """Redis of the job (the backlog gauge reads it)."""
+
+    @property
+    def job(self) -> str:
+        """The job."""
+
+    @property
+    def group(self) -> int:
+        """The server's shard group (the ``group`` label)."""
+
+
+class MeteredServer(Protocol):
+    """What :class:`ServerMetrics` reads of a parameter server, so this module needs no import
+    of ``services.server`` (whose ``ParameterServer`` is one)."""
+
+    @property
+    def settings(self) -> MeteredSettings:
+        """Its settings."""
+
+    @property
+    def version(self) -> int:
+        """Newest model version it loaded or published (read at scrape time)."""
 
 
 class MetricsServer:
@@ -72,7 +100,7 @@ class _Backlog(Collector):
     """``streamtrain_unapplied_updates``, read from Redis at scrape time (no sample while Redis is
     not answering: a scrape never waits out an outage)."""
 
-    def __init__(self, server: ParameterServer) -> None:
+    def __init__(self, server: MeteredServer) -> None:
         self._server = server
         self._client: redis.Redis | None = None
 
@@ -97,10 +125,10 @@ class _Backlog(Collector):
 
 
 class ServerMetrics:
-    """The metrics of one :class:`~services.server.ParameterServer`; the server calls
+    """The metrics of one parameter server (:class:`MeteredServer`); the server calls
     :meth:`observe_write` after each committed write."""
 
-    def __init__(self, server: ParameterServer) -> None:
+    def __init__(self, server: MeteredServer) -> None:
         self.registry = CollectorRegistry()
         r, group = self.registry, str(server.settings.group)
         self.model_version = Gauge("streamtrain_model_version",

@@ -60,9 +60,9 @@ import numpy as np
 import redis
 import torch
 
-from streamtrain.keys import JobKeys
-from streamtrain.outage import REDIS_DOWN, Outage, redis_name
-from streamtrain.settings import setting
+from common.keys import JobKeys
+from common.outage import REDIS_DOWN, Outage, redis_name
+from common.settings import setting
 
 from .apply import Housekeeping, Outcome, Persist, ShardWrite, WriteResult, write_batch
 from .codecs import Sent

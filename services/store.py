@@ -1,6 +1,6 @@
 """The parameter store: a model's shards in Redis, initialised once, pulled as consistent snapshots.
 
-Data model (all keys from :class:`streamtrain.keys.JobKeys`):
+Data model (all keys from :class:`common.keys.JobKeys`):
 
 * ``meta`` — JSON ``{"layout": ..., "optimizer": ..., "groups": n}``, written once.
 * ``shard:<i>`` — full float32 little-endian bytes of shard ``i`` as of its base version.
@@ -31,7 +31,7 @@ import numpy as np
 import redis
 import torch
 
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 from .deltas import apply_deltas
 from .errors import LayoutError
@@ -49,12 +49,13 @@ _PULL_RETRIES = 8
 def connect(url: str, **kwargs: object) -> redis.Redis:
     """A redis-py client for ``url`` with the client path the parameter plane measured fastest.
 
-    hiredis (a dependency) parses replies 2-3x faster than redis-py's parser
-    (an MGET of 40 x 1 MB shards), but its command packer copies every argument
-    into one buffer, making a 4 MB SET ~5x slower than redis-py's serializer,
-    which sends large values as separate chunks. So this client keeps the
-    default (hiredis) parser and uses redis-py's serializer for commands; see
-    ``bench/paramserver.py``.
+    hiredis (a dependency) parses replies about 2x faster than redis-py's own
+    parser (1.8-2.3x on an MGET of 40 x 1 MB values and on a pull of 40 x 1 MB
+    shards), but its command packer copies every argument into one buffer,
+    making a 4 MB SET 3-6x slower than redis-py's serializer, which sends large
+    values as separate chunks. So this client keeps the default (hiredis)
+    parser and uses redis-py's serializer for commands; see
+    ``docs/parameter-plane.md`` and ``bench/paramserver.py``.
     """
     from redis.connection import PythonRespSerializer
     from redis._parsers import Encoder

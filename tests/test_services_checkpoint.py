@@ -15,7 +15,7 @@ from services import (
 )
 from services.checkpoint import FORMAT, CheckpointError
 from streamtrain import cli
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 JOB = "ckptjob"
 

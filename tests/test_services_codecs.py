@@ -89,9 +89,26 @@ def test_payload_refusals() -> None:
     bad = torch.randn(10)
     bad[3] = float("nan")
     with pytest.raises(BadGradientError, match="1 NaN or infinite"):
-        decode_gradient(get_codec("none").encode(bad).data)
+        decode_gradient(get_codec("none").encode(bad, check_finite=False).data)
     with pytest.raises(BadGradientError, match="infinite"):  # 1e6 overflows fp16
         decode_gradient(get_codec("fp16").encode(torch.full((4,), 1e6)).data)
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_encoding_refuses_non_finite_input(name: str) -> None:
+    """Every chain refuses NaN/inf before encoding: the receiver's check cannot catch all of them
+    (unchecked, int8 encodes a block holding a NaN with scale 1, which decodes as finite garbage,
+    and topk drops a NaN silently)."""
+    codec = get_codec(name)
+    for value, count in ((float("nan"), 1), (float("inf"), 2), (-float("inf"), 2)):
+        x = torch.randn(1000)
+        x[[7, 500][:count]] = value
+        with pytest.raises(BadGradientError, match=f"{count} NaN or infinite"):
+            codec.encode(x)
+        with pytest.raises(BadGradientError, match=f"{count} NaN or infinite"):
+            codec.encode_sent(x)
+    with pytest.raises(BadGradientError, match="float32"):
+        codec.encode(torch.zeros(3, dtype=torch.float64))
 
 
 def test_error_feedback_bounded_and_topk_sgd_converges() -> None:

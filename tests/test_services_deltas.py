@@ -16,7 +16,7 @@ from services.codecs.sparse import varint_encode
 from services.deltas import apply_deltas, decode_delta, encode_delta
 from services.wire import pack
 from services.optim import step
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 JOB = "deltajob"
 N = 4096  # one tensor, 4 shards of 1024

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import set_membership, small_model, wait_for
+from test_services_util import set_membership, small_model
 
 from services import (
     OptimizerConfig, ParameterServer, ParameterStore, Pusher, Sent, ServerSettings, ServerStatus, Update,
     get_codec, push_update, unapplied_updates,
 )
 from services.optim import step
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
+from streamtrain.launcher import wait_until
 
 JOB = "psjob"
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def test_applies_like_the_local_optimizer(redis: redis_lib.Redis, redis_url: str
     push_n(redis, range(1, 6))
     servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, batch=batch)))
     servers[0].start()
-    wait_for(lambda: applied(redis) == 5, what="5 updates applied")
+    wait_until(lambda: applied(redis) == 5, 60, what="5 updates applied")
     snap = store.pull()
     want = expected_params(cfg, [1, 2, 3, 4, 5])
     for k in want:
@@ -161,7 +162,7 @@ def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, f
         assert redis.xlen(keys.update_log) == 6 and redis.get(keys.ps_persisted(0)) is None
     proc = run_ps(redis_url)
     try:
-        wait_for(lambda: applied(redis) == 6, timeout_s=120, what="all 6 updates applied after restart")
+        wait_until(lambda: applied(redis) == 6, timeout_s=120, what="all 6 updates applied after restart")
         proc.terminate()
         assert proc.wait(timeout=30) == 0
     finally:
@@ -187,14 +188,14 @@ def test_two_servers_split_the_shards(redis: redis_lib.Redis, redis_url: str, se
     for g in (0, 1):
         servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, group=g, groups=2)))
     servers[0].start()
-    wait_for(lambda: servers[0].applied == 8, what="group 0 applied 8")
+    wait_until(lambda: servers[0].applied == 8, 60, what="group 0 applied 8")
     assert applied(redis) == 0  # group 1 has not applied anything: no update is complete
     assert redis.xlen(JobKeys(JOB).applied_samples) == 0
     assert servers[0].own_shards() == [0, 2, 4]
     servers[0].close()  # group 0 persisted its state; the log keeps what group 1 has not
     assert redis.get(JobKeys(JOB).ps_persisted(0)) is not None and redis.xlen(JobKeys(JOB).update_log) == 8
     servers[1].start()
-    wait_for(lambda: applied(redis) == 8, what="both groups applied 8")
+    wait_until(lambda: applied(redis) == 8, 60, what="both groups applied 8")
     want = expected_params(cfg, list(range(1, 9)))
     snap = store.pull()
     for k in want:
@@ -213,12 +214,12 @@ def test_a_bad_gradient_that_bypassed_validation_leaves_parameters_untouched(
         redis: redis_lib.Redis, redis_url: str, servers: list) -> None:
     store = setup(redis, OptimizerConfig(lr=0.1))
     before = store.pull()
-    nan = get_codec("none").encode(torch.full((64,), float("nan"))).data
+    nan = get_codec("none").encode(torch.full((64,), float("nan")), check_finite=False).data
     push_update(redis, JOB, Update(member_id="a", generation=1, clock=1, gradients={0: nan},
                                    offsets={0: (0, 10)}, samples=[("p", 0, 10)]))  # no layout: not validated
     servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB)))
     servers[0].start()
-    wait_for(lambda: applied(redis) == 1, what="the bad update recorded")
+    wait_until(lambda: applied(redis) == 1, 60, what="the bad update recorded")
     after = store.pull()
     assert after.version == before.version == 0
     for k in before.tensors:
@@ -257,7 +258,7 @@ def test_a_refused_update_inside_a_batch_is_rejected_and_the_rest_apply(
     cfg = OptimizerConfig(name="adam", lr=0.01)
     store = setup(redis, cfg)
     push_n(redis, range(1, 3))
-    nan = get_codec("none").encode(torch.full((64,), float("nan"))).data
+    nan = get_codec("none").encode(torch.full((64,), float("nan")), check_finite=False).data
     push_update(redis, JOB, Update(member_id="a", generation=1, clock=3, gradients={0: nan},
                                    offsets={0: (20, 30)}, samples=[("prod", 20, 10)]))  # not validated
     push_n(redis, range(4, 5))

@@ -10,6 +10,10 @@ how ``topk+fp16`` is two registered codecs composed.
 ``encode_sent`` encodes and also returns what a receiver will decode, in a
 cheap form (:class:`Sent`: the kept indices and their decoded values), so the
 trainer's error feedback needs no decode of its own bytes.
+
+A chain's input is checked by :func:`check_input` before any codec sees it
+(float32, no NaN or infinity), so codecs may assume finite values; the receiver
+checks the decoded values again (``services.codecs.registry``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from ..errors import BadGradientError, PayloadError
 
-__all__ = ["Codec", "CodecInfo", "Sent", "field_bytes", "expect_len"]
+__all__ = ["Codec", "CodecInfo", "Sent", "check_input", "field_bytes", "expect_len"]
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,18 @@ def expect_len(data: bytes, count: int, dtype: np.dtype, codec: str, key: str = 
     return np.frombuffer(data, dtype=dtype)
 
 
-def check_input(values: torch.Tensor) -> torch.Tensor:
-    """Validate what an encoder gets: 1-D float32, finite."""
+def check_input(values: torch.Tensor, *, finite: bool = True) -> torch.Tensor:
+    """What an encoder gets, flattened to a contiguous 1-D CPU float32 tensor, after checking it is
+    float32 and (unless ``finite`` is False: the caller has checked) holds no NaN or infinity.
+
+    Raises:
+        BadGradientError: another dtype, or NaN/inf values (the message counts them).
+    """
     if values.dtype != torch.float32:
         raise BadGradientError(f"codec input must be float32, got {values.dtype}")
-    return values.detach().reshape(-1).contiguous()
+    flat = values.detach().to("cpu").reshape(-1).contiguous()
+    if finite:
+        ok = np.isfinite(flat.numpy())  # numpy's check is ~10x cheaper than torch.isfinite here
+        if not ok.all():
+            raise BadGradientError(f"codec input has {int((~ok).sum())} NaN or infinite value(s)")
+    return flat

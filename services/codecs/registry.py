@@ -77,18 +77,25 @@ class CodecChain:
         """True when any part is lossy (the encoder then keeps an error-feedback residual)."""
         return any(p.info.lossy for p in self.parts)
 
-    def encode_dict(self, values: torch.Tensor) -> dict[str, Any]:
-        """Encode to the msgpack-ready dict."""
-        return self.parts[0].encode(check_input(values), self._inner)
+    def encode_dict(self, values: torch.Tensor, *, check_finite: bool = True) -> dict[str, Any]:
+        """Encode to the msgpack-ready dict (see :meth:`encode`)."""
+        return self.parts[0].encode(check_input(values, finite=check_finite), self._inner)
 
-    def encode(self, values: torch.Tensor) -> Encoded:
-        """Encode a float32 tensor (any shape, flattened) to wire bytes."""
-        return Encoded(pack(self.encode_dict(values)), values.numel())
+    def encode(self, values: torch.Tensor, *, check_finite: bool = True) -> Encoded:
+        """Encode a float32 tensor (any shape, flattened) to wire bytes.
 
-    def encode_sent(self, values: torch.Tensor) -> tuple[Encoded, Sent]:
+        ``check_finite=False`` skips the NaN/inf check, for a caller that has made it already
+        (:class:`~services.Pusher`) or a test that builds a bad payload on purpose.
+
+        Raises:
+            BadGradientError: not float32, or NaN/inf values (a receiver would refuse them).
+        """
+        return Encoded(pack(self.encode_dict(values, check_finite=check_finite)), values.numel())
+
+    def encode_sent(self, values: torch.Tensor, *, check_finite: bool = True) -> tuple[Encoded, Sent]:
         """:meth:`encode`, plus what :func:`decode_gradient` will return for the bytes, in a
         cheap form (the trainer's error feedback subtracts it without decoding)."""
-        msg, sent = self.parts[0].encode_sent(check_input(values), self._inner)
+        msg, sent = self.parts[0].encode_sent(check_input(values, finite=check_finite), self._inner)
         return Encoded(pack(msg), values.numel()), sent
 
     @property
