@@ -24,12 +24,12 @@ lost last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import shutil
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 # Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
@@ -40,7 +40,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from bench.pipeline import time_to_accuracy  # noqa: E402
-from streamtrain.cluster import ClusterSpec  # noqa: E402
+from coordinator.settings import CoordinatorSettings  # noqa: E402
+from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec  # noqa: E402
 from trainers import build_model  # noqa: E402
 
 RESULTS = _HERE / "results" / "compression.json"
@@ -60,9 +61,12 @@ OPTIMIZERS = {"adam": 0.001, "lazyadam": 0.005, "dgc": 0.1}
 
 
 def run(settings: dict, records: int, workdir: Path, target: float = 0.95) -> dict:
-    """One digits job with two trainers under SSP s = 2 and ``settings`` (ClusterSpec fields)."""
-    spec = dataclasses.replace(ClusterSpec(job="compression", topic="compression", trainers=0, source=None,
-                                           eval_source=""), **settings)
+    """One digits job with two trainers under SSP s = 2 and ``settings`` (the coordinator's job settings,
+    and the trainers' ``topk_density``)."""
+    job = {k: v for k, v in settings.items() if k != "topk_density"}
+    trainer = replace(LOCAL_TRAINER, eval_source="", **{k: v for k, v in settings.items() if k == "topk_density"})
+    spec = ClusterSpec(job="compression", topic="compression", trainers=0, producer=None,
+                       coordinator=CoordinatorSettings(**job), trainer=trainer)
     shutil.rmtree(workdir, ignore_errors=True)
     result = time_to_accuracy(spec, SOURCE, records, target, workdir, trainers=2)
     after = [acc for sec, _, acc in result["curve"] if result["reached"] and sec >= result["seconds"]]
@@ -98,11 +102,13 @@ def main() -> None:
                       ", ".join(f"{r:.2%}" for r in summary[name]["runs"]))
     results["bytes_vs_accuracy"] = summary
 
-    speed = Table(title="time to 95% held-out accuracy with the default codec (topk+fp16 at 1%)")
+    default = {"codec": CoordinatorSettings().codec, "topk_density": LOCAL_TRAINER.topk_density}
+    speed = Table(title=f"time to 95% held-out accuracy with the default codec ({default['codec']} at "
+                        f"{default['topk_density']:.0%})")
     for col in ("optimizer", "lr", "seconds to 95%", "lowest after", "final"):
         speed.add_column(col, justify="right")
     results["time_to_95"] = {}
-    jobs = [(name, {"codec": "topk+fp16", "topk_density": 0.01, "optimizer": name, "lr": lr})
+    jobs = [(name, {**default, "optimizer": name, "lr": lr})
             for name, lr in OPTIMIZERS.items()] + [("adam, codec none", DENSE)]
     for label, settings in jobs:
         r = run(settings, args.records, args.workdir / f"speed-{label.replace(' ', '').replace(',', '-')}")

@@ -12,7 +12,7 @@ In one run:
 3. **Pipeline**: the same models trained through everything real (Kafka, trainers,
    Redis, the parameter server, the coordinator) with one trainer (all threads) and
    with two (one thread each), under SSP s = 2 with the job defaults (optimizer,
-   codec, density: ``ClusterSpec``). The data is produced first, so the producer is
+   codec, density: ``CoordinatorSettings`` and ``TrainerSettings``). The data is produced first, so the producer is
    not what is measured; samples/s counts the samples the parameter server applied,
    from the first to the last applied update. The trainers' step logs say where a
    step's time goes (wait, pull, compute, push wait), in ms per step.
@@ -52,6 +52,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 # Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
@@ -66,19 +67,21 @@ from rich.table import Table  # noqa: E402
 from bench.peers import ddp_throughput, local_throughput, local_time_to_accuracy, one_pass  # noqa: E402
 from datastream import load_source, produce  # noqa: E402
 from services import LayoutError, ParameterStore, Snapshot, connect  # noqa: E402
-from streamtrain.cluster import ClusterSpec, LocalCluster  # noqa: E402
-from streamtrain.keys import JobKeys  # noqa: E402
+from coordinator.settings import CoordinatorSettings  # noqa: E402
+from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster  # noqa: E402
+from common.keys import JobKeys  # noqa: E402
 from trainers import build_model, evaluate  # noqa: E402
 
 RESULTS = _HERE / "results" / "pipeline.json"
 console = Console(width=120)
 
 MODELS = {
-    "digits-mlp": {"batch": 64, "source": "digits?repeat=0", "lr": ClusterSpec.lr},
+    "digits-mlp": {"batch": 64, "source": "digits?repeat=0", "lr": CoordinatorSettings().lr},
     "mlp-2m": {"batch": 128, "source": "synthetic?features=784&classes=10&seed=1", "lr": 0.003},
 }
-"""Batch, data and the job's learning rate per model (the job default 0.01 is tuned on digits; the wider
-model trains best at 0.003 with lazyadam and top-k at 1%: 5.0 s to 70% against 6.5 s at 0.01)."""
+"""Batch, data and the job's learning rate per model (the job default, ``CoordinatorSettings.lr``, is tuned
+on digits; the wider model trains best at 0.003 with lazyadam and top-k at 1%: 5.0 s to 70% against 6.5 s
+at 0.01)."""
 TARGET = 0.7
 """Held-out accuracy the time-to-accuracy runs aim at (mlp-2m on the synthetic task)."""
 
@@ -109,8 +112,10 @@ def step_phases(cluster: LocalCluster) -> dict[str, float]:
 def job_spec(model: str, trainers: int, threads: int, job: str) -> ClusterSpec:
     """The job defaults for ``model``, no producer (the bench produces first)."""
     m = MODELS[model]
-    return ClusterSpec(job=job, topic=job, partitions=4, trainers=0, model=model, batch_size=m["batch"], lr=m["lr"],
-                       threads=threads, source=None, eval_source="", extra_trainer_args=("--prefetch", "8"))
+    return ClusterSpec(job=job, topic=job, trainers=0, producer=None,
+                       coordinator=CoordinatorSettings(partitions=4, lr=m["lr"]),
+                       trainer=replace(LOCAL_TRAINER, model=model, batch_size=m["batch"], threads=threads,
+                                       eval_source="", prefetch=8))
 
 
 def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Path) -> dict[str, object]:
@@ -133,7 +138,8 @@ def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Pat
     assert samples == report.records, f"applied {samples} samples of {report.records} produced"
     return {"samples": samples, "samples_per_s": samples / span, "span_s": span,
             "wall_with_startup_s": wall, "updates": len(entries), "step_ms": phases,
-            "optimizer": spec.optimizer, "lr": spec.lr, "codec": spec.codec, "density": spec.topk_density}
+            "optimizer": spec.coordinator.optimizer, "lr": spec.coordinator.lr, "codec": spec.coordinator.codec,
+            "density": spec.trainer.topk_density}
 
 
 def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float, workdir: Path, *,
@@ -145,7 +151,7 @@ def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float
     snaps: list[tuple[float, Snapshot]] = []
     with LocalCluster(spec, workdir=workdir) as cluster:
         produce(cluster.bootstrap, spec.topic, source, partitions=spec.partitions,
-                shard_size=spec.batch_size, limit=records, split="train")
+                shard_size=spec.trainer.batch_size, limit=records, split="train")
         client = connect(cluster.redis_url)
         store = ParameterStore(client, spec.job)
         for _ in range(trainers):
@@ -170,7 +176,7 @@ def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float
         entries = [e for e in applied_entries(cluster) if int(e[b"batch_size"]) > 0]
     x, y = load_source(one_pass(source), split="test").read(limit=2000)
     x, y = torch.from_numpy(x).float(), torch.from_numpy(y).long()
-    net = build_model(spec.model)
+    net = build_model(spec.trainer.model)
     curve = []
     for seconds, s in snaps:
         net.model.load_state_dict(s.tensors)
@@ -187,8 +193,9 @@ def recovery_and_freshness(threads: int, workdir: Path, rate: float, kills: int 
     trainer replaces it each time) and time until every partition it owned is consumed again; then
     freeze one (SIGSTOP) and time until it is fenced and its partitions consumed by the other.
     Freshness comes from the same run's applied records, before the first kill."""
-    spec = ClusterSpec(job="recovery", topic="recovery", partitions=4, trainers=2, threads=threads,
-                       source="digits?repeat=0", rate=rate, eval_source="")
+    spec = ClusterSpec(job="recovery", topic="recovery", trainers=2,
+                       trainer=replace(LOCAL_TRAINER, threads=threads, eval_source=""),
+                       producer=replace(LOCAL_STREAM, source="digits?repeat=0", rate=rate))
     both = _two_trainers_own_partitions
     with LocalCluster(spec, workdir=workdir) as cluster:
         cluster.wait_for(lambda s: both(s) and (s["versions"]["max"] or 0) >= 200, timeout_s=120,
@@ -216,7 +223,7 @@ def recovery_and_freshness(threads: int, workdir: Path, rate: float, kills: int 
     steady = freshness_quantiles([e for e in entries if int(e[b"applied_ms"]) < kill_ms])
     whole = freshness_quantiles(entries)
     return {"recovery_s": recoveries, "recovery_median_s": statistics.median(recoveries),
-            "frozen_replaced_s": frozen_s, "lease_s": spec.lease_ms / 1000, "rate_records_per_s": rate,
+            "frozen_replaced_s": frozen_s, "lease_s": spec.coordinator.lease_ms / 1000, "rate_records_per_s": rate,
             "freshness_p50_s": steady[0], "freshness_p99_s": steady[1], "freshness_batches": steady[2],
             "freshness_with_kill_p50_s": whole[0], "freshness_with_kill_p99_s": whole[1]}
 
@@ -240,8 +247,9 @@ def freshness_at(rate: float, threads: int, workdir: Path, seconds: float = 30.0
     """Freshness in steady state with two trainers (``threads`` each, the job defaults) on an unbounded
     digits stream paced at ``rate`` records/s: the batches applied during ``seconds`` after a warm-up,
     and the records/s applied meanwhile (as much as the input when the job keeps up)."""
-    spec = ClusterSpec(job="fresh", topic="fresh", partitions=4, trainers=2, threads=threads,
-                       source="digits?repeat=0", rate=rate, eval_source="")
+    spec = ClusterSpec(job="fresh", topic="fresh", trainers=2,
+                       trainer=replace(LOCAL_TRAINER, threads=threads, eval_source=""),
+                       producer=replace(LOCAL_STREAM, source="digits?repeat=0", rate=rate))
     with LocalCluster(spec, workdir=workdir) as cluster:
         cluster.wait_for(lambda s: _two_trainers_own_partitions(s) and (s["versions"]["max"] or 0) >= 200,
                          timeout_s=120, what="two trainers training")

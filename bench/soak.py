@@ -32,6 +32,7 @@ import platform
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 # Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
@@ -42,8 +43,8 @@ import redis as redis_lib  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from streamtrain.cluster import ClusterSpec, LocalCluster  # noqa: E402
-from streamtrain.keys import JobKeys  # noqa: E402
+from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster  # noqa: E402
+from common.keys import JobKeys  # noqa: E402
 
 RESULTS = _HERE / "results" / "soak.json"
 TARGET_PCT_PER_HOUR = 5.0
@@ -68,7 +69,8 @@ def rss_kb(pid: int | None) -> int | None:
 def processes(cluster: LocalCluster) -> dict[str, int | None]:
     """Name -> pid of every process the cluster started."""
     procs = {"redis": cluster.redis, "kafka": cluster.kafka, "coordinator": cluster.coordinator,
-             "ps": cluster.ps, "producer": cluster.producer}
+             "producer": cluster.producer}
+    procs.update({"ps" if len(cluster.ps) == 1 else f"ps-{g}": p for g, p in enumerate(cluster.ps)})
     procs.update({f"trainer-{i}": t for i, t in enumerate(cluster.trainers)})
     return {name: p.pid if p is not None else None for name, p in procs.items()}
 
@@ -103,7 +105,9 @@ def growth_pct_per_hour(points: list[tuple[float, float]]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
-    spec = ClusterSpec(source="digits?repeat=0", rate=args.rate)
+    # the services read their variables (STREAMTRAIN_PS_AUDIT_HORIZON_S, ...) over the local defaults
+    spec = ClusterSpec(producer=replace(LOCAL_STREAM, source="digits?repeat=0", rate=args.rate)
+                       ).with_environment(os.environ)
     keys = JobKeys(spec.job)
     samples: list[dict[str, object]] = []
     with LocalCluster(spec, workdir=args.workdir) as cluster:

@@ -15,6 +15,7 @@ import asyncio
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 root = Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ sys.path.insert(0, str(root / "tests"))
 
 from cdp import chromium  # noqa: E402
 
-from streamtrain.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster  # noqa: E402
 
 
 async def shoot(url: str, out: Path) -> None:
@@ -43,11 +44,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=40.0, help="training time before the screenshot")
     parser.add_argument("--trainers", type=int, default=2)
-    parser.add_argument("--source", default="digits?repeat=60", help="what the producer streams")
+    parser.add_argument("--source", default=LOCAL_STREAM.source, help="what the producer streams")
     parser.add_argument("--rate", type=float, default=None, help="records/s the producer stays under")
     parser.add_argument("--out", type=Path, default=root / "docs" / "img" / "dashboard.png")
     args = parser.parse_args()
-    spec = ClusterSpec(trainers=args.trainers, source=args.source, rate=args.rate)
+    spec = ClusterSpec(trainers=args.trainers, producer=replace(LOCAL_STREAM, source=args.source, rate=args.rate))
     cluster = LocalCluster(spec)
     try:
         with cluster:

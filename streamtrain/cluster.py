@@ -1,16 +1,25 @@
 """The docker-compose topology as local processes: what ``streamtrain up`` runs.
 
 :class:`LocalCluster` starts a real Kafka broker and a real Redis server
-(the launcher), then the coordinator, parameter servers, trainers and a
-producer as ``streamtrain`` child processes, each with its own log in the
-cluster's folder. The end-to-end tests and ``bench/pipeline.py`` use it too,
-with its fault helpers (kill a trainer, restart the parameter server or the
-coordinator).
+(the launcher), then the coordinator, one parameter server per shard group,
+trainers and a producer as ``streamtrain`` child processes, each with its own
+log in the cluster's folder. The end-to-end tests and ``bench/pipeline.py`` use
+it too, with its fault helpers (kill a trainer, restart the parameter servers or
+the coordinator).
+
+What runs is a :class:`ClusterSpec`: the services' own settings dataclasses
+(their defaults are the only defaults) plus the few things only a cluster has.
+:func:`service_settings` fills in what the cluster decides (addresses, ports,
+job, topic, tokens, each server's shard group) and :func:`commands` renders
+each service's settings as its command line with :func:`common.settings.to_flags`,
+so a renamed flag fails in the tests that parse those command lines
+(``tests/test_cluster.py``), not at run time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -20,73 +29,175 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
+
+from common.outage import REDIS_DOWN
+from common.settings import from_args, to_flags
+from coordinator.settings import CoordinatorSettings
+from datastream.cli import ProduceSettings
+from services.server import ServerSettings
+from trainers.settings import TrainerSettings
 
 from .launcher import KafkaBroker, RedisServer, ServiceProcess, free_port, wait_until
-from .outage import REDIS_DOWN
 
 logger = logging.getLogger(__name__)
+
+S = TypeVar("S")
+
+LOCAL_STREAM = ProduceSettings(source="digits?repeat=60", split="train", shard_size=32, progress=False)
+"""What a local cluster (and ``streamtrain up``) streams unless told otherwise: the digits train split
+60 times over (enough for 95 % held out with the job defaults, ``up``'s target), in shards of 32 records,
+without a progress bar (its output goes to a log)."""
+
+LOCAL_TRAINER = TrainerSettings(threads=1, eval_source="digits")
+"""A local cluster's trainers: one CPU thread each (several processes share the machine), scoring the
+digits test split (``eval_every`` and the rest: the trainer's defaults)."""
+
+SECRET_FIELDS = ("admin_token", "job_token", "redis_url")
+"""Settings passed to a child in their environment variables, not on its command line (``ps`` shows
+command lines to every user; a Redis URL may hold a password)."""
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What to run. Every field maps onto a flag of one of the services."""
+    """What to run: each service's settings, and what only a cluster has.
+
+    The job's configuration (consistency, staleness, codec, optimizer, lr,
+    partitions, lease, ``ps_groups``) is ``coordinator``'s; the trainers' (model,
+    batch size, threads, top-k density, evaluation) is ``trainer``'s. Addresses,
+    ports, tokens, the job and the topic in these settings are placeholders:
+    :func:`service_settings` replaces them with the cluster's. Change a part with
+    :func:`dataclasses.replace`, e.g.
+    ``ClusterSpec(coordinator=CoordinatorSettings(consistency="bsp", ps_groups=2))``.
+    """
 
     job: str = "digits"
-    """Job name (Redis keys, Kafka group)."""
+    """Job name (Redis keys, Kafka group) of every service."""
     topic: str = "digits"
-    """Training topic."""
-    partitions: int = 4
-    """Partitions of the training topic."""
+    """Training topic of every service."""
     trainers: int = 2
-    """Trainer processes."""
-    model: str = "digits-mlp"
-    """Model spec of the trainers."""
-    batch_size: int = 64
-    """Records per training step."""
-    threads: int = 1
-    """CPU threads per trainer."""
-    consistency: str = "ssp"
-    """bsp, ssp or asp."""
-    staleness: int = 2
-    """SSP bound."""
-    codec: str = "topk+fp16"
-    """Gradient codec."""
-    topk_density: float = 0.01
-    """Fraction of values a topk codec keeps."""
-    optimizer: str = "lazyadam"
-    """Optimizer: lazyadam trains digits to 95% fastest with the top-k codec (``bench/compression.py``)."""
-    lr: float = 0.005
-    """Learning rate (lazy Adam at 0.01 reached 95 % as fast but swung down to 81 % after it; ``bench/compression.py``)."""
-    source: str | None = "digits?repeat=20"
-    """Producer source spec (None: start no producer)."""
-    source_split: str = "train"
-    """Split of the source that is produced."""
-    limit: int | None = None
-    """Most records to produce."""
-    shard_size: int = 32
-    """Records per Kafka message."""
-    rate: float | None = None
-    """Records/s the producer stays under."""
-    eval_source: str = "digits"
-    """Held-out data (its test split) the trainers score."""
-    eval_every: int = 25
-    """Trainer steps between evaluations."""
-    lease_ms: int = 3000
-    """Coordinator lease."""
-    heartbeat_interval_ms: int = 500
-    """Trainer heartbeat period."""
+    """Trainer processes started with the cluster (:meth:`LocalCluster.add_trainer` starts more)."""
+    coordinator: CoordinatorSettings = CoordinatorSettings()
+    """The coordinator, and through it the job's configuration; ``ps_groups`` parameter servers run."""
+    trainer: TrainerSettings = LOCAL_TRAINER
+    """Every trainer."""
+    ps: ServerSettings = ServerSettings()
+    """Every parameter server (``group``/``groups`` are set per server; a relative ``checkpoint_dir``
+    is in the cluster's folder; a non-zero ``metrics_port`` is group 0's, group g's is that plus g)."""
+    producer: ProduceSettings | None = LOCAL_STREAM
+    """The producer (None: start no producer; ``partitions`` is the coordinator's)."""
     redis_aof: bool = True
     """Redis AOF persistence."""
     kafka_heap_mb: int = 512
     """Heap of the local broker."""
-    ps_checkpoint_every: int = 0
-    """Automatic checkpoint period in versions (0: off)."""
     extra_trainer_args: tuple[str, ...] = ()
-    """More flags for every trainer."""
+    """More flags for every trainer, after its settings' (they win)."""
+
+    @property
+    def partitions(self) -> int:
+        """Partitions of the training topic (the coordinator's)."""
+        return self.coordinator.partitions
+
+    @property
+    def ps_groups(self) -> int:
+        """Parameter servers, one per shard group (the coordinator's ``ps_groups``)."""
+        return self.coordinator.ps_groups
+
+    def with_environment(self, environ: Mapping[str, str]) -> ClusterSpec:
+        """This spec with every service setting whose variable is set in ``environ``
+        (``STREAMTRAIN_*``) taken from there, as the service itself would read it.
+
+        Raises:
+            SettingsError: a variable has a bad value.
+        """
+        return replace(self, coordinator=_environment_over(self.coordinator, environ),
+                       trainer=_environment_over(self.trainer, environ), ps=_environment_over(self.ps, environ),
+                       producer=None if self.producer is None else _environment_over(self.producer, environ))
+
+
+def _environment_over(settings: S, environ: Mapping[str, str]) -> S:
+    """``settings`` with the fields whose environment variable ``environ`` sets read from there."""
+    kept = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)  # type: ignore[arg-type]
+            if f.metadata.get("env") not in environ}
+    return from_args(type(settings), kept, environ)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """What a running cluster decides for its services."""
+
+    redis_url: str
+    """Redis of the job."""
+    bootstrap: str
+    """Kafka bootstrap address."""
+    coordinator_port: int
+    """Port the coordinator binds on loopback."""
+    admin_token: str
+    """Bearer token of admin calls."""
+    job_token: str
+    """Bearer token of trainer calls."""
+    workdir: Path
+    """The cluster's folder (relative checkpoint folders are in it)."""
+
+    @property
+    def coordinator_url(self) -> str:
+        """Base URL of the coordinator."""
+        return f"http://127.0.0.1:{self.coordinator_port}"
+
+
+class Services(NamedTuple):
+    """The settings each service of a cluster runs with."""
+
+    coordinator: CoordinatorSettings
+    """The coordinator."""
+    ps: tuple[ServerSettings, ...]
+    """One parameter server per shard group, group g at index g."""
+    trainer: TrainerSettings
+    """Every trainer."""
+    producer: ProduceSettings | None
+    """The producer, if any."""
+
+
+def service_settings(spec: ClusterSpec, at: Endpoints) -> Services:
+    """``spec``'s services with the cluster's job, topic, addresses, tokens and shard groups filled in."""
+    coordinator = replace(spec.coordinator, job=spec.job, topic=spec.topic, redis_url=at.redis_url,
+                          kafka_bootstrap=at.bootstrap, port=at.coordinator_port,
+                          admin_token=at.admin_token, job_token=at.job_token)
+    groups = coordinator.ps_groups
+    ps = tuple(replace(spec.ps, job=spec.job, redis_url=at.redis_url, groups=groups, group=g,
+                       checkpoint_dir=str(at.workdir / spec.ps.checkpoint_dir),
+                       metrics_port=spec.ps.metrics_port + g if spec.ps.metrics_port else 0)
+               for g in range(groups))
+    trainer = replace(spec.trainer, job=spec.job, coordinator_url=at.coordinator_url, job_token=at.job_token,
+                      redis_url=at.redis_url, kafka_bootstrap=at.bootstrap)
+    producer = None if spec.producer is None else replace(
+        spec.producer, topic=spec.topic, bootstrap=at.bootstrap, partitions=coordinator.partitions)
+    return Services(coordinator, ps, trainer, producer)
+
+
+def command_line(command: str, settings: Any) -> tuple[list[str], dict[str, str]]:
+    """``(args, env)`` that run ``streamtrain <command>`` with exactly ``settings``: the flags of
+    :func:`common.settings.to_flags`, and the :data:`SECRET_FIELDS` in their environment variables."""
+    secret = {f.name: f.metadata["env"] for f in dataclasses.fields(settings) if f.name in SECRET_FIELDS}
+    env = {var: str(getattr(settings, name)) for name, var in secret.items()}
+    return [command, *to_flags(settings, omit=secret)], env
+
+
+def commands(spec: ClusterSpec, at: Endpoints) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """What :class:`LocalCluster` runs: ``(args after streamtrain, environment added)`` of the
+    ``coordinator``, of ``ps0`` .. one parameter server per shard group, of every ``trainer`` (its
+    settings' flags, then ``spec.extra_trainer_args``) and of the ``producer`` (when there is one)."""
+    services = service_settings(spec, at)
+    out = {"coordinator": command_line("coordinator", services.coordinator)}
+    out.update({f"ps{s.group}": command_line("ps", s) for s in services.ps})
+    args, env = command_line("trainer", services.trainer)
+    out["trainer"] = ([*args, *spec.extra_trainer_args], env)
+    if services.producer is not None:
+        out["producer"] = command_line("produce", services.producer)
+    return out
 
 
 @dataclass
@@ -98,7 +209,8 @@ class LocalCluster:
     redis: RedisServer | None = None
     kafka: KafkaBroker | None = None
     coordinator: ServiceProcess | None = None
-    ps: ServiceProcess | None = None
+    ps: list[ServiceProcess] = field(default_factory=list)
+    """The parameter servers, group g at index g."""
     producer: ServiceProcess | None = None
     trainers: list[ServiceProcess] = field(default_factory=list)
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
@@ -125,11 +237,13 @@ class LocalCluster:
         assert self.kafka is not None
         return self.kafka.bootstrap
 
-    def _env(self) -> dict[str, str]:
-        return {"STREAMTRAIN_JOB": self.spec.job, "STREAMTRAIN_REDIS_URL": self.redis_url,
-                "STREAMTRAIN_KAFKA_BOOTSTRAP": self.bootstrap,
-                "STREAMTRAIN_JOB_TOKEN": self.job_token, "STREAMTRAIN_ADMIN_TOKEN": self.admin_token,
-                "STREAMTRAIN_COORDINATOR_URL": self.coordinator_url}
+    @property
+    def endpoints(self) -> Endpoints:
+        """What this cluster gives its services (once Redis and Kafka run)."""
+        assert self.workdir is not None
+        return Endpoints(redis_url=self.redis_url, bootstrap=self.bootstrap,
+                         coordinator_port=self.coordinator_port, admin_token=self.admin_token,
+                         job_token=self.job_token, workdir=self.workdir)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> LocalCluster:
@@ -148,7 +262,7 @@ class LocalCluster:
             ensure_topic(self.bootstrap, self.spec.topic, self.spec.partitions)
             self.start_coordinator()
             self.start_ps()
-            if self.spec.source is not None:
+            if self.spec.producer is not None:
                 self.start_producer()
             for _ in range(self.spec.trainers):
                 self.add_trainer()
@@ -157,53 +271,36 @@ class LocalCluster:
             raise
         return self
 
-    def _service(self, name: str, args: list[str],
-                 ready: Callable[[], bool] | None = None) -> ServiceProcess:
-        proc = ServiceProcess(name, args, env=self._env(), ready=ready,
-                              workdir=self.workdir / name, start_timeout_s=120, stop_timeout_s=30)
+    def _service(self, which: str, name: str, ready: Callable[[], bool] | None = None) -> ServiceProcess:
+        """Start service ``which`` (a key of :func:`commands`) as process ``name``."""
+        args, env = commands(self.spec, self.endpoints)[which]
+        proc = ServiceProcess(name, args, env=env, ready=ready, workdir=self.workdir / name,
+                              start_timeout_s=120, stop_timeout_s=30)
         return proc.start()
 
     def start_coordinator(self) -> ServiceProcess:
         """Start (or restart) the coordinator on its fixed port."""
-        s = self.spec
-        self.coordinator = self._service(f"coordinator-{self._next()}", [
-            "coordinator", "--port", str(self.coordinator_port), "--topic", s.topic,
-            "--partitions", str(s.partitions), "--consistency", s.consistency,
-            "--staleness", str(s.staleness), "--codec", s.codec, "--optimizer", s.optimizer,
-            "--lr", str(s.lr), "--lease-ms", str(s.lease_ms),
-            "--heartbeat-interval-ms", str(s.heartbeat_interval_ms)], ready=self._coordinator_up)
+        self.coordinator = self._service("coordinator", f"coordinator-{self._next()}", ready=self._coordinator_up)
         return self.coordinator
 
-    def start_ps(self) -> ServiceProcess:
-        """Start (or restart) the parameter server."""
-        args = ["ps"]
-        if self.spec.ps_checkpoint_every:
-            args += ["--checkpoint-every", str(self.spec.ps_checkpoint_every),
-                     "--checkpoint-dir", str(self.workdir / "checkpoints")]
-        self.ps = self._service(f"ps-{self._next()}", args)
+    def start_ps(self, group: int | None = None) -> list[ServiceProcess]:
+        """Start (or restart) the parameter server of shard ``group``, or of every group (None)."""
+        if group is not None:
+            self.ps[group] = self._service(f"ps{group}", f"ps{group}-{self._next()}")
+            return self.ps
+        self.ps = []
+        for g in range(self.spec.ps_groups):  # one at a time: stop() finds those started before a failure
+            self.ps.append(self._service(f"ps{g}", f"ps{g}-{self._next()}"))
         return self.ps
 
     def start_producer(self) -> ServiceProcess:
-        """Start the producer streaming ``spec.source`` into the topic."""
-        s = self.spec
-        args = ["produce", "--source", s.source, "--split", s.source_split, "--topic", s.topic,
-                "--partitions", str(s.partitions), "--shard-size", str(s.shard_size), "--no-progress"]
-        if s.limit is not None:
-            args += ["--limit", str(s.limit)]
-        if s.rate is not None:
-            args += ["--rate", str(s.rate)]
-        self.producer = self._service("producer", args)
+        """Start the producer streaming ``spec.producer.source`` into the topic."""
+        self.producer = self._service("producer", "producer")
         return self.producer
 
     def add_trainer(self) -> ServiceProcess:
         """Start one more trainer."""
-        s = self.spec
-        args = ["trainer", "--model", s.model, "--batch-size", str(s.batch_size),
-                "--threads", str(s.threads), "--topk-density", str(s.topk_density),
-                "--eval-every", str(s.eval_every), *s.extra_trainer_args]
-        if s.eval_source:
-            args += ["--eval-source", s.eval_source]
-        trainer = self._service(f"trainer-{self._next()}", args)
+        trainer = self._service("trainer", f"trainer-{self._next()}")
         self.trainers.append(trainer)
         return trainer
 
@@ -213,7 +310,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop everything, trainers first (they drain and leave), servers last."""
-        for proc in [*self.trainers, self.producer, self.ps, self.coordinator, self.kafka, self.redis]:
+        for proc in [*self.trainers, self.producer, *self.ps, self.coordinator, self.kafka, self.redis]:
             if proc is not None:
                 try:
                     proc.stop()
@@ -268,7 +365,7 @@ class LocalCluster:
 
     def raise_if_crashed(self) -> None:
         """Raise when a service that should run has exited on its own, with its log's tail."""
-        for proc in [self.coordinator, self.ps, *self.trainers]:
+        for proc in [self.coordinator, *self.ps, *self.trainers]:
             if proc is not None and proc.pid is not None and proc.returncode not in (None, 0):
                 raise RuntimeError(f"{proc.name} exited with code {proc.returncode}:\n{proc.log_tail(30)}")
 
@@ -284,23 +381,29 @@ class LocalCluster:
         return trainer
 
     def restart(self, which: str, down_s: float = 0.0) -> None:
-        """SIGKILL ``which`` (``ps``, ``coordinator``, ``redis`` or ``kafka``), wait ``down_s``, and
-        start a new one: Redis and Kafka on the same port and folder (Redis reloads its AOF)."""
-        proc = getattr(self, which)
-        with contextlib.suppress(Exception):
-            proc.kill()
-            proc.stop()
+        """SIGKILL ``which`` (``ps``: every parameter server, ``coordinator``, ``redis`` or ``kafka``),
+        wait ``down_s``, and start it again: Redis and Kafka on the same port and folder (Redis reloads
+        its AOF)."""
+        if which not in ("ps", "coordinator", "redis", "kafka"):
+            raise ValueError(f"cannot restart {which!r}: ps, coordinator, redis or kafka")
+        procs = list(self.ps) if which == "ps" else [getattr(self, which)]
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.stop()
         time.sleep(down_s)
         if which == "redis":
-            self.redis = RedisServer(port=proc.port, password=proc.password, appendonly=self.spec.redis_aof,
-                                     workdir=proc.workdir).start()
+            old = procs[0]
+            self.redis = RedisServer(port=old.port, password=old.password, appendonly=self.spec.redis_aof,
+                                     workdir=old.workdir).start()
         elif which == "kafka":
-            self.kafka = KafkaBroker(port=proc.port, heap_mb=self.spec.kafka_heap_mb, log_level="WARN",
-                                     workdir=proc.workdir).start()
-        elif which in ("ps", "coordinator"):
-            (self.start_ps if which == "ps" else self.start_coordinator)()
+            old = procs[0]
+            self.kafka = KafkaBroker(port=old.port, heap_mb=self.spec.kafka_heap_mb, log_level="WARN",
+                                     workdir=old.workdir).start()
+        elif which == "ps":
+            self.start_ps()
         else:
-            raise ValueError(f"cannot restart {which!r}: ps, coordinator, redis or kafka")
+            self.start_coordinator()
 
     def freeze_trainer(self, index: int = 0) -> ServiceProcess:
         """SIGSTOP trainer ``index``: alive, silent, its lease running out (see :meth:`thaw`)."""
@@ -315,7 +418,7 @@ class LocalCluster:
 
     def quiesce(self, timeout_s: float = 60.0) -> None:
         """Stop the producer and the trainers (they drain, commit and leave), then wait until
-        the parameter server has applied every pushed update: the job then stands still."""
+        the parameter servers have applied every pushed update: the job then stands still."""
         import redis as redis_lib
 
         from services import unapplied_updates
@@ -332,7 +435,7 @@ class LocalCluster:
                 return False
 
         try:
-            wait_until(applied, timeout_s, what="the parameter server to apply every pushed update")
+            wait_until(applied, timeout_s, what="the parameter servers to apply every pushed update")
         finally:
             client.close()
 

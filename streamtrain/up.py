@@ -1,7 +1,8 @@
 """``streamtrain up``: everything up locally, training a real model from a real stream.
 
 Starts a real Kafka broker and Redis server on loopback, the coordinator, a
-parameter server, the trainers and a producer streaming the digits data set
+parameter server (one per shard group with ``--ps-groups N``), the trainers and a
+producer streaming the digits data set
 (:class:`streamtrain.cluster.LocalCluster`); shows a live view; stops when a
 held-out target is reached (the accuracy of a classifier, the loss of any model),
 or the stream, up to ``--max-records``, is consumed, or time runs out; scores the
@@ -26,9 +27,12 @@ when Ctrl-C stopped a run that was not ``--forever``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -37,9 +41,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from . import settings as cfg
-from .cluster import ClusterSpec, LocalCluster
-from .outage import REDIS_DOWN, Outage
+from common import settings as cfg
+from .cluster import LOCAL_STREAM, ClusterSpec, LocalCluster
+from common.outage import REDIS_DOWN, Outage
 from .overload import LagWindow, Trend, Verdict, sample_from_status
 
 logger = logging.getLogger(__name__)
@@ -66,26 +70,40 @@ class Outcome(str, Enum):
     """Ctrl-C."""
 
 
+_LOCAL = ClusterSpec()
+"""The local topology's defaults, which are the services' own (``LOCAL_STREAM`` and ``LOCAL_TRAINER``
+aside): ``up``'s job flags take their defaults, variables, bounds and help from there."""
+
+
+def _as_in(settings: Any, name: str, **changes: Any) -> Any:
+    """An :class:`UpSettings` field declared like field ``name`` of a service's settings dataclass
+    (environment variable, bounds, choices, help), its default the value ``settings`` holds; ``changes``
+    override parts of the declaration."""
+    meta = next(f.metadata for f in dataclasses.fields(settings) if f.name == name)
+    declared = {"env": meta["env"], "help": meta["help"], "min": meta["min"], "max": meta["max"],
+                "choices": meta["choices"], **changes}
+    return cfg.setting(getattr(settings, name), **declared)
+
+
 @dataclass(frozen=True)
 class UpSettings:
-    """Settings of the local main job."""
+    """Settings of the local main job. The job's own settings are declared by the service that owns
+    them (:func:`_as_in`), so ``up``'s defaults are the services' defaults."""
 
-    trainers: int = cfg.setting(2, env="STREAMTRAIN_TRAINERS", min=1, max=64, help="trainer processes")
-    partitions: int = cfg.setting(4, env="STREAMTRAIN_PARTITIONS", min=1, max=256,
-                                  help="partitions of the training topic")
-    consistency: str = cfg.setting("ssp", env="STREAMTRAIN_CONSISTENCY", choices=("bsp", "ssp", "asp"),
-                                   help="consistency model")
-    staleness: int = cfg.setting(2, env="STREAMTRAIN_STALENESS", min=0, help="SSP staleness bound")
-    codec: str = cfg.setting(ClusterSpec.codec, env="STREAMTRAIN_CODEC", help="gradient codec")
-    optimizer: str = cfg.setting(ClusterSpec.optimizer, env="STREAMTRAIN_OPTIMIZER",
-                                 choices=("sgd", "adam", "lazyadam", "dgc"),
-                                 help="optimizer: lazyadam or dgc for a top-k codec (sparse), sgd or adam (dense)")
-    lr: float = cfg.setting(ClusterSpec.lr, env="STREAMTRAIN_LR", min=0.0, max=10.0, help="learning rate")
-    source: str = cfg.setting("digits?repeat=60", env="STREAMTRAIN_SOURCE",
-                              help="what the producer streams (its train split)")
-    model: str = cfg.setting("digits-mlp", env="STREAMTRAIN_MODEL", help="model spec of the trainers")
-    eval_source: str = cfg.setting("digits", env="STREAMTRAIN_EVAL_SOURCE",
-                                   help="held-out data (its test split)")
+    trainers: int = cfg.setting(_LOCAL.trainers, env="STREAMTRAIN_TRAINERS", min=1, max=64,
+                                help="trainer processes")
+    partitions: int = _as_in(_LOCAL.coordinator, "partitions")
+    consistency: str = _as_in(_LOCAL.coordinator, "consistency", help="consistency model")
+    staleness: int = _as_in(_LOCAL.coordinator, "staleness", help="SSP staleness bound")
+    codec: str = _as_in(_LOCAL.coordinator, "codec", help="gradient codec")
+    optimizer: str = _as_in(_LOCAL.coordinator, "optimizer")
+    lr: float = _as_in(_LOCAL.coordinator, "lr", help="learning rate")
+    ps_groups: int = _as_in(_LOCAL.coordinator, "ps_groups", help="parameter servers, each applying the shards "
+                                                                  "of one group (shard i: group i mod N)")
+    topk_density: float = _as_in(_LOCAL.trainer, "topk_density")
+    source: str = _as_in(LOCAL_STREAM, "source", help="what the producer streams (its train split)")
+    model: str = _as_in(_LOCAL.trainer, "model")
+    eval_source: str = _as_in(_LOCAL.trainer, "eval_source", help="held-out data (its test split)")
     target_accuracy: float = cfg.setting(0.95, env="STREAMTRAIN_TARGET_ACCURACY", min=0.0, max=1.0,
                                          help="stop once the held-out accuracy reaches this (classification)")
     target_loss: float | None = cfg.setting(None, env="STREAMTRAIN_TARGET_LOSS", min=0.0,
@@ -101,7 +119,7 @@ class UpSettings:
                                           f"{FOREVER_RATE:g} with --forever, else unbounded)")
     outage_limit_s: float = cfg.setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
                                         help="longest Redis outage the live view rides out before giving up")
-    kafka_heap_mb: int = cfg.setting(512, env="STREAMTRAIN_KAFKA_HEAP_MB", min=128,
+    kafka_heap_mb: int = cfg.setting(_LOCAL.kafka_heap_mb, env="STREAMTRAIN_KAFKA_HEAP_MB", min=128,
                                      help="heap of the local Kafka broker")
 
 
@@ -110,17 +128,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, UpSettings)
 
 
-def cluster_spec(s: UpSettings) -> ClusterSpec:
-    """The local topology for these settings."""
+def cluster_spec(s: UpSettings, environ: Mapping[str, str] | None = None) -> ClusterSpec:
+    """The local topology for these settings.
+
+    The services' other settings are the local defaults with any ``STREAMTRAIN_*`` variable of
+    ``environ`` (default: ours) over them, as each service would read it (e.g. ``STREAMTRAIN_DEVICE``
+    for the trainers); ``s`` decides the rest.
+    """
+    base = _LOCAL.with_environment(os.environ if environ is None else environ)
     source = s.source
     if s.forever and source.split("?")[0] == "digits":
         source = "digits?repeat=0"  # online continuous training: the data set, pass after pass
     rate = s.rate if s.rate is not None else (FOREVER_RATE if s.forever else None)
-    return ClusterSpec(trainers=s.trainers, partitions=s.partitions, consistency=s.consistency,
-                       staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr, source=source,
-                       model=s.model,
-                       eval_source=s.eval_source, kafka_heap_mb=s.kafka_heap_mb,
-                       limit=s.max_records or None, rate=rate or None)
+    assert base.producer is not None
+    return replace(
+        base, trainers=s.trainers, kafka_heap_mb=s.kafka_heap_mb,
+        coordinator=replace(base.coordinator, partitions=s.partitions, consistency=s.consistency,
+                            staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr,
+                            ps_groups=s.ps_groups),
+        trainer=replace(base.trainer, model=s.model, eval_source=s.eval_source, topk_density=s.topk_density),
+        producer=replace(base.producer, source=source, limit=s.max_records or None, rate=rate or None))
 
 
 def has_target(s: UpSettings, *, classification: bool) -> bool:
@@ -168,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(cluster_spec(settings))
     final: dict[str, Any] = {}
     try:
-        with console.status("starting Kafka (KRaft), Redis, coordinator, parameter server, "
+        servers = "a parameter server" if settings.ps_groups == 1 else f"{settings.ps_groups} parameter servers"
+        with console.status(f"starting Kafka (KRaft), Redis, coordinator, {servers}, "
                             f"{settings.trainers} trainers and the producer"):
             cluster.start()
         console.print(f"Kafka {cluster.bootstrap} (ready in {cluster.kafka.ready_after_s:.1f}s) · "
@@ -203,7 +231,8 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
     outage = Outage("Redis of the local job", s.outage_limit_s, logger)
     window = LagWindow(LAG_WINDOW_S)
     verdict: Verdict | None = None
-    paced = cluster.spec.rate is not None  # an unpaced producer outruns any trainer: no advice then
+    producer = cluster.spec.producer
+    paced = producer is not None and producer.rate is not None  # an unpaced producer outruns any trainer: no advice
     try:
         with Live(console=console, refresh_per_second=4) as live:
             while time.monotonic() - t0 < s.timeout_s or s.forever:
@@ -215,7 +244,7 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
                     if paced and sample is not None:
                         window.add(sample)
                         verdict = window.verdict(len(fresh.get("members", [])), partitions=s.partitions,
-                                                 records_per_message=cluster.spec.shard_size)
+                                                 records_per_message=producer.shard_size)
                         latest["keeping_up"] = verdict
                 score = _score(cluster, s, outage)
                 if score is not None:
@@ -275,7 +304,7 @@ def _score(cluster: LocalCluster, s: UpSettings, outage: Outage | None = None) -
     start and end, and raises once it outlasts its limit).
     """
     from services import LayoutError
-    from trainers import score_job
+    from .scoring import score_job
 
     try:
         result = score_job(cluster.redis_url, cluster.spec.job, s.model, s.eval_source)

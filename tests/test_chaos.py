@@ -9,15 +9,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis as redis_lib
 
+from coordinator.settings import CoordinatorSettings
 from services import unapplied_updates
 from streamtrain.accounting import audit
 from streamtrain.cluster import ClusterSpec, LocalCluster
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 from streamtrain.launcher import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -27,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Two trainers, no producer of its own: each case produces what it audits."""
-    spec = ClusterSpec(source=None, trainers=2, eval_source="", lease_ms=2000, heartbeat_interval_ms=250)
+    spec = ClusterSpec(producer=None, trainers=2, trainer=replace(ClusterSpec().trainer, eval_source=""),
+                       coordinator=CoordinatorSettings(lease_ms=2000, heartbeat_interval_ms=250))
     with LocalCluster(spec, workdir=tmp_path_factory.mktemp("chaos")) as c:
         c.wait_for(lambda st: len(st["members"]) == 2, timeout_s=120, what="two trainers registered")
         yield c
@@ -73,6 +76,8 @@ def applied_so_far(cluster: LocalCluster) -> int:
 
 
 @pytest.mark.parametrize("which", ["redis", "kafka"])
+@pytest.mark.leaks_allowed("restarts a server of the module's cluster, which stops it at module teardown",
+                           kinds=("processes", "fds"))
 def test_a_dependency_killed_and_restarted_is_ridden_out(cluster: LocalCluster, which: str) -> None:
     before = applied_so_far(cluster)
     producer = produce_during(cluster, 4000, rate=1000)

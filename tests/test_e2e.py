@@ -11,22 +11,24 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from dataclasses import replace
 
 import pytest
 from kafka import KafkaProducer
 
 from datastream import load_source
-from services import LayoutError
+from services import LayoutError, ParameterStore, connect
 from streamtrain.accounting import audit
-from streamtrain.cluster import ClusterSpec, LocalCluster
-from trainers import score_job
+from coordinator.settings import CoordinatorSettings
+from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster
+from streamtrain.scoring import score_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def held_out_accuracy(cluster: LocalCluster) -> float:
     """Accuracy of the parameters in Redis now, on the digits test split."""
-    result = score_job(cluster.redis_url, cluster.spec.job, cluster.spec.model, "digits")
+    result = score_job(cluster.redis_url, cluster.spec.job, cluster.spec.trainer.model, "digits")
     assert result.accuracy is not None
     return result.accuracy
 
@@ -58,8 +60,10 @@ def assert_exact(cluster: LocalCluster, *, everything: bool = True) -> None:
 def run_cluster(tmp_path):
     clusters: list[LocalCluster] = []
 
-    def start(**overrides) -> LocalCluster:
-        spec = ClusterSpec(**{"source": "digits?repeat=20", **overrides})
+    def start(*, source: str | None = "digits?repeat=20", trainers: int = 2, **job: object) -> LocalCluster:
+        """A cluster streaming ``source`` (None: no producer) with the coordinator's settings ``job``."""
+        spec = ClusterSpec(trainers=trainers, coordinator=CoordinatorSettings(**job),
+                           producer=None if source is None else replace(LOCAL_STREAM, source=source))
         cluster = LocalCluster(spec, workdir=tmp_path / f"cluster{len(clusters)}")
         clusters.append(cluster)
         return cluster.start()
@@ -91,14 +95,18 @@ def test_killed_trainer_partitions_move_and_accounting_stays_exact(run_cluster) 
     assert held_out_accuracy(cluster) >= 0.80  # training went on after the fault (chance is 0.10; runs end at 0.85-0.97)
 
 
-@pytest.mark.parametrize("which", ["ps", "coordinator"])
-def test_restarts_keep_accounting_exact(run_cluster, which: str) -> None:
-    cluster = run_cluster()
+@pytest.mark.parametrize(("which", "ps_groups"), [("ps", 1), ("coordinator", 1), ("ps", 2)])
+def test_restarts_keep_accounting_exact(run_cluster, which: str, ps_groups: int) -> None:
+    # ps_groups 2: two parameter servers, each applying half the shards, both restarted
+    cluster = run_cluster(ps_groups=ps_groups)
+    assert len(cluster.ps) == ps_groups
     cluster.wait_for(lambda st: (st["versions"]["max"] or 0) >= 50, timeout_s=120,
                      what="training to be under way")
     cluster.restart(which)
     cluster.wait_consumed(timeout_s=300)
     assert_exact(cluster)
+    with contextlib.closing(connect(cluster.redis_url)) as client:
+        assert ParameterStore(client, cluster.spec.job).meta().groups == ps_groups  # the job is split as asked
     assert held_out_accuracy(cluster) >= 0.80  # training went on after the fault (chance is 0.10; runs end at 0.85-0.97)
 
 

@@ -29,8 +29,8 @@ from services.export import (
     to_safetensors_bytes,
 )
 from streamtrain import cli
-from streamtrain.keys import JobKeys
-from trainers import score_job
+from common.keys import JobKeys
+from streamtrain.scoring import score_job
 from trainers.evaluate import EvalResult, evaluate
 from trainers.models import build_model
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from sklearn.metrics import mean_absolute_error, r2_score
 from torch import nn
 
-from streamtrain import settings as cfg
+from common import settings as cfg
 from streamtrain.overload import LagSample, assess
 from streamtrain.up import FOREVER_RATE, Outcome, UpSettings, _view, cluster_spec, exit_code, reached_target
 from trainers import build_model, evaluate
@@ -110,11 +110,14 @@ def test_exit_codes() -> None:
 
 
 def test_forever_streams_at_a_bounded_rate_by_default() -> None:
-    assert cluster_spec(settings()).rate is None  # a bounded run: as fast as the trainers go
-    assert cluster_spec(settings(forever=True)).rate == FOREVER_RATE
-    assert cluster_spec(settings(forever=True, rate=250.0)).rate == 250.0
-    assert cluster_spec(settings(forever=True, rate=0.0)).rate is None  # 0: unbounded, on request
-    assert cluster_spec(settings(forever=True)).source == "digits?repeat=0"
+    def producer(**given: object):
+        return cluster_spec(settings(**given), environ={}).producer
+
+    assert producer().rate is None  # a bounded run: as fast as the trainers go
+    assert producer(forever=True).rate == FOREVER_RATE
+    assert producer(forever=True, rate=250.0).rate == 250.0
+    assert producer(forever=True, rate=0.0).rate is None  # 0: unbounded, on request
+    assert producer(forever=True).source == "digits?repeat=0"
 
 
 def render(*parts: object) -> str:

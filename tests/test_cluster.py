@@ -1,0 +1,127 @@
+"""The local topology's command lines and defaults, without starting anything.
+
+Every command line :class:`streamtrain.cluster.LocalCluster` runs must parse with
+that service's real parser and give the service exactly the settings of the
+:class:`ClusterSpec` (so a renamed flag fails here, not at run time), secrets stay
+off the command lines, and ``streamtrain up``'s job defaults are the services' own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from common import settings as cfg
+from coordinator.settings import CoordinatorSettings
+from datastream.cli import ProduceSettings
+from services.server import ServerSettings
+from streamtrain.cli import build_parser
+from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, Endpoints, commands, service_settings
+from streamtrain.up import UpSettings, cluster_spec
+from trainers.settings import TrainerSettings
+
+AT = Endpoints(redis_url="redis://:redis-password@127.0.0.1:6390/0", bootstrap="127.0.0.1:9099",
+               coordinator_port=8799, admin_token="admin-secret", job_token="job-secret",
+               workdir=Path("/tmp/cluster"))
+SECRETS = ("redis-password", "admin-secret", "job-secret")
+
+SPECS = {
+    "default": ClusterSpec(),
+    "two groups, bsp, no producer, extra trainer flags": ClusterSpec(
+        job="j2", topic="t2", trainers=3, producer=None, extra_trainer_args=("--prefetch", "8"),
+        coordinator=CoordinatorSettings(consistency="bsp", partitions=6, ps_groups=2, lease_ms=2000),
+        trainer=replace(ClusterSpec().trainer, batch_size=32, eval_source=""),
+        ps=ServerSettings(checkpoint_every=50, metrics_port=9500)),
+    "bounded, paced producer": ClusterSpec(producer=replace(LOCAL_STREAM, limit=500, rate=100.0)),
+}
+
+
+def settings_of(which: str, spec: ClusterSpec) -> object:
+    services = service_settings(spec, AT)
+    if which.startswith("ps"):
+        return services.ps[int(which[2:])]
+    return getattr(services, which)
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_every_command_line_parses_with_the_services_parser_into_the_specs_settings(spec: ClusterSpec) -> None:
+    lines = commands(spec, AT)
+    assert set(lines) == {"coordinator", "trainer", *(f"ps{g}" for g in range(spec.ps_groups)),
+                          *(["producer"] if spec.producer is not None else [])}
+    for which, (args, env) in lines.items():
+        command, flags = args[0], args[1:]
+        try:
+            parsed = build_parser(command).parse_args(flags)
+        except SystemExit:  # argparse: a flag the service does not have
+            pytest.fail(f"{which}: streamtrain {' '.join(args)} does not parse")
+        expected = settings_of(which, spec)
+        if which == "trainer" and spec.extra_trainer_args:
+            expected = replace(expected, prefetch=8)  # the extra flags come last and win
+        assert cfg.from_args(type(expected), parsed, environ=env) == expected, which
+        assert not any(secret in arg for arg in args for secret in SECRETS), f"{which}: a secret on {args}"
+
+
+def test_the_cluster_fills_in_addresses_job_topic_tokens_and_groups() -> None:
+    spec = SPECS["two groups, bsp, no producer, extra trainer flags"]
+    services = service_settings(spec, AT)
+    c = services.coordinator
+    assert (c.job, c.topic, c.redis_url, c.kafka_bootstrap, c.port) == ("j2", "t2", AT.redis_url, AT.bootstrap, 8799)
+    assert (c.admin_token, c.job_token, c.ps_groups, c.consistency) == ("admin-secret", "job-secret", 2, "bsp")
+    assert [(s.group, s.groups, s.job, s.metrics_port) for s in services.ps] == [(0, 2, "j2", 9500), (1, 2, "j2", 9501)]
+    assert all(s.checkpoint_dir == "/tmp/cluster/checkpoints" and s.checkpoint_every == 50 for s in services.ps)
+    t = services.trainer
+    assert (t.job, t.coordinator_url, t.job_token, t.kafka_bootstrap) == ("j2", "http://127.0.0.1:8799", "job-secret",
+                                                                          AT.bootstrap)
+    assert services.producer is None
+    p = service_settings(ClusterSpec(), AT).producer
+    assert (p.topic, p.bootstrap, p.partitions) == ("digits", AT.bootstrap, 4)
+
+
+def test_the_cluster_defaults_are_the_services_defaults() -> None:
+    spec = ClusterSpec()
+    assert spec.coordinator == CoordinatorSettings()
+    assert spec.ps == ServerSettings()
+    local_choices = {"threads": 1, "eval_source": "digits"}  # LOCAL_TRAINER: the only departures
+    assert spec.trainer == replace(TrainerSettings(), **local_choices)
+    assert spec.producer == replace(ProduceSettings(), source="digits?repeat=60", split="train", shard_size=32,
+                                    progress=False)
+
+
+def up(**given: object) -> UpSettings:
+    return cfg.from_args(UpSettings, argparse.Namespace(**given), environ={})
+
+
+def test_up_takes_the_job_defaults_from_the_services() -> None:
+    assert "--ps-groups" in build_parser("up").format_help()  # and the help (argparse %-formats it) renders
+    spec = cluster_spec(up(), environ={})
+    assert spec == ClusterSpec()  # nothing re-spelt: up's defaults are the local cluster's
+    for name in ("partitions", "consistency", "staleness", "codec", "optimizer", "lr", "ps_groups"):
+        mine = next(f for f in dataclasses.fields(UpSettings) if f.name == name)
+        theirs = next(f for f in dataclasses.fields(CoordinatorSettings) if f.name == name)
+        assert (mine.default, mine.metadata["env"]) == (theirs.default, theirs.metadata["env"]), name
+
+
+def test_up_flags_reach_the_services() -> None:
+    spec = cluster_spec(up(consistency="asp", staleness=0, codec="int8", optimizer="adam", lr=0.001, ps_groups=3,
+                           partitions=6, trainers=3, topk_density=0.05, model="mlp-2m", eval_source="",
+                           source="synthetic?seed=1", max_records=700), environ={})
+    c = spec.coordinator
+    assert (c.consistency, c.staleness, c.codec, c.optimizer, c.lr, c.ps_groups, c.partitions) == (
+        "asp", 0, "int8", "adam", 0.001, 3, 6)
+    assert (spec.trainers, spec.ps_groups, spec.trainer.topk_density, spec.trainer.model, spec.trainer.eval_source) \
+        == (3, 3, 0.05, "mlp-2m", "")
+    assert (spec.producer.source, spec.producer.limit, spec.producer.rate) == ("synthetic?seed=1", 700, None)
+    assert len([k for k in commands(spec, AT) if k.startswith("ps")]) == 3
+
+
+def test_up_passes_the_services_variables_on_over_the_local_defaults() -> None:
+    spec = cluster_spec(up(), environ={"STREAMTRAIN_DEVICE": "cpu", "STREAMTRAIN_PS_AUDIT_HORIZON_S": "60",
+                                       "STREAMTRAIN_THREADS": "2"})
+    assert (spec.trainer.device, spec.trainer.threads, spec.ps.audit_horizon_s) == ("cpu", 2, 60.0)
+    assert spec.trainer.eval_source == "digits"  # the local defaults stay where no variable is set
+    with pytest.raises(cfg.SettingsError, match="STREAMTRAIN_THREADS"):
+        cluster_spec(up(), environ={"STREAMTRAIN_THREADS": "many"})
