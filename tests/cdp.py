@@ -20,12 +20,13 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from streamtrain.launcher import await_until
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 """Path of the Chromium binary (Debian's ``chromium``; ``scripts/setup.sh`` installs it), or None."""
@@ -103,15 +104,11 @@ class Page:
         Raises:
             TimeoutError: still falsy after ``timeout_s`` (the message has the page's errors).
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = await self.evaluate(expression)
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{expression!r} still falsy after {timeout_s}s; "
-                                   f"page errors: {self.errors()}")
-            await asyncio.sleep(poll_s)
+        try:
+            return await await_until(lambda: self.evaluate(expression), timeout_s, interval_s=poll_s,
+                                     what=f"{expression!r} to be truthy")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; page errors: {self.errors()}") from None
 
     async def navigate(self, url: str, timeout_s: float = 30.0) -> None:
         """Load ``url`` and wait until the document is complete."""
@@ -159,17 +156,22 @@ async def _devtools_port(profile: Path, proc: asyncio.subprocess.Process, log: P
                          timeout_s: float) -> int:
     """The port Chromium chose (``--remote-debugging-port=0`` writes it to DevToolsActivePort)."""
     active = profile / "DevToolsActivePort"
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def port() -> int | None:
         with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
             lines = active.read_text().splitlines()
             if len(lines) >= 2:
                 return int(lines[0])
-        if proc.returncode is not None or time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-            raise RuntimeError(f"chromium did not open its DevTools port within {timeout_s}s "
-                               f"(exit status {proc.returncode}); its log ends:\n{tail}")
-        await asyncio.sleep(0.05)
+        if proc.returncode is not None:
+            raise ProcessLookupError
+        return None
+
+    try:
+        return await await_until(port, timeout_s, what="chromium's DevTools port")
+    except (TimeoutError, ProcessLookupError):
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        raise RuntimeError(f"chromium did not open its DevTools port within {timeout_s}s "
+                           f"(exit status {proc.returncode}); its log ends:\n{tail}") from None
 
 
 @contextlib.asynccontextmanager
@@ -194,16 +196,16 @@ async def chromium(profile: Path, *, width: int = 1400, height: int = 1000,
     try:
         port = await _devtools_port(profile, proc, log, timeout_s)
         async with aiohttp.ClientSession() as http:
-            deadline = time.monotonic() + timeout_s
-            while True:
+
+            async def pages() -> list[dict[str, Any]]:
                 async with http.get(f"http://127.0.0.1:{port}/json/list") as resp:
-                    pages = [t for t in await resp.json() if t.get("type") == "page"]
-                if pages or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.05)
-            if not pages:
-                raise RuntimeError(f"chromium opened no page within {timeout_s}s")
-            ws = await http.ws_connect(pages[0]["webSocketDebuggerUrl"], max_msg_size=256 << 20)
+                    return [t for t in await resp.json() if t.get("type") == "page"]
+
+            try:
+                first = (await await_until(pages, timeout_s, what="chromium's first page"))[0]
+            except TimeoutError:
+                raise RuntimeError(f"chromium opened no page within {timeout_s}s") from None
+            ws = await http.ws_connect(first["webSocketDebuggerUrl"], max_msg_size=256 << 20)
             page = Page(ws)
             try:
                 await page.send("Runtime.enable")

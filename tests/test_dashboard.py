@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,8 @@ from kafka import KafkaProducer
 from cdp import CHROMIUM, chromium
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
+from streamtrain.launcher import await_until
 
 pytestmark = pytest.mark.timeout(180)  # the first Kafka test of a session starts the broker
 
@@ -36,10 +36,13 @@ DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img" / "dashboard.
 PLOT_IDS = {"loss", "accuracy", "records", "lag", "staleness", "freshness", "versions"}
 
 
-def coordinator_settings(redis_url: str, kafka_bootstrap: str, topic: str, partitions: int) -> CoordinatorSettings:
+def coordinator_settings(redis_url: str, kafka_bootstrap: str, topic: str, partitions: int,
+                         kafka_timeout_ms: int = 500) -> CoordinatorSettings:
+    """A lease far longer than any test's pauses: the members registered here never expire."""
     return CoordinatorSettings(job=JOB, redis_url=redis_url, kafka_bootstrap=kafka_bootstrap, topic=topic,
-                               partitions=partitions, lease_ms=3000, heartbeat_interval_ms=500,
-                               admin_token="admin-secret", job_token="job-secret", kafka_timeout_ms=500)
+                               partitions=partitions, lease_ms=30_000, heartbeat_interval_ms=500,
+                               admin_token="admin-secret", job_token="job-secret",
+                               kafka_timeout_ms=kafka_timeout_ms)
 
 
 
@@ -62,16 +65,14 @@ async def history(client: TestClient, query: str = "") -> dict[str, Any]:
 
 
 async def wait_for_history(client: TestClient, predicate: Callable[[dict[str, Any]], bool],
-                           timeout_s: float = 20.0) -> dict[str, Any]:
+                           timeout_s: float = 60.0, what: str = "the history") -> dict[str, Any]:
     """Poll ``/v1/history`` until ``predicate`` holds for it (samples come once a second)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    async def satisfied() -> dict[str, Any] | None:
         h = await history(client)
-        if predicate(h):
-            return h
-        if time.monotonic() > deadline:
-            raise AssertionError(f"history never satisfied the condition within {timeout_s}s: {h}")
-        await asyncio.sleep(0.1)
+        return h if predicate(h) else None
+
+    return await await_until(satisfied, timeout_s, interval_s=0.1, what=what)
 
 
 async def test_history_samples_heartbeats_and_redis_once_a_second(
@@ -91,7 +92,7 @@ async def test_history_samples_heartbeats_and_redis_once_a_second(
         def seen_both(h: dict[str, Any]) -> bool:
             return len(h["t_ms"]) >= 2 and h["job"]["loss"][-1] == pytest.approx(0.375)
 
-        h = await wait_for_history(client, seen_both)
+        h = await wait_for_history(client, seen_both, what="a sample of both heartbeats")
         last = {name: column[-1] for name, column in h["job"].items()}
         assert last["records_per_s"] == 400.0
         assert last["accuracy"] == 0.8  # b reports none: the mean is a's, not dragged to 0.4
@@ -105,9 +106,12 @@ async def test_history_samples_heartbeats_and_redis_once_a_second(
         since = h["t_ms"][-1]
         redis.hincrby(KEYS.versions, "0", 50)
         redis.hincrby(KEYS.versions, "1", 50)
-        h = await wait_for_history(client, lambda h: h["job"]["version"][-1] == 150)
-        rates = [v for v in h["job"]["versions_per_s"] if v]
-        assert rates and 0 < rates[-1] <= 50 / 0.5  # 50 versions over about a second
+        h = await wait_for_history(client, lambda h: h["job"]["version"][-1] == 150, what="version 150 sampled")
+        # the rate of the sample that first saw 150: 50 versions over the time since the one before
+        t, versions, rates = h["t_ms"], h["job"]["version"], h["job"]["versions_per_s"]
+        i = versions.index(150)
+        assert i > 0 and versions[i - 1] == 100, versions
+        assert rates[i] == pytest.approx(50 / ((t[i] - t[i - 1]) / 1000))
         newer = await history(client, f"?since_ms={since}")
         assert newer["t_ms"] and all(t > since for t in newer["t_ms"])
         assert newer["capacity"] == settings.history_samples and newer["interval_s"] == 1.0
@@ -176,7 +180,7 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(  # t
         producer.flush(timeout=30)
     finally:
         producer.close()
-    settings = coordinator_settings(redis_url, kafka.bootstrap, topic, 2)
+    settings = coordinator_settings(redis_url, kafka.bootstrap, topic, 2, kafka_timeout_ms=5000)
     async with running_coordinator(settings) as client:
         members = [await register(client, "host-a"), await register(client, "host-b")]
         redis.hset(KEYS.offsets, "0", 10)  # lag: 30 - 10 on partition 0, 30 on partition 1
@@ -184,7 +188,7 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(  # t
             await page.navigate(str(client.make_url("/")))
             await page.wait_for("window.plots && Object.keys(window.plots).length === 7 && "
                                 "Object.values(window.plots).every(u => u.data[0].length > 3 && "
-                                "u.data.slice(1).some(s => s.some(v => v !== null)))", timeout_s=40)
+                                "u.data.slice(1).some(s => s.some(v => v !== null)))", timeout_s=90)
             points = await page.evaluate(
                 "Object.fromEntries(Object.entries(window.plots).map(([id, u]) => [id, "
                 "u.series.slice(1).map((s, i) => [s.label, u.data[i + 1].filter(v => v !== null).length])]))")

@@ -119,7 +119,7 @@ def test_redis_port_in_use_gives_clear_error() -> None:
 
 
 def test_kafka_bad_config_gives_clear_error() -> None:
-    broker = KafkaBroker(extra_config={"num.io.threads": "not-a-number"}, start_timeout_s=60)
+    broker = KafkaBroker(extra_config={"num.io.threads": "not-a-number"}, start_timeout_s=120)
     with pytest.raises(LaunchError) as err:
         broker.start()
     assert "kafka" in str(err.value)
@@ -140,7 +140,7 @@ def test_missing_redis_binary_is_refused() -> None:
 
 def test_stop_leaves_no_process() -> None:
     redis_server = RedisServer().start()
-    broker = KafkaBroker(heap_mb=256, log_level="WARN").start()
+    broker = KafkaBroker(heap_mb=256, log_level="WARN", start_timeout_s=120).start()
     pids = [redis_server.pid, broker.pid]
     assert all(pid is not None and pid_alive(pid) for pid in pids)
     workdirs = [redis_server.workdir, broker.workdir]

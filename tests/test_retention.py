@@ -29,7 +29,7 @@ from datastream import encode_json_record
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings
 from services.apply import Housekeeping, write_batch
 from streamtrain.accounting import audit
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 JOB = "retention"
 KEYS = JobKeys(JOB)

@@ -7,14 +7,15 @@ import threading
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import set_membership, wait_for
+from test_services_util import set_membership
 
 from services import (
     Consistency, OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, StalenessTimeout,
     starting_clock, wait_for_clock,
 )
 from services.consistency import required_clock
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
+from streamtrain.launcher import wait_until
 
 JOB = "sspjob"
 
@@ -80,7 +81,7 @@ def test_ssp_blocks_then_releases_and_a_departed_member_releases(redis: redis_li
     slow.push(ones(), generation=1, clock=1)
     for c in (1, 2, 3):
         fast.push(ones(), generation=1, clock=c)
-    wait_for(lambda: redis.hget(JobKeys(JOB).applied_clocks, "fast") == b"3", what="fast applied")
+    wait_until(lambda: redis.hget(JobKeys(JOB).applied_clocks, "fast") == b"3", 60, what="fast applied")
     # fast at clock 4 needs everyone at applied clock >= 2; slow is at 1
     assert wait_for_clock(redis, JOB, "fast", 3, consistency=cons).staleness == 1
     with pytest.raises(StalenessTimeout, match="slowest live member slow is at 1"):
@@ -90,9 +91,11 @@ def test_ssp_blocks_then_releases_and_a_departed_member_releases(redis: redis_li
         w=wait_for_clock(redis, JOB, "fast", 4, consistency=cons, timeout_s=60)))
     waiter.start()
     try:
-        assert not waiter.join(0.3) and waiter.is_alive()  # still blocked
+        waiter.join(0.5)
+        assert waiter.is_alive() and "w" not in result  # still blocked: slow is at 1
         slow.push(ones(), generation=1, clock=2)  # slow catches up -> releases fast
         waiter.join(60)
+        assert not waiter.is_alive(), "the waiter was not released by slow catching up"
     finally:
         waiter.join(60)
     assert result["w"].min_applied >= 2 and result["w"].staleness <= 1
@@ -103,8 +106,11 @@ def test_ssp_blocks_then_releases_and_a_departed_member_releases(redis: redis_li
         b=wait_for_clock(redis, JOB, "fast", 4, consistency=Consistency("bsp"), timeout_s=60)))
     waiter.start()
     try:
-        assert not waiter.join(0.2) and waiter.is_alive()
+        waiter.join(0.5)
+        assert waiter.is_alive() and "b" not in result  # still blocked: slow is at 2
         set_membership(redis, JOB, {"fast": [0, 1]}, generation=2, departed=("slow",))
+        waiter.join(60)
+        assert not waiter.is_alive(), "the waiter was not released by slow departing"
     finally:
         waiter.join(60)
     assert result["b"].min_applied == 3  # only fast counts now

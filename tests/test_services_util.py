@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import redis as redis_lib
 import torch
 
-from streamtrain.keys import JobKeys
+from common.keys import JobKeys
 
 
 def set_membership(client: redis_lib.Redis, job: str, owners: Mapping[str, list[int]], generation: int,
@@ -34,16 +33,3 @@ def small_model(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(10, 20, generator=g), "b": torch.randn(20, generator=g),
             "v": torch.randn(5, generator=g)}
 
-
-def wait_for(predicate: Callable[[], object], timeout_s: float = 30.0, what: str = "condition") -> object:
-    """Poll ``predicate`` until truthy, failing the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.005
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.1)

@@ -4,8 +4,16 @@ Used by the tests' session fixtures, the benchmarks and ``streamtrain up``.
 """
 
 from .kafka import KAFKA_VERSION, KafkaBroker, cache_dir, kafka_libs_dir
-from .process import LaunchError, ManagedProcess, ServerState, free_port, pid_alive, wait_until
-from ..urls import redact_url
+from .process import (
+    LaunchError,
+    ManagedProcess,
+    ServerState,
+    await_until,
+    free_port,
+    pid_alive,
+    wait_until,
+)
+from common.urls import redact_url
 from .redis import RedisServer
 from .service import ServiceProcess
 
@@ -26,4 +34,5 @@ __all__ = [
     "pid_alive",
     "redact_url",
     "wait_until",
+    "await_until",
 ]

@@ -7,9 +7,11 @@ killed with SIGKILL. We only ever signal pids that we started ourselves.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import enum
+import inspect
 import logging
 import os
 import signal
@@ -17,14 +19,16 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Self, TypeVar
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+
+T = TypeVar("T")
 
 
 class LaunchError(RuntimeError):
@@ -251,11 +255,48 @@ class ManagedProcess:
         self.cleanup()
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05,
-               what: str = "condition") -> None:
-    """Poll ``predicate`` until it is true, or raise TimeoutError naming ``what``."""
+def wait_until(predicate: Callable[[], T], timeout_s: float, *, interval_s: float = 0.05,
+               what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns a truthy value, and return that value.
+
+    The predicate is called at least once, and once more after the deadline
+    passes, so a slow sleep never turns a success into a time-out.
+
+    Raises:
+        TimeoutError: ``predicate`` stayed falsy for ``timeout_s`` seconds; the
+            message names ``what`` was awaited.
+    """
     deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
+    while True:
+        expired = time.monotonic() > deadline
+        result = predicate()
+        if result:
+            return result
+        if expired:
             raise TimeoutError(f"timed out after {timeout_s:.1f}s waiting for {what}")
         time.sleep(interval_s)
+
+
+async def await_until(predicate: Callable[[], T | Awaitable[T]], timeout_s: float, *,
+                      interval_s: float = 0.05, what: str = "condition") -> T:
+    """The async twin of :func:`wait_until`: poll without blocking the event loop.
+
+    ``predicate`` may be a plain function or return an awaitable (an ``async
+    def`` function); its awaited result is tested. Returns the first truthy
+    value.
+
+    Raises:
+        TimeoutError: ``predicate`` stayed falsy for ``timeout_s`` seconds; the
+            message names ``what`` was awaited.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        expired = time.monotonic() > deadline
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result  # type: ignore[return-value]
+        if expired:
+            raise TimeoutError(f"timed out after {timeout_s:.1f}s waiting for {what}")
+        await asyncio.sleep(interval_s)

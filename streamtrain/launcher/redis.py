@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Sequence
 from urllib.parse import quote
 
-from ..urls import redact_url
+from common.urls import redact_url
 from .process import LaunchError, ManagedProcess, free_port
 
 logger = logging.getLogger(__name__)
