@@ -21,18 +21,22 @@ class ServiceProcess(ManagedProcess):
         args: the subcommand and its flags, e.g. ``["ps", "--job", "digits"]``.
         env: environment variables added to ours.
         ready: returns True once the service is usable; None means ready once spawned.
+        prefix: a command that runs the service's command line in place (it execs it, so the
+            pid stays the service's), e.g. ``ip netns exec NS`` (:meth:`streamtrain.netns.NetNamespace.command`).
     """
 
     def __init__(self, name: str, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 ready: Callable[[], bool] | None = None, **kwargs: object) -> None:
+                 ready: Callable[[], bool] | None = None, prefix: Sequence[str] = (),
+                 **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.name = name
         self.args = list(args)
         self.env = dict(env or {})
         self._ready = ready
+        self.prefix = list(prefix)
 
     def _command(self) -> Sequence[str]:
-        return [sys.executable, "-m", "streamtrain.cli", *self.args]
+        return [*self.prefix, sys.executable, "-m", "streamtrain.cli", *self.args]
 
     def _environment(self) -> dict[str, str]:
         return {**os.environ, **self.env}
