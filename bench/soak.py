@@ -68,8 +68,9 @@ def rss_kb(pid: int | None) -> int | None:
 
 def processes(cluster: LocalCluster) -> dict[str, int | None]:
     """Name -> pid of every process the cluster started."""
-    procs = {"redis": cluster.redis, "kafka": cluster.kafka, "coordinator": cluster.coordinator,
-             "producer": cluster.producer}
+    procs = {"redis": cluster.redis, "coordinator": cluster.coordinator, "producer": cluster.producer}
+    brokers = cluster.kafka.nodes if cluster.kafka is not None else []
+    procs.update({"kafka" if len(brokers) == 1 else f"kafka-{b.node_id}": b for b in brokers})
     procs.update({"ps" if len(cluster.ps) == 1 else f"ps-{g}": p for g, p in enumerate(cluster.ps)})
     procs.update({f"trainer-{i}": t for i, t in enumerate(cluster.trainers)})
     return {name: p.pid if p is not None else None for name, p in procs.items()}

@@ -28,7 +28,7 @@ from .records import (
     encode_json_record, encode_msgpack_record, encode_shard,
 )
 from .sources import SPLITS, TEST_EVERY, Source, SourceError, load_source, split_mask
-from .topics import dlq_topic, ensure_topic
+from .topics import dlq_topic, ensure_topic, reliable_producer, topic_replication
 
 __all__ = [
     # consumer and its messages
@@ -42,4 +42,5 @@ __all__ = [
     "SPLITS", "TEST_EVERY", "Source", "SourceError", "load_source", "split_mask",
     # dead letters and topics
     "DeadLetterError", "DeadLetterWriter", "DlqEntry", "dlq_topic", "ensure_topic", "parse_dlq_headers",
+    "reliable_producer", "topic_replication",
 ]

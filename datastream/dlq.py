@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kafka import KafkaProducer
 
 from .records import DecodeError
-from .topics import MAX_MESSAGE_BYTES, dlq_topic, ensure_topic
+from .topics import dlq_topic, ensure_topic, reliable_producer
 
 __all__ = ["DeadLetterError", "DeadLetterWriter", "DlqEntry", "parse_dlq_headers"]
 
@@ -89,9 +89,7 @@ class DeadLetterWriter:
         """Queue one rejected message; :meth:`flush` makes it durable."""
         if self._producer is None:
             ensure_topic(self.bootstrap, self.dlq_topic, 1)
-            self._producer = KafkaProducer(
-                bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True,
-                max_request_size=MAX_MESSAGE_BYTES, client_id=f"streamtrain-dlq-{self.topic}")
+            self._producer = reliable_producer(self.bootstrap, client_id=f"streamtrain-dlq-{self.topic}")
         extra = [("dlq.reason", error.reason), ("dlq.error", str(error)[:1000]), ("dlq.topic", self.topic),
                  ("dlq.partition", str(partition)), ("dlq.offset", str(offset)),
                  ("dlq.count", str(error.count))]

@@ -26,7 +26,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
-from kafka import KafkaProducer
 from rich.console import Console
 from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
@@ -35,7 +34,7 @@ from common.outage import DEFAULT_LIMIT_S, Outage
 
 from .records import encode_shard
 from .sources import Source, SourceError, load_source
-from .topics import MAX_MESSAGE_BYTES, broker_reachable, ensure_topic
+from .topics import broker_reachable, ensure_topic, reliable_producer
 
 __all__ = ["ProduceReport", "default_producer_id", "iter_shards", "produce"]
 
@@ -210,10 +209,8 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
     started = time.monotonic()
     logger.info("producing %s to %s (%d partitions) as producer %s", src, topic, count, pid)
     with ExitStack() as stack:
-        producer = KafkaProducer(
-            bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5,
-            batch_size=1 << 20, max_request_size=MAX_MESSAGE_BYTES,
-            client_id=f"streamtrain-producer-{pid}")
+        producer = reliable_producer(bootstrap, client_id=f"streamtrain-producer-{pid}",
+                                     linger_ms=5, batch_size=1 << 20)
         stack.callback(producer.close)
         stack.callback(producer.flush, flush_timeout_s)  # runs first: nothing sent is dropped
         sending = threading.Event()

@@ -1,13 +1,23 @@
-"""Topic administration shared by the producer and the DLQ writer."""
+"""Topics and producers shared by the producer and the DLQ writer.
+
+Topics we create keep ``min(3, brokers)`` copies of each partition, and with three an
+``acks=all`` write needs two in sync (:func:`topic_replication`); every producer we make
+is idempotent with ``acks=all`` (:func:`reliable_producer`). Together: one broker of three
+may die without losing an acknowledged record, stopping writes, or duplicating a retried one.
+"""
 
 from __future__ import annotations
 
 import logging
 
+from typing import Any
+
+from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient
 from kafka.errors import TopicAlreadyExistsError
 
-__all__ = ["MAX_MESSAGE_BYTES", "dlq_topic", "ensure_topic", "broker_reachable"]
+__all__ = ["MAX_MESSAGE_BYTES", "dlq_topic", "ensure_topic", "broker_reachable", "reliable_producer",
+           "topic_replication"]
 
 logger = logging.getLogger(__name__)
 
@@ -20,10 +30,28 @@ def dlq_topic(topic: str) -> str:
     return f"{topic}.dlq"
 
 
+def topic_replication(brokers: int) -> tuple[int, dict[str, str]]:
+    """``(replication factor, topic configs)`` of a topic created on a cluster of ``brokers`` live
+    brokers: ``min(3, brokers)`` copies, and ``min.insync.replicas=2`` with three of them."""
+    if brokers < 1:
+        raise ValueError(f"brokers must be >= 1, got {brokers}")
+    copies = min(3, brokers)
+    return copies, ({"min.insync.replicas": "2"} if copies >= 3 else {})
+
+
+def reliable_producer(bootstrap: str, *, client_id: str, **config: Any) -> KafkaProducer:
+    """A ``KafkaProducer`` that is idempotent with ``acks=all`` (a retried batch is written once, and
+    acknowledged only once every in-sync copy has it), with ``max_request_size`` room for our
+    largest messages; ``config`` adds other kafka-python settings."""
+    return KafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True,
+                         max_request_size=MAX_MESSAGE_BYTES, client_id=client_id, **config)
+
+
 def ensure_topic(bootstrap: str, topic: str, partitions: int, *, timeout_s: float = 30.0) -> int:
     """Create ``topic`` with ``partitions`` partitions unless it exists; return its partition count.
 
-    An existing topic keeps its partition count (logged when it differs).
+    A new topic is replicated as :func:`topic_replication` says for the brokers that are up. An
+    existing topic keeps its partition count (logged when it differs) and replication.
     """
     if partitions < 1:
         raise ValueError(f"partitions must be >= 1, got {partitions}")
@@ -32,12 +60,14 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int, *, timeout_s: floa
     try:
         existing = admin.describe_topics([topic]) if topic in admin.list_topics() else []
         if not existing:
+            brokers = [b for b in admin.describe_cluster()["brokers"] if not b.get("is_fenced")]
+            copies, configs = topic_replication(max(1, len(brokers)))
             try:
                 admin.create_topics(
-                    {topic: {"num_partitions": partitions, "replication_factor": 1,
-                             "configs": {"max.message.bytes": str(MAX_MESSAGE_BYTES)}}},
+                    {topic: {"num_partitions": partitions, "replication_factor": copies,
+                             "configs": {"max.message.bytes": str(MAX_MESSAGE_BYTES), **configs}}},
                     timeout_ms=int(timeout_s * 1000), wait_for_metadata=True)
-                logger.info("created topic %s with %d partitions", topic, partitions)
+                logger.info("created topic %s with %d partitions, %d copies each", topic, partitions, copies)
                 return partitions
             except TopicAlreadyExistsError:  # created concurrently by another producer
                 existing = admin.describe_topics([topic])

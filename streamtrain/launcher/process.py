@@ -98,6 +98,7 @@ class ManagedProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_fh = None
         self.ready_after_s: float | None = None
+        self._launched_at = 0.0
 
     # -- to override -------------------------------------------------------
     def _prepare(self) -> None:
@@ -144,6 +145,20 @@ class ManagedProcess:
         """
         if self.state is ServerState.RUNNING:
             return self
+        return self.launch().wait_ready()
+
+    def launch(self) -> Self:
+        """Prepare and spawn the process without waiting for it: the first half of :meth:`start`,
+        for servers that only become ready together (the nodes of a KRaft quorum). Idempotent.
+
+        Spawn from the thread that will live as long as the server: the parent-death signal
+        fires when the spawning *thread* exits.
+
+        Raises:
+            LaunchError: it could not be spawned (the process is stopped first).
+        """
+        if self.state in (ServerState.STARTING, ServerState.RUNNING):
+            return self
         if self.state is not ServerState.NEW:
             raise LaunchError(f"{self.name} cannot be restarted once stopped; make a new one")
         if self.workdir is None:
@@ -151,15 +166,31 @@ class ManagedProcess:
             self.workdir = Path(self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.state = ServerState.STARTING
-        t0 = time.monotonic()
+        self._launched_at = time.monotonic()
         try:
             self._prepare()
             self._spawn(self._command())
-            self._wait_ready(t0)
         except BaseException:
             self.stop()
             raise
-        self.ready_after_s = time.monotonic() - t0
+        return self
+
+    def wait_ready(self) -> Self:
+        """Block until a launched server is ready: the second half of :meth:`start`. Idempotent.
+
+        Raises:
+            LaunchError: as :meth:`start`; also when it was never launched.
+        """
+        if self.state is ServerState.RUNNING:
+            return self
+        if self.state is not ServerState.STARTING:
+            raise LaunchError(f"{self.name} is {self.state.value}, not launched")
+        try:
+            self._wait_ready(self._launched_at)
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_after_s = time.monotonic() - self._launched_at
         self.state = ServerState.RUNNING
         logger.info("%s ready in %.2fs (pid %s)", self.name, self.ready_after_s, self.pid)
         return self
@@ -207,6 +238,13 @@ class ManagedProcess:
         if res.returncode != 0:
             tail = "\n".join((res.stdout + res.stderr).decode(errors="replace").splitlines()[-30:])
             raise LaunchError(f"{self.name}: failed to {what} (exit {res.returncode}):\n{tail}")
+
+    def terminate(self) -> None:
+        """SIGTERM the server without waiting (:meth:`stop` waits and reaps): to let several
+        servers that depend on each other, such as a KRaft quorum, shut down together."""
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGTERM)
 
     def kill(self) -> None:
         """SIGKILL the server (fault injection); it is then reaped by :meth:`stop`."""
