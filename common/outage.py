@@ -14,14 +14,17 @@ import time
 
 import redis
 
+from .redis_client import redis_where
+
 __all__ = ["Outage", "DependencyUnavailable", "REDIS_DOWN", "DEFAULT_LIMIT_S", "redis_name"]
 
 DEFAULT_LIMIT_S = 60.0
 """How long a service waits for a dependency by default before giving up."""
 
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError)
 """What redis-py raises when Redis cannot be reached or is still loading its data
-(``BusyLoadingError`` is a ``ConnectionError``)."""
+(``BusyLoadingError`` is a ``ConnectionError``), or a Redis Cluster does not serve a slot
+(``CLUSTERDOWN``: a master is failing over)."""
 
 
 class DependencyUnavailable(RuntimeError):
@@ -79,7 +82,8 @@ class Outage:
             self.started = None
 
 
-def redis_name(client: redis.Redis) -> str:
-    """``Redis at host:port`` for a client (never its password)."""
-    kw = client.connection_pool.connection_kwargs
-    return f"Redis at {kw.get('host', '?')}:{kw.get('port', '?')}"
+def redis_name(client: redis.Redis | redis.RedisCluster) -> str:
+    """``Redis at host:port`` for a client, ``Redis Cluster at host:port,...`` for a cluster
+    client (never its password)."""
+    kind = "Redis Cluster" if hasattr(client, "nodes_manager") else "Redis"
+    return f"{kind} at {redis_where(client)}"

@@ -18,10 +18,10 @@ import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-import redis.asyncio as aioredis
 from aiohttp import web
 
 from common.outage import REDIS_DOWN, Outage
+from common.redis_client import connect_async
 
 from .channel import channel, close_channels
 from .kafka_probe import KafkaProbe
@@ -49,7 +49,7 @@ def initial_config(settings: CoordinatorSettings) -> JobConfig:
 
 async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    redis = aioredis.Redis.from_url(settings.redis_url)
+    redis = connect_async(settings.redis_url)  # a server or a redis+cluster:// Redis Cluster
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coordinator-kafka")
     probe = KafkaProbe(settings.kafka_bootstrap, settings.kafka_timeout_ms)
     try:

@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 import redis
 from aiohttp import web
 
+from common.redis_client import connect
+
 from .routes import ApiError, authenticate
 from .runtime import SETTINGS
 
@@ -165,7 +167,7 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def _export_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5.0, socket_timeout=60.0)
+    client = connect(settings.redis_url, socket_connect_timeout=5.0, socket_timeout=60.0)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coordinator-export")
     app[MODEL_EXPORT] = ModelExport(client, executor)
     try:

@@ -2,6 +2,7 @@
 # Idempotent set-up for a fresh machine; a second run reuses what the first fetched.
 #   - redis-server (Debian package), Java 17, Maven and Chromium (for the dashboard test) when missing
 #   - promtool (Debian package prometheus) when missing, to check the /metrics endpoints
+#   - iproute2 (`ip netns`, veth pairs) when missing, for the network-partition test
 #   - the Kafka broker's jars from Maven Central, into a cache outside the repo
 #     (skipped when KAFKA_HOME points at an unpacked Kafka distribution)
 #   - a virtual environment in .venv with streamtrain and its test extras;
@@ -45,6 +46,11 @@ if ! command -v promtool >/dev/null; then
   log "installing promtool (Debian package prometheus)"
   apt_install --no-install-recommends prometheus
   (command -v systemctl >/dev/null && systemctl disable --now prometheus >/dev/null 2>&1) || true
+fi
+if ! command -v ip >/dev/null; then
+  # tests/test_partition.py gives a trainer its own network namespace and cuts its link
+  log "installing iproute2"
+  apt_install iproute2
 fi
 
 # --- Kafka jars ---------------------------------------------------------------

@@ -1,4 +1,10 @@
-"""The Lua scripts of the parameter plane, registered once per client."""
+"""The Lua scripts of the parameter plane, registered once per client.
+
+On a Redis Cluster client (``common.redis_client``) SCRIPT LOAD goes to every master and an
+EVALSHA to the master of its keys' slot (a job's keys share one), so a script is loaded up front
+on whichever node runs it, and a node that lost it (restarted, failed over) answers NOSCRIPT,
+which reloads it everywhere and retries.
+"""
 
 from __future__ import annotations
 

@@ -21,12 +21,12 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-import redis as redis_lib
 from kafka import KafkaConsumer, TopicPartition
 
 from datastream import DecodeError, decode_record, dlq_topic, parse_dlq_headers
 
 from common.keys import JobKeys
+from common.redis_client import connect
 
 Sample = tuple[str, int]
 
@@ -104,7 +104,7 @@ def _read_topic(bootstrap: str, topic: str, until: dict[int, int] | None) -> lis
 def audit(bootstrap: str, topic: str, redis_url: str, job: str) -> AuditReport:
     """Check invariant 1 for ``job`` consuming ``topic``; see :class:`AuditReport`."""
     keys = JobKeys(job)
-    client = redis_lib.Redis.from_url(redis_url)
+    client = connect(redis_url)
     try:
         pipe = client.pipeline(transaction=True)  # the floor moves with the trim, atomically
         pipe.hgetall(keys.offsets)

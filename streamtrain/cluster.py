@@ -1,11 +1,11 @@
 """The docker-compose topology as local processes: what ``streamtrain up`` runs.
 
-:class:`LocalCluster` starts a real Kafka broker and a real Redis server
-(the launcher), then the coordinator, one parameter server per shard group,
-trainers and a producer as ``streamtrain`` child processes, each with its own
-log in the cluster's folder. The end-to-end tests and ``bench/pipeline.py`` use
-it too, with its fault helpers (kill a trainer, restart the parameter servers or
-the coordinator).
+:class:`LocalCluster` starts a real Kafka broker (or ``kafka_brokers`` of them
+as one cluster) and a real Redis server (the launcher), then the coordinator,
+one parameter server per shard group, trainers and a producer as ``streamtrain``
+child processes, each with its own log in the cluster's folder. The end-to-end
+tests and ``bench/pipeline.py`` use it too, with its fault helpers (kill a
+trainer or a broker, restart the parameter servers or the coordinator).
 
 What runs is a :class:`ClusterSpec`: the services' own settings dataclasses
 (their defaults are the only defaults) plus the few things only a cluster has.
@@ -41,7 +41,8 @@ from datastream.cli import ProduceSettings
 from services.server import ServerSettings
 from trainers.settings import TrainerSettings
 
-from .launcher import KafkaBroker, RedisServer, ServiceProcess, free_port, wait_until
+from .launcher import KafkaCluster, RedisCluster, RedisServer, ServiceProcess, free_port, wait_until
+from .netns import NetNamespace
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,11 @@ class ClusterSpec:
     """Job name (Redis keys, Kafka group) of every service."""
     topic: str = "digits"
     """Training topic of every service."""
+    host: str = "127.0.0.1"
+    """The address Redis, Kafka and the coordinator bind and every service connects to: loopback, or
+    the root side of a veth pair (:class:`streamtrain.netns.NetNamespace`), which trainers in that
+    namespace reach and processes here reach too. A coordinator whose own settings name another
+    ``host`` than loopback (``0.0.0.0``) binds that."""
     trainers: int = 2
     """Trainer processes started with the cluster (:meth:`LocalCluster.add_trainer` starts more)."""
     coordinator: CoordinatorSettings = CoordinatorSettings()
@@ -91,8 +97,15 @@ class ClusterSpec:
     """The producer (None: start no producer; ``partitions`` is the coordinator's)."""
     redis_aof: bool = True
     """Redis AOF persistence."""
+    redis_cluster: bool = False
+    """Run the job on a Redis Cluster of three masters (:class:`~streamtrain.launcher.RedisCluster`,
+    its ``redis+cluster://`` URL handed to every service) instead of one Redis server."""
     kafka_heap_mb: int = 512
-    """Heap of the local broker."""
+    """Heap of each local Kafka broker."""
+    kafka_brokers: int = 1
+    """Kafka brokers (KRaft nodes, each also a controller) of the local cluster. With three or more,
+    topics keep three copies and an ``acks=all`` write needs two in sync
+    (:func:`~streamtrain.launcher.replication_config`): one broker may die (:meth:`LocalCluster.kill_broker`)."""
     extra_trainer_args: tuple[str, ...] = ()
     """More flags for every trainer, after its settings' (they win)."""
 
@@ -141,11 +154,13 @@ class Endpoints:
     """Bearer token of trainer calls."""
     workdir: Path
     """The cluster's folder (relative checkpoint folders are in it)."""
+    host: str = "127.0.0.1"
+    """The address the servers bind (:attr:`ClusterSpec.host`)."""
 
     @property
     def coordinator_url(self) -> str:
         """Base URL of the coordinator."""
-        return f"http://127.0.0.1:{self.coordinator_port}"
+        return f"http://{self.host}:{self.coordinator_port}"
 
 
 class Services(NamedTuple):
@@ -163,8 +178,9 @@ class Services(NamedTuple):
 
 def service_settings(spec: ClusterSpec, at: Endpoints) -> Services:
     """``spec``'s services with the cluster's job, topic, addresses, tokens and shard groups filled in."""
+    host = at.host if spec.coordinator.host == CoordinatorSettings().host else spec.coordinator.host
     coordinator = replace(spec.coordinator, job=spec.job, topic=spec.topic, redis_url=at.redis_url,
-                          kafka_bootstrap=at.bootstrap, port=at.coordinator_port,
+                          kafka_bootstrap=at.bootstrap, host=host, port=at.coordinator_port,
                           admin_token=at.admin_token, job_token=at.job_token)
     groups = coordinator.ps_groups
     ps = tuple(replace(spec.ps, job=spec.job, redis_url=at.redis_url, groups=groups, group=g,
@@ -206,8 +222,8 @@ class LocalCluster:
 
     spec: ClusterSpec = field(default_factory=ClusterSpec)
     workdir: Path | None = None
-    redis: RedisServer | None = None
-    kafka: KafkaBroker | None = None
+    redis: RedisServer | RedisCluster | None = None
+    kafka: KafkaCluster | None = None
     coordinator: ServiceProcess | None = None
     ps: list[ServiceProcess] = field(default_factory=list)
     """The parameter servers, group g at index g."""
@@ -223,7 +239,7 @@ class LocalCluster:
     @property
     def coordinator_url(self) -> str:
         """Base URL of the coordinator."""
-        return f"http://127.0.0.1:{self.coordinator_port}"
+        return f"http://{self.spec.host}:{self.coordinator_port}"
 
     @property
     def redis_url(self) -> str:
@@ -233,7 +249,7 @@ class LocalCluster:
 
     @property
     def bootstrap(self) -> str:
-        """Kafka bootstrap address."""
+        """Kafka bootstrap addresses: every broker's, comma-separated."""
         assert self.kafka is not None
         return self.kafka.bootstrap
 
@@ -243,7 +259,7 @@ class LocalCluster:
         assert self.workdir is not None
         return Endpoints(redis_url=self.redis_url, bootstrap=self.bootstrap,
                          coordinator_port=self.coordinator_port, admin_token=self.admin_token,
-                         job_token=self.job_token, workdir=self.workdir)
+                         job_token=self.job_token, workdir=self.workdir, host=self.spec.host)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> LocalCluster:
@@ -253,10 +269,14 @@ class LocalCluster:
             self.workdir = Path(self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
-            self.redis = RedisServer(appendonly=self.spec.redis_aof,
-                                     workdir=self.workdir / "redis").start()
-            self.kafka = KafkaBroker(heap_mb=self.spec.kafka_heap_mb, log_level="WARN",
-                                     workdir=self.workdir / "kafka").start()
+            if self.spec.redis_cluster:
+                self.redis = RedisCluster(host=self.spec.host, appendonly=self.spec.redis_aof,
+                                          workdir=self.workdir / "redis").start()
+            else:
+                self.redis = RedisServer(host=self.spec.host, appendonly=self.spec.redis_aof,
+                                         workdir=self.workdir / "redis").start()
+            self.kafka = KafkaCluster(self.spec.kafka_brokers, host=self.spec.host, heap_mb=self.spec.kafka_heap_mb,
+                                      log_level="WARN", start_timeout_s=120, workdir=self.workdir / "kafka").start()
             from datastream import ensure_topic
 
             ensure_topic(self.bootstrap, self.spec.topic, self.spec.partitions)
@@ -271,11 +291,14 @@ class LocalCluster:
             raise
         return self
 
-    def _service(self, which: str, name: str, ready: Callable[[], bool] | None = None) -> ServiceProcess:
-        """Start service ``which`` (a key of :func:`commands`) as process ``name``."""
-        args, env = commands(self.spec, self.endpoints)[which]
-        proc = ServiceProcess(name, args, env=env, ready=ready, workdir=self.workdir / name,
-                              start_timeout_s=120, stop_timeout_s=30)
+    def _service(self, which: str, name: str, ready: Callable[[], bool] | None = None,
+                 netns: NetNamespace | None = None, env: Mapping[str, str] | None = None) -> ServiceProcess:
+        """Start service ``which`` (a key of :func:`commands`) as process ``name`` (inside ``netns``,
+        with ``env`` over its environment)."""
+        args, base_env = commands(self.spec, self.endpoints)[which]
+        prefix = netns.command([]) if netns is not None else ()
+        proc = ServiceProcess(name, args, env={**base_env, **(env or {})}, ready=ready, prefix=prefix,
+                              workdir=self.workdir / name, start_timeout_s=120, stop_timeout_s=30)
         return proc.start()
 
     def start_coordinator(self) -> ServiceProcess:
@@ -298,9 +321,14 @@ class LocalCluster:
         self.producer = self._service("producer", "producer")
         return self.producer
 
-    def add_trainer(self) -> ServiceProcess:
-        """Start one more trainer."""
-        trainer = self._service("trainer", f"trainer-{self._next()}")
+    def add_trainer(self, netns: NetNamespace | None = None,
+                    env: Mapping[str, str] | None = None) -> ServiceProcess:
+        """Start one more trainer; inside ``netns`` (its own host: the cluster's ``spec.host`` must be
+        ``netns.host_address`` for it to reach the servers) when given. ``env`` is added to its
+        environment: it replaces what the cluster passes there (the :data:`SECRET_FIELDS`, e.g.
+        ``STREAMTRAIN_REDIS_URL``); every other setting is a flag, and flags win. Its pid is the
+        trainer's own (``ip netns exec`` execs it), so it stops, is killed and frozen like any other."""
+        trainer = self._service("trainer", f"trainer-{self._next()}", netns=netns, env=env)
         self.trainers.append(trainer)
         return trainer
 
@@ -380,12 +408,28 @@ class LocalCluster:
         trainer.stop()
         return trainer
 
+    def kill_broker(self, index: int = 0) -> int:
+        """SIGKILL Kafka broker ``index`` (node id ``index + 1``; fault injection); returns its node id.
+        With three brokers the other two carry on; :meth:`restart_broker` brings it back."""
+        assert self.kafka is not None
+        self.kafka.kill(index)
+        return self.kafka.nodes[index].node_id
+
+    def restart_broker(self, index: int = 0) -> None:
+        """Start Kafka broker ``index`` again on its ports and folder (SIGKILLed first if it runs);
+        returns once it is back in the cluster."""
+        assert self.kafka is not None
+        self.kafka.restart(index)
+
     def restart(self, which: str, down_s: float = 0.0) -> None:
-        """SIGKILL ``which`` (``ps``: every parameter server, ``coordinator``, ``redis`` or ``kafka``),
-        wait ``down_s``, and start it again: Redis and Kafka on the same port and folder (Redis reloads
-        its AOF)."""
+        """SIGKILL ``which`` (``ps``: every parameter server, ``coordinator``, ``redis`` or ``kafka``:
+        every broker), wait ``down_s``, and start it again: Redis and Kafka on the same ports and
+        folders (Redis reloads its AOF)."""
         if which not in ("ps", "coordinator", "redis", "kafka"):
             raise ValueError(f"cannot restart {which!r}: ps, coordinator, redis or kafka")
+        if which == "redis" and isinstance(self.redis, RedisCluster):
+            raise ValueError("cannot restart redis: this cluster runs a Redis Cluster (spec.redis_cluster), "
+                             "whose nodes are not restarted; restart a single Redis server instead")
         procs = list(self.ps) if which == "ps" else [getattr(self, which)]
         for proc in procs:
             with contextlib.suppress(Exception):
@@ -394,12 +438,10 @@ class LocalCluster:
         time.sleep(down_s)
         if which == "redis":
             old = procs[0]
-            self.redis = RedisServer(port=old.port, password=old.password, appendonly=self.spec.redis_aof,
-                                     workdir=old.workdir).start()
+            self.redis = RedisServer(host=old.host, port=old.port, password=old.password,
+                                     appendonly=self.spec.redis_aof, workdir=old.workdir).start()
         elif which == "kafka":
-            old = procs[0]
-            self.kafka = KafkaBroker(port=old.port, heap_mb=self.spec.kafka_heap_mb, log_level="WARN",
-                                     workdir=old.workdir).start()
+            procs[0].start()  # the killed brokers, on their ports and folders
         elif which == "ps":
             self.start_ps()
         else:
@@ -419,14 +461,13 @@ class LocalCluster:
     def quiesce(self, timeout_s: float = 60.0) -> None:
         """Stop the producer and the trainers (they drain, commit and leave), then wait until
         the parameter servers have applied every pushed update: the job then stands still."""
-        import redis as redis_lib
-
+        from common.redis_client import connect
         from services import unapplied_updates
 
         for proc in [self.producer, *self.trainers]:
             if proc is not None:
                 proc.stop()
-        client = redis_lib.Redis.from_url(self.redis_url)
+        client = connect(self.redis_url)
 
         def applied() -> bool:
             try:

@@ -120,7 +120,13 @@ class UpSettings:
     outage_limit_s: float = cfg.setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
                                         help="longest Redis outage the live view rides out before giving up")
     kafka_heap_mb: int = cfg.setting(_LOCAL.kafka_heap_mb, env="STREAMTRAIN_KAFKA_HEAP_MB", min=128,
-                                     help="heap of the local Kafka broker")
+                                     help="heap of each local Kafka broker")
+    kafka_brokers: int = cfg.setting(_LOCAL.kafka_brokers, env="STREAMTRAIN_KAFKA_BROKERS", min=1, max=9,
+                                     help="Kafka brokers (KRaft nodes) on loopback; with 3 or more, topics keep "
+                                          "3 copies with min.insync.replicas=2, so one broker may die")
+    redis_cluster: bool = cfg.setting(_LOCAL.redis_cluster, env="STREAMTRAIN_REDIS_CLUSTER",
+                                      help="run the job on a local Redis Cluster of three masters "
+                                           "(a redis+cluster:// URL) instead of one Redis server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,7 +148,8 @@ def cluster_spec(s: UpSettings, environ: Mapping[str, str] | None = None) -> Clu
     rate = s.rate if s.rate is not None else (FOREVER_RATE if s.forever else None)
     assert base.producer is not None
     return replace(
-        base, trainers=s.trainers, kafka_heap_mb=s.kafka_heap_mb,
+        base, trainers=s.trainers, kafka_heap_mb=s.kafka_heap_mb, kafka_brokers=s.kafka_brokers,
+        redis_cluster=s.redis_cluster,
         coordinator=replace(base.coordinator, partitions=s.partitions, consistency=s.consistency,
                             staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr,
                             ps_groups=s.ps_groups),
@@ -196,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
     final: dict[str, Any] = {}
     try:
         servers = "a parameter server" if settings.ps_groups == 1 else f"{settings.ps_groups} parameter servers"
-        with console.status(f"starting Kafka (KRaft), Redis, coordinator, {servers}, "
+        redis = "a Redis Cluster" if settings.redis_cluster else "Redis"
+        kafka = "Kafka (KRaft)" if settings.kafka_brokers == 1 else f"{settings.kafka_brokers} Kafka brokers (KRaft)"
+        with console.status(f"starting {kafka}, {redis}, coordinator, {servers}, "
                             f"{settings.trainers} trainers and the producer"):
             cluster.start()
         console.print(f"Kafka {cluster.bootstrap} (ready in {cluster.kafka.ready_after_s:.1f}s) · "

@@ -22,7 +22,7 @@ import pytest
 import redis as redis_lib
 from kafka.admin import KafkaAdminClient
 
-from streamtrain.launcher import KafkaBroker, RedisServer
+from streamtrain.launcher import KafkaBroker, RedisCluster, RedisServer
 
 
 @dataclass
@@ -85,6 +85,14 @@ def redis_server() -> Iterator[RedisInfo]:
     """A real redis-server for the whole session (password-protected, like every launched one)."""
     with RedisServer() as server:
         yield RedisInfo(server=server)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A real Redis Cluster of three masters for the whole session (``redis_cluster.url`` is its
+    ``redis+cluster://`` URL); a cluster has only database 0, so tests keep apart by job name."""
+    with RedisCluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -81,6 +81,15 @@ def test_the_cluster_fills_in_addresses_job_topic_tokens_and_groups() -> None:
     assert (p.topic, p.bootstrap, p.partitions) == ("digits", AT.bootstrap, 4)
 
 
+def test_the_cluster_host_is_what_the_coordinator_binds_and_the_services_dial() -> None:
+    at = replace(AT, host="10.213.0.1")
+    services = service_settings(ClusterSpec(host="10.213.0.1"), at)
+    assert (services.coordinator.host, services.trainer.coordinator_url) == ("10.213.0.1", "http://10.213.0.1:8799")
+    assert service_settings(ClusterSpec(), AT).coordinator.host == "127.0.0.1"  # loopback unless told
+    wildcard = ClusterSpec(host="10.213.0.1", coordinator=CoordinatorSettings(host="0.0.0.0"))  # noqa: S104
+    assert service_settings(wildcard, at).coordinator.host == "0.0.0.0"  # noqa: S104 - its own choice stays
+
+
 def test_the_cluster_defaults_are_the_services_defaults() -> None:
     spec = ClusterSpec()
     assert spec.coordinator == CoordinatorSettings()
@@ -125,3 +134,15 @@ def test_up_passes_the_services_variables_on_over_the_local_defaults() -> None:
     assert spec.trainer.eval_source == "digits"  # the local defaults stay where no variable is set
     with pytest.raises(cfg.SettingsError, match="STREAMTRAIN_THREADS"):
         cluster_spec(up(), environ={"STREAMTRAIN_THREADS": "many"})
+
+
+def test_up_redis_cluster_reaches_the_spec_and_the_cluster_url_every_service() -> None:
+    assert cluster_spec(up(redis_cluster=True), environ={}).redis_cluster
+    assert not cluster_spec(up(), environ={}).redis_cluster
+    at = replace(AT, redis_url="redis+cluster://:redis-password@127.0.0.1:7001,127.0.0.1:7002/0")
+    spec = ClusterSpec(redis_cluster=True)
+    services = service_settings(spec, at)
+    assert {services.coordinator.redis_url, services.trainer.redis_url,
+            *(p.redis_url for p in services.ps)} == {at.redis_url}
+    for args, env in commands(spec, at).values():
+        assert "redis-password" not in " ".join(args)  # in the environment only, as for a server's URL

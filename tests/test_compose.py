@@ -36,6 +36,7 @@ from datastream.consumer import ConsumerStats
 from services.metrics import ServerMetrics
 from services.server import ServerSettings
 from streamtrain.cli import COMMANDS, build_parser
+from common.redis_client import is_cluster_url, parse_cluster_url
 from common.settings import from_args
 from trainers.evaluate import EvalResult
 from trainers.metrics import TrainerMetrics, TrainerReport
@@ -52,6 +53,11 @@ SECRET_NAME = re.compile(r"TOKEN|PASSWORD|SECRET|_AUTH$|_KEY$")
 """Names that hold a secret, wherever they appear in the file."""
 TEST_ENV = {name: f"test-{name.lower().replace('_', '-')}" for name in SECRETS}
 """What the shell gives compose in these tests (URL-safe, like the file asks)."""
+CLUSTER_PROFILE = "redis-cluster"
+"""The optional profile of a Redis Cluster (three nodes and a one-shot ``redis-cli --cluster create``)."""
+CLUSTER_ENV = {**TEST_ENV, "STREAMTRAIN_REDIS_SCHEME": "redis+cluster",
+               "STREAMTRAIN_REDIS_NODES": "redis-node-1:6379,redis-node-2:6379,redis-node-3:6379"}
+"""What the file's header says to set to run the job on that cluster."""
 
 # ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?message}, ${NAME?message}; $$ is a literal $
 _VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
@@ -193,8 +199,10 @@ def _listen_ports(compose: dict) -> dict[str, set[int]]:
     ports: dict[str, set[int]] = {}
     kenv = _env(compose["services"]["kafka"])
     ports["kafka"] = {int(m) for m in re.findall(r"PLAINTEXT://[^:,]*:(\d+)", kenv["KAFKA_LISTENERS"])}
-    redis_cmd = compose["services"]["redis"]["command"]
-    ports["redis"] = {int(redis_cmd[redis_cmd.index("--port") + 1])} if "--port" in redis_cmd else {6379}
+    for name, svc in compose["services"].items():
+        cmd = svc.get("command") or []
+        if cmd[:1] == ["redis-server"]:
+            ports[name] = {int(cmd[cmd.index("--port") + 1])} if "--port" in cmd else {6379}
     return ports
 
 
@@ -203,6 +211,8 @@ def _addresses(value: str) -> list[tuple[str, int]]:
     if value.startswith(("redis://", "rediss://")):
         url = urlsplit(value)
         return [(url.hostname or "", url.port or 6379)]
+    if is_cluster_url(value):
+        return list(parse_cluster_url(value).nodes)
     return [(h, int(p)) for h, p in re.findall(r"(?:^|,)([a-z][a-z0-9_-]*):(\d+)", value)]
 
 
@@ -256,6 +266,52 @@ def test_redis_requires_the_password_every_service_uses(compose: dict) -> None:
     assert urls and all(urlsplit(u).password == password for u in urls.values()), urls
     assert all(_env(svc)[k] == TEST_ENV[k] for svc in _our_services(compose).values()
                for k in ("STREAMTRAIN_JOB_TOKEN", "STREAMTRAIN_ADMIN_TOKEN"))
+
+
+def _flag(command: list[str], flag: str) -> str:
+    assert flag in command, f"{flag} missing from {command}"
+    return command[command.index(flag) + 1]
+
+
+def test_redis_cluster_profile(raw: dict) -> None:
+    """The optional Redis Cluster: three password-protected AOF cluster nodes, a one-shot that
+    creates the cluster from exactly them, and, with the header's two variables set, every
+    service's Redis URL a ``redis+cluster://`` URL naming those nodes with the password."""
+    compose = interpolate_all(raw, CLUSTER_ENV)
+    services = compose["services"]
+    password = TEST_ENV["STREAMTRAIN_REDIS_PASSWORD"]
+    profiled = {name for name, svc in services.items() if svc.get("profiles")}
+    assert all(services[n]["profiles"] == [CLUSTER_PROFILE] for n in profiled)
+    for name, svc in services.items():  # the default topology never needs a profile's service
+        if name not in profiled:
+            assert not set(svc.get("depends_on", {})) & profiled, f"{name} depends on {profiled}"
+    nodes = {name for name in profiled if services[name]["command"][:1] == ["redis-server"]}
+    assert len(nodes) == 3
+    for name in nodes:
+        svc = services[name]
+        cmd = svc["command"]
+        assert _flag(cmd, "--cluster-enabled") == "yes" and _flag(cmd, "--appendonly") == "yes"
+        assert _flag(cmd, "--requirepass") == password and _flag(cmd, "--masterauth") == password
+        assert _flag(cmd, "--cluster-announce-hostname") == name  # clients are told names compose resolves
+        assert _flag(cmd, "--cluster-preferred-endpoint-type") == "hostname"
+        assert _env(svc)["REDISCLI_AUTH"] == password and "PONG" in svc["healthcheck"]["test"][1]
+    ports = _listen_ports(compose)
+    creators = [services[n] for n in profiled - nodes]
+    assert len(creators) == 1
+    creator = creators[0]
+    script = creator["command"][-1]
+    assert "redis-cli --cluster create" in script and "--cluster-yes" in script
+    assert "-a " not in script and _env(creator)["REDISCLI_AUTH"] == password  # never on a command line
+    created = _addresses(",".join(script.split("--cluster create", 1)[1].split()[:-3]))
+    assert {h for h, _ in created} == nodes and all(p in ports[h] for h, p in created)
+    assert creator.get("restart") == "no"
+    assert {n: c["condition"] for n, c in creator["depends_on"].items()} == dict.fromkeys(nodes, "service_healthy")
+    urls = {name: _env(svc)["STREAMTRAIN_REDIS_URL"] for name, svc in _our_services(compose).items()}
+    for name, url in urls.items():
+        assert is_cluster_url(url), f"{name}: {url}"
+        where = parse_cluster_url(url)
+        assert where.password == password and {h for h, _ in where.nodes} == nodes
+        assert all(p in ports[h] for h, p in where.nodes)
 
 
 def test_kafka_advertises_the_address_our_services_use(compose: dict) -> None:

@@ -3,7 +3,7 @@
 Used by the tests' session fixtures, the benchmarks and ``streamtrain up``.
 """
 
-from .kafka import KAFKA_VERSION, KafkaBroker, cache_dir, kafka_libs_dir
+from .kafka import KAFKA_VERSION, KafkaBroker, KafkaCluster, cache_dir, kafka_libs_dir, replication_config
 from .process import (
     LaunchError,
     ManagedProcess,
@@ -15,12 +15,15 @@ from .process import (
 )
 from common.urls import redact_url
 from .redis import RedisServer
+from .redis_cluster import RedisCluster
 from .service import ServiceProcess
 
 __all__ = [
     # servers
     "KafkaBroker",
+    "KafkaCluster",
     "RedisServer",
+    "RedisCluster",
     "ServiceProcess",
     "ManagedProcess",
     "ServerState",
@@ -31,6 +34,7 @@ __all__ = [
     "cache_dir",
     "free_port",
     "kafka_libs_dir",
+    "replication_config",
     "pid_alive",
     "redact_url",
     "wait_until",

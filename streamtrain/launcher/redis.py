@@ -28,9 +28,10 @@ CONFIG_NAME = "redis.conf"
 
 
 class RedisServer(ManagedProcess):
-    """``redis-server`` bound to 127.0.0.1 on a free port, with ``requirepass``.
+    """``redis-server`` bound to ``host`` (127.0.0.1) on a free port, with ``requirepass``.
 
     Args:
+        host: the address it binds (and :attr:`url` names).
         port: the port (a free one when None).
         password: the password clients must give (a fresh random one when None);
             printable ASCII without spaces, quotes or backslashes.
@@ -47,7 +48,7 @@ class RedisServer(ManagedProcess):
 
     name = "redis"
 
-    def __init__(self, *, port: int | None = None, password: str | None = None,
+    def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, password: str | None = None,
                  appendonly: bool = False, databases: int = 64, binary: str = "redis-server",
                  **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
@@ -63,8 +64,8 @@ class RedisServer(ManagedProcess):
             raise ValueError(f"password ({len(password)} characters) must be non-empty printable "
                              "ASCII without spaces, quotes or backslashes")
         self.binary = found
-        self.host = "127.0.0.1"
-        self.port = port or free_port()
+        self.host = host
+        self.port = port or free_port(host)
         self.password = password
         self.appendonly = appendonly
         self.databases = databases

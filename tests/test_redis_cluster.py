@@ -1,0 +1,264 @@
+"""Everything against a real Redis Cluster: the launcher, the URL, the parameter plane, the
+coordinator and one end-to-end run whose accounting is exact.
+
+A job's keys carry the hash tag ``{job}`` (``common.keys``), so each job lives in one slot
+of the cluster; the tests keep apart by job name (a cluster has only database 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import redis as redis_lib
+import torch
+from redis.cluster import RedisCluster as ClusterClient
+from test_services_util import set_membership, small_model
+
+from common.keys import JobKeys
+from common.outage import redis_name
+from common.redis_client import connect, connect_async, is_cluster_url, parse_cluster_url
+from coordinator.client import CoordinatorClient
+from coordinator.errors import FencedError as CoordinatorFencedError
+from coordinator.settings import CoordinatorSettings
+from coordinator.state import check_fence
+from coordinator.testing import running_coordinator
+from services import (
+    FencedError, OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, unapplied_updates,
+)
+from services import connect as ps_connect
+from streamtrain.accounting import audit
+from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster
+from streamtrain.launcher import RedisCluster, pid_alive, redact_url, wait_until
+
+pytestmark = pytest.mark.redis_cluster
+
+
+def fresh_job() -> str:
+    return f"cj-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def client(redis_cluster: RedisCluster) -> Iterator[ClusterClient]:
+    """A cluster client as the parameter plane makes it (``services.connect``)."""
+    c = ps_connect(redis_cluster.url)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def job_keys(client: ClusterClient, job: str, pattern: str = "*") -> list[bytes]:
+    """The job's keys matching ``pattern``, from every master."""
+    return sorted(client.keys(f"st:{{{job}}}:{pattern}", target_nodes=ClusterClient.PRIMARIES))
+
+
+# -- the launcher and the URL ----------------------------------------------------------------------
+def test_launcher_starts_masters_and_replicas_and_stops_every_node() -> None:
+    password = "p@ss:w/rd%40#x"  # URL-special characters survive the URL round trip
+    cluster = RedisCluster(replicas=1, password=password, appendonly=True)
+    squatter = socket.create_server(("127.0.0.1", cluster.nodes[2].bus_port))  # taken since it was picked
+    try:
+        cluster.start()
+    finally:
+        squatter.close()
+    with cluster:
+        assert len(cluster.nodes) == 6 and len(set(cluster.pids)) == 6
+        roles = []
+        for node in cluster.nodes:
+            assert node.cluster_info()["cluster_state"] == "ok"
+            direct = redis_lib.Redis(host=node.host, port=node.port, password=password)
+            try:
+                roles.append(direct.execute_command("ROLE")[0])
+                assert direct.config_get("appendonly") == {"appendonly": "yes"}
+            finally:
+                direct.close()
+            with open(f"/proc/{node.pid}/cmdline", "rb") as fh:
+                assert password.encode() not in fh.read()
+            assert (node.workdir / "redis.conf").stat().st_mode & 0o077 == 0
+            assert password not in node.log_path.read_text()
+        assert sorted(roles) == [b"master"] * 3 + [b"slave"] * 3
+        assert password not in cluster.display_url and "***" in cluster.display_url
+        c = connect(cluster.url)
+        try:
+            assert isinstance(c, ClusterClient)
+            for i in range(50):  # keys spread over every master
+                c.set(f"k{i}", i)
+            assert {c.get(f"k{i}") for i in range(50)} == {str(i).encode() for i in range(50)}
+            counts = [node.redis_connection.dbsize() for node in c.get_primaries()]
+            assert len(counts) == 3 and all(n > 0 for n in counts) and sum(counts) == 50
+        finally:
+            c.close()
+        pids = cluster.pids
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_launcher_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="at least 3 masters"):
+        RedisCluster(masters=2)
+    with pytest.raises(ValueError, match="replicas"):
+        RedisCluster(replicas=-1)
+    with pytest.raises(ValueError, match="printable ASCII") as err:
+        RedisCluster(password="sec ret")
+    assert "sec ret" not in str(err.value)
+
+
+def test_the_cluster_url() -> None:
+    url = "redis+cluster://:p%40ss@127.0.0.1:7000,127.0.0.1:7001,[::1]:7002"
+    assert is_cluster_url(url) and is_cluster_url("REDIS+CLUSTER://h:1")
+    assert not is_cluster_url("redis://127.0.0.1:6379/0")
+    where = parse_cluster_url(url)
+    assert where.nodes == (("127.0.0.1", 7000), ("127.0.0.1", 7001), ("::1", 7002))
+    assert where.password == "p@ss" and where.username is None
+    assert parse_cluster_url("redis+cluster://bob:pw@h:1/0").username == "bob"
+    assert redact_url(url) == "redis+cluster://:***@127.0.0.1:7000,127.0.0.1:7001,[::1]:7002"
+    for bad, why in [("redis+cluster://:secret@h:1/3", "only database 0"), ("redis+cluster://:secret@h", "host:port"),
+                     ("redis+cluster://:secret@h:1?x=1", "no query"), ("redis+cluster://:secret@h:99999", "host:port")]:
+        with pytest.raises(ValueError, match=why) as err:
+            parse_cluster_url(bad)
+        assert "secret" not in str(err.value)
+
+
+def test_clients_name_the_cluster_never_its_password(redis_cluster: RedisCluster, client: ClusterClient) -> None:
+    name = redis_name(client)
+    assert name.startswith("Redis Cluster at 127.0.0.1:") and redis_cluster.password not in name
+    assert isinstance(connect_async(redis_cluster.url), redis_lib.asyncio.cluster.RedisCluster)
+
+
+INCRBY = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
+
+
+def queue(pipe: object, job: str, sha: str) -> None:
+    """The commands the planes send in MULTI/EXEC, on keys of ``job``'s slot (``sha``: :data:`INCRBY`'s)."""
+    k = JobKeys(job).key
+    pipe.set(k("s"), 1)
+    pipe.hset(k("h"), mapping={"a": 1, "b": 2})
+    pipe.hsetnx(k("h"), "a", 3)
+    pipe.xadd(k("x"), {"d": b"\x00delta"}, id="5-0")
+    pipe.get(k("s"))
+    pipe.hgetall(k("h"))
+    pipe.hkeys(k("h"))
+    pipe.mget([k("s"), k("missing")])
+    pipe.xrange(k("x"), min="1")
+    pipe.exists(k("s"))
+    pipe.evalsha(sha, 1, k("s"), 2)
+    pipe.delete(k("s"), k("h"))
+
+
+async def test_transactions_reply_as_on_one_server(redis: redis_lib.Redis, redis_url: str,
+                                                   client: ClusterClient, redis_cluster: RedisCluster) -> None:
+    """The same MULTI/EXEC (and plain pipeline) gives the same replies on the cluster as on one
+    server, from redis-py and redis.asyncio clients (redis-py's own sync cluster transaction
+    leaves the replies unparsed: ``common.redis_client`` parses them)."""
+    replies = {}
+    sha = client.script_load(INCRBY)  # on every master
+    assert redis.script_load(INCRBY) == sha
+    for name, c in (("server", redis), ("cluster", client)):
+        for tx in (True, False):
+            pipe = c.pipeline(transaction=tx)
+            queue(pipe, fresh_job(), sha)
+            replies[name, tx] = pipe.execute()
+    for name, url in (("server", redis_url), ("cluster", redis_cluster.url)):
+        c = connect_async(url)
+        try:
+            async with c.pipeline(transaction=True) as pipe:
+                queue(pipe, fresh_job(), sha)
+                replies[name, "async"] = await pipe.execute()
+        finally:
+            await c.aclose()
+    assert replies["cluster", True] == replies["server", True]
+    assert replies["cluster", False] == replies["server", False]
+    assert replies["cluster", "async"] == replies["server", "async"]
+    assert replies["cluster", True][8] == [(b"5-0", {b"d": b"\x00delta"})]
+
+
+# -- the parameter plane ---------------------------------------------------------------------------
+def test_push_apply_and_pull_on_the_cluster(redis_cluster: RedisCluster, client: ClusterClient) -> None:
+    """init a model, push with fencing, apply with a real parameter server, pull: as on one server."""
+    job = fresh_job()
+    store = ParameterStore(client, job)
+    store.init_model(small_model(), shard_elems=64, optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.0))
+    assert store.pull().version == 0
+    set_membership(client, job, {"a": [0]}, generation=1)
+    pusher = Pusher(client, job, "a", codec="none")
+    grads = {k: torch.ones_like(v) for k, v in small_model().items()}
+    pusher.push(grads, generation=1, clock=1, offsets={0: (0, 10)}, samples=[("prod", 0, 10)], batch_size=10)
+    with pytest.raises(FencedError):  # the fence inside the push script holds on a cluster too
+        pusher.push(grads, generation=0, clock=2, offsets={0: (10, 20)})
+    # scripts flushed (a node restarted): EVALSHA answers NOSCRIPT, the push reloads and retries
+    client.script_flush()  # on every master
+    pusher.push(grads, generation=1, clock=2, offsets={0: (10, 20)}, samples=[("prod", 10, 10)], batch_size=10)
+    assert len(job_keys(client, job, "grad:*")) == 2 * len(store.layout.shards)
+
+    server = ParameterServer(ServerSettings(redis_url=redis_cluster.url, job=job, block_ms=50))
+    try:
+        server.start()
+        wait_until(lambda: unapplied_updates(client, job) == 0, 60, what="both updates applied")
+    finally:
+        server.close()
+    snap = store.pull()
+    for name, value in small_model().items():
+        torch.testing.assert_close(snap.tensors[name], value - 2 * 0.5)  # two SGD steps of lr 0.5
+    keys = JobKeys(job)
+    assert client.hgetall(keys.offsets) == {b"0": b"20"}
+    assert job_keys(client, job, "grad:*") == []  # applied and persisted: the blobs are gone
+    assert snap.version >= 1  # one version per write: the server may apply both in one
+    again = store.pull(since=snap)  # an incremental pull: nothing changed since
+    assert again.version == snap.version and again.fetched == ()
+
+
+# -- the coordinator -------------------------------------------------------------------------------
+async def test_coordinator_registers_heartbeats_and_fences_on_the_cluster(
+        redis_cluster: RedisCluster, client: ClusterClient, silent_broker: str) -> None:
+    job = fresh_job()
+    settings = CoordinatorSettings(job=job, redis_url=redis_cluster.url, kafka_bootstrap=silent_broker,
+                                   topic="train", partitions=4, lease_ms=30_000, heartbeat_interval_ms=1000,
+                                   admin_token="admin-secret", job_token="job-secret", kafka_timeout_ms=200)
+    async with running_coordinator(settings) as http:
+        a = CoordinatorClient(str(http.make_url("")), "job-secret", session=http.session)
+        reg = await a.register({"device": "cpu", "threads": 1})
+        assert list(reg.partitions) == [0, 1, 2, 3]
+        check_fence(client, job, reg.member_id, reg.generation, reg.partitions)  # EVAL routed by its keys
+        b = CoordinatorClient(str(http.make_url("")), "job-secret", session=http.session)
+        await b.register({"device": "cpu", "threads": 1})  # a compare-and-set (WATCH/MULTI) on the cluster
+        now = await a.heartbeat({"clock": 1})
+        assert now.generation == reg.generation + 1 and len(now.partitions) == 2
+        with pytest.raises(CoordinatorFencedError, match="stale generation"):
+            check_fence(client, job, reg.member_id, reg.generation, reg.partitions)
+        resp = await http.get("/v1/status", headers={"Authorization": "Bearer admin-secret"})
+        status = await resp.json()
+        assert resp.status == 200 and len(status["members"]) == 2
+        resp = await http.get("/readyz")  # Kafka is down here; Redis (the cluster) answers PING
+        assert (await resp.json())["checks"]["redis"] == "ok"
+        await a.leave()
+        await b.leave()
+    assert client.hlen(JobKeys(job).members) == 0
+
+
+# -- end to end ------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_local_cluster_on_a_redis_cluster_accounts_exactly(tmp_path) -> None:
+    spec = ClusterSpec(redis_cluster=True, trainers=2,
+                       coordinator=CoordinatorSettings(partitions=2, codec="topk+fp16"),
+                       producer=replace(LOCAL_STREAM, source="digits?repeat=2", limit=2000))
+    cluster = LocalCluster(spec, workdir=tmp_path / "cluster")
+    try:
+        cluster.start()
+        assert is_cluster_url(cluster.redis_url)
+        with pytest.raises(ValueError, match="Redis Cluster"):
+            cluster.restart("redis")
+        cluster.wait_consumed(timeout_s=180)
+        cluster.quiesce()
+        report = audit(cluster.bootstrap, spec.topic, cluster.redis_url, spec.job)
+        assert report.exact, report
+        assert report.uncommitted == 0 and report.rejected_updates == 0
+        assert report.applied == report.expected == 2000
+        with contextlib.closing(connect(cluster.redis_url)) as c:
+            assert ParameterStore(c, spec.job).version() > 0
+    finally:
+        cluster.stop()
