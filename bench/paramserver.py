@@ -7,13 +7,15 @@ In one run, against one ``redis-server`` started on loopback:
    and with ``services.connect`` (redis-py's packer, hiredis's parser): the
    numbers behind declaring hiredis and overriding its packer.
 2. **Push and pull bandwidth** of a 10M-parameter model (40 MB of float32 in
-   1 MiB shards): ``push_update`` (one Lua script: fencing, offset commit,
-   and the shards' encoded gradients SET in the same MULTI) against a raw
-   pipeline of SETs of the same bytes, both into new keys (like-for-like: every
-   pushed update is new data; Redis then maps fresh memory) and overwriting the
-   same keys (Redis reuses the freed memory, ~2x faster at 40 MB), and ``ParameterStore.pull`` (MULTI/EXEC of the version and
-   MGET of every shard plus its deltas, into the trainer's parameter tensors with ``out=``)
-   against a raw MGET of the same keys; a pull into fresh tensors is reported too.
+   1 MiB shards, one shard group): ``push_update`` (the shards' encoded gradients
+   SET in one MULTI per group slot, then one Lua script: fencing, offset commit,
+   the log entry) against a raw pipeline of SETs of the same bytes, both into new
+   keys (like-for-like: every pushed update is new data; Redis then maps fresh
+   memory) and overwriting the same keys (Redis reuses the freed memory, ~2x
+   faster at 40 MB), and ``ParameterStore.pull`` (per group, a MULTI/EXEC of its
+   version and an MGET of its shards plus their deltas, into the trainer's
+   parameter tensors with ``out=``) against a raw MGET of the same keys; a pull
+   into fresh tensors is reported too.
 3. **Updates applied per second** by one parameter server, and the bytes Redis
    received per update meanwhile: dense fp32 gradients with SGD and momentum for
    1M- and 10M-parameter models (every update changes every value: full writes);
@@ -134,6 +136,13 @@ def model(numel: int) -> dict[str, torch.Tensor]:
     return {"l1.weight": torch.randn(q, 2), "l1.bias": torch.randn(q), "l2.weight": torch.randn(q)}
 
 
+def job_keys(client: redis.Redis, job: str) -> list[bytes]:
+    """Every key of ``job``: its slot's and each of its shard groups' (the server's Redis is one node)."""
+    keys = JobKeys(job)
+    groups = ParameterStore(client, job).meta().groups
+    return [*client.keys(keys.key("*")), *(k for g in range(groups) for k in client.keys(keys.group(g).key("*")))]
+
+
 def membership(client: redis.Redis, job: str) -> None:
     keys = JobKeys(job)
     client.set(keys.generation, 1)
@@ -167,10 +176,14 @@ def push_pull(url: str, rounds: int) -> dict:
             pipe.set(f"{prefix}:{i}", b)
         pipe.execute()
 
-    def clear_log() -> None:  # what the servers do once an update is applied
-        client.delete(keys.update_log, keys.unapplied, *client.keys(keys.key("grad", "*")), *client.keys("fresh:*"))
+    groups = store.meta().groups
+    blobs_of = [keys.group(g).update_blob("*", "*") for g in range(groups)]
 
-    shard_keys = [keys.shard(s.index) for s in layout.shards]
+    def clear_log() -> None:  # what the servers do once an update is applied
+        client.delete(keys.update_log, keys.unapplied, *(k for b in blobs_of for k in client.keys(b)),
+                      *client.keys("fresh:*"))
+
+    shard_keys = [keys.group(s.index % groups).shard(s.index) for s in layout.shards]  # one group: one MGET
     push_s, set_s = paired(push, raw_set, rounds, clear_log)
     _, fresh_s = paired(lambda: None, lambda: raw_set("fresh"), rounds, clear_log)
     params = {k: v.clone() for k, v in store.pull().tensors.items()}
@@ -225,9 +238,9 @@ def apply_rate(url: str, tensors: dict[str, torch.Tensor], updates: int, batch: 
     elapsed = time.perf_counter() - t
     received = client.info("stats")["total_net_input_bytes"] - received
     assert int(client.hget(JobKeys(job).applied_clocks, "bench")) == updates
-    assert store.version() == -(-updates // batch)  # one model version per write
+    assert store.version() == -(-updates // batch)  # one version of the job's one group per write
     torch.set_num_threads(threads)
-    client.delete(*client.keys(JobKeys(job).key("*")))
+    client.delete(*job_keys(client, job))
     client.close()
     return {"params": store.layout.numel, "optimizer": optimizer.name, "codec": codec, "updates": updates,
             "batch": batch, "updates_per_s": updates / elapsed, "redis_bytes_per_update": received / updates}
@@ -258,7 +271,7 @@ def pull_bytes(url: str, tensors: dict[str, torch.Tensor], steps: int, *, optimi
         times.append(time.perf_counter() - t)
         moved.append(snap.wire_bytes)
     full = 4 * store.layout.numel
-    client.delete(*client.keys(JobKeys(job).key("*")))
+    client.delete(*job_keys(client, job))
     client.close()
     return {"optimizer": optimizer.name, "codec": codec, "density": density, "model_bytes": full,
             "bytes_per_pull": statistics.fmean(moved), "fraction_of_model": statistics.fmean(moved) / full,

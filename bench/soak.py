@@ -45,6 +45,7 @@ from rich.table import Table  # noqa: E402
 
 from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster  # noqa: E402
 from common.keys import JobKeys  # noqa: E402
+from services import ParameterStore  # noqa: E402
 
 RESULTS = _HERE / "results" / "soak.json"
 TARGET_PCT_PER_HOUR = 5.0
@@ -76,19 +77,28 @@ def processes(cluster: LocalCluster) -> dict[str, int | None]:
     return {name: p.pid if p is not None else None for name, p in procs.items()}
 
 
-def redis_sizes(client: redis_lib.Redis, keys: JobKeys) -> dict[str, int]:
-    """Redis's used_memory and the lengths of the job's keys that could grow."""
+def count_keys(client: redis_lib.Redis, pattern: str) -> int:
+    """Keys matching ``pattern`` (SCAN: the soak's Redis is a single node)."""
+    return sum(1 for _ in client.scan_iter(match=pattern, count=1000))
+
+
+def redis_sizes(client: redis_lib.Redis, keys: JobKeys, groups: int) -> dict[str, int]:
+    """Redis's used_memory and the lengths of the job's keys that could grow (in the job's slot, and
+    the gradient blobs in its ``groups`` groups' slots)."""
     pipe = client.pipeline(transaction=False)
     pipe.info("memory")
     pipe.xlen(keys.applied_samples)
     pipe.xlen(keys.update_log)
     pipe.hlen(keys.clocks)
-    pipe.hlen(keys.apply_progress)
     pipe.hlen(keys.departed)
     pipe.get(keys.unapplied)
-    mem, samples, log, clocks, progress, departed, unapplied = pipe.execute()
+    mem, samples, log, clocks, departed, unapplied = pipe.execute()
     return {"used_memory": int(mem["used_memory"]), "applied_samples": samples, "log": log,
-            "unapplied": int(unapplied or 0), "clocks": clocks, "apply_progress": progress, "departed": departed}
+            "unapplied": int(unapplied or 0), "clocks": clocks, "departed": departed,
+            # updates some group has not reported yet, and gradient blobs (of logged updates not yet
+            # persisted by their group, or orphans awaiting the sweep)
+            "applied_by": count_keys(client, keys.applied_by("*")),
+            "grad_blobs": sum(count_keys(client, keys.group(g).update_blob("*", "*")) for g in range(groups))}
 
 
 def growth_pct_per_hour(points: list[tuple[float, float]]) -> float:
@@ -114,21 +124,22 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     with LocalCluster(spec, workdir=args.workdir) as cluster:
         client = redis_lib.Redis.from_url(cluster.redis_url)
         try:
-            cluster.wait_for(lambda st: len(st["members"]) == spec.trainers and (st["versions"]["max"] or 0) > 0,
+            cluster.wait_for(lambda st: len(st["members"]) == spec.trainers and (st["versions"]["model"] or 0) > 0,
                              timeout_s=180, what="the trainers training")
+            groups = ParameterStore(client, spec.job).meta().groups
             t0 = time.monotonic()
             end = t0 + args.minutes * 60
             while True:
                 cluster.raise_if_crashed()
                 now = time.monotonic()
                 rss = {name: rss_kb(pid) for name, pid in processes(cluster).items()}
-                sample = {"t_s": round(now - t0, 2), "rss_kb": rss, "redis": redis_sizes(client, keys)}
+                sample = {"t_s": round(now - t0, 2), "rss_kb": rss, "redis": redis_sizes(client, keys, groups)}
                 samples.append(sample)
                 sizes = sample["redis"]
                 print(f"{sample['t_s']:6.0f}s  rss MiB " + " ".join(f"{k} {v / 1024:.0f}" for k, v in rss.items()
                                                                    if v is not None)
                       + f" | redis used {sizes['used_memory'] / 2**20:.1f} MiB, applied_samples "
-                      f"{sizes['applied_samples']}, log {sizes['log']}", flush=True)
+                      f"{sizes['applied_samples']}, log {sizes['log']}, blobs {sizes['grad_blobs']}", flush=True)
                 if now >= end:
                     break
                 time.sleep(min(args.every_s, max(0.0, end - time.monotonic())))

@@ -1,9 +1,21 @@
 """Redis key names of one training job: the one place that spells them.
 
-Every key of a job carries the job name in a hash tag (``{job}``), so a job's
-keys share one Redis Cluster slot and Lua scripts may touch several of them.
-The coordinator writes the membership keys; the parameter plane reads them to
-fence stale trainers; both go through this class.
+A job's keys live in ``1 + G`` Redis Cluster hash slots, G being its number of
+parameter-server shard groups:
+
+* :class:`JobKeys` (hash tag ``{job}``): the model's meta, the update log, the
+  committed offsets, the clocks, the accounting, the membership and the
+  config: everything a push, the coordinator and the audit touch atomically.
+* :class:`GroupKeys` (hash tag ``{job:g<g>}``, one per group): the group's
+  shards, their deltas and versions, its optimizer state and cursors, and the
+  gradient blobs pushed for its shards: everything one server group writes
+  atomically when it applies a batch.
+
+A Lua script or a MULTI/EXEC touches one slot only, so under Redis Cluster
+different groups' data (the bulk of the bytes and of the write traffic) land
+on different nodes. ``:`` never appears in a job name, so ``job:g0`` cannot be
+another job's tag. The coordinator writes the membership keys; the parameter
+plane reads them to fence stale trainers; both go through these classes.
 """
 
 from __future__ import annotations
@@ -41,35 +53,40 @@ class JobKeys:
         """Model metadata: names, shapes, dtypes, shard layout, optimizer."""
         return self.key("meta")
 
-    def shard(self, index: int) -> str:
-        """Full float32 bytes of parameter shard ``index`` as of its base version (:attr:`bases`)."""
-        return self.key("shard", index)
-
-    @property
-    def versions(self) -> str:
-        """Hash: shard index -> the model version that last changed it."""
-        return self.key("versions")
-
-    @property
-    def bases(self) -> str:
-        """Hash: shard index -> the model version its full bytes (:meth:`shard`) are as of."""
-        return self.key("bases")
-
-    @property
-    def delta_floors(self) -> str:
-        """Hash: shard index -> every delta of the shard above this version is kept (<= its base)."""
-        return self.key("delta_floors")
-
-    def deltas(self, index: int) -> str:
-        """Stream of shard ``index``'s deltas: entry id ``<model version>-0``, field ``d`` the
-        coordinates that version changed and their new values (``services.deltas``)."""
-        return self.key("deltas", index)
+    def group(self, group: int) -> GroupKeys:
+        """The keys of parameter-server shard group ``group``."""
+        return GroupKeys(self.job, group)
 
     @property
     def update_log(self) -> str:
-        """Stream of pushed updates (compressed gradients with their offsets), kept until every
-        group's persisted optimizer state includes them."""
+        """Stream of pushed updates (their headers: offsets, samples, the shards with a gradient and
+        the token naming their blobs in each group's slot), kept until every group's persisted
+        optimizer state includes them (:attr:`group_persisted`)."""
         return self.key("log")
+
+    def applied_by(self, update_id: str) -> str:
+        """Hash: group -> "" (applied) or the reason it refused update ``update_id``; written once per
+        group (HSETNX: a group that redoes its accounting after a crash counts once), deleted when
+        every group has reported and the update is accounted."""
+        return self.key("applied_by", update_id)
+
+    @property
+    def group_accounted(self) -> str:
+        """Hash: group -> the last update whose accounting the group has recorded (the job-slot half
+        of its apply; see :attr:`GroupKeys.unaccounted`)."""
+        return self.key("group_accounted")
+
+    @property
+    def group_persisted(self) -> str:
+        """Hash: group -> the last update its persisted optimizer state includes (as it last
+        reported): the log keeps every update above the lowest of them."""
+        return self.key("group_persisted")
+
+    @property
+    def init_lock(self) -> str:
+        """String: the writer creating the model (``SET NX PX``), so one writer's weights fill
+        every group."""
+        return self.key("init_lock")
 
     @property
     def offsets(self) -> str:
@@ -103,49 +120,9 @@ class JobKeys:
         return self.key("audit_floor")
 
     @property
-    def model_version(self) -> str:
-        """Integer global model version, bumped by every atomic apply that changes a shard;
-        a shard's entry in :attr:`versions` is the model version that last wrote it."""
-        return self.key("model_version")
-
-    def optimizer_state(self, index: int, slot: int) -> str:
-        """Bytes of optimizer state ``slot`` (momentum, Adam's m and v) of shard ``index``, as of
-        its group's :meth:`ps_persisted` update."""
-        return self.key("opt", index, slot)
-
-    @property
-    def optimizer_steps(self) -> str:
-        """Hash: shard index -> optimizer steps (Adam, lr schedule) as of its group's :meth:`ps_persisted`."""
-        return self.key("opt_steps")
-
-    def ps_cursor(self, group: int) -> str:
-        """Stream id of the last update applied by parameter-server shard group ``group``."""
-        return self.key("ps_cursor", group)
-
-    def ps_persisted(self, group: int) -> str:
-        """Stream id of the last update that group ``group``'s persisted optimizer state
-        (:meth:`optimizer_state`, :attr:`optimizer_steps`) includes."""
-        return self.key("ps_persisted", group)
-
-    @property
     def unapplied(self) -> str:
         """Integer: pushed updates not yet applied by every group (the backpressure count)."""
         return self.key("unapplied")
-
-    def update_blob(self, token: str, index: int) -> str:
-        """Encoded gradient of shard ``index`` of the pushed update ``token`` (deleted with its log
-        entry, once every group's persisted optimizer state includes the update)."""
-        return self.key("grad", token, index)
-
-    def staging(self, token: str, slot: int) -> str:
-        """A parameter server's staged value ``slot`` of apply ``token``, renamed into place
-        by the atomic apply (or deleted when it loses the compare-and-set)."""
-        return self.key("stage", token, slot)
-
-    @property
-    def apply_progress(self) -> str:
-        """Hash: update id -> number of shard groups that applied it (until all have)."""
-        return self.key("apply_progress")
 
     @property
     def staleness(self) -> str:
@@ -187,3 +164,93 @@ class JobKeys:
         members that are gone, so a late heartbeat gets "gone, register anew" (ids are never reused);
         dropped by the coordinator after its ``departed_retention_s``."""
         return self.key("departed")
+
+
+@dataclass(frozen=True)
+class GroupKeys:
+    """Key names of parameter-server shard group ``group`` of job ``job`` (hash tag ``{job:g<group>}``).
+
+    Group g owns shards ``i`` with ``i % groups == g``; its version, cursors and optimizer state are
+    its own. Shard ``i`` at group version V is :meth:`shard` plus its deltas in (base, V].
+    """
+
+    job: str
+    group: int
+
+    def __post_init__(self) -> None:
+        validate_job(self.job)
+        if not isinstance(self.group, int) or self.group < 0:
+            raise ValueError(f"invalid group {self.group!r}: a non-negative int")
+
+    def key(self, *parts: str | int) -> str:
+        """``st:{job:g<group>}:part1:part2...``."""
+        return ":".join([f"st:{{{self.job}:g{self.group}}}", *map(str, parts)])
+
+    def shard(self, index: int) -> str:
+        """Full float32 bytes of shard ``index`` as of its base version (:attr:`bases`)."""
+        return self.key("shard", index)
+
+    @property
+    def versions(self) -> str:
+        """Hash: shard index -> the group version that last changed it."""
+        return self.key("versions")
+
+    @property
+    def bases(self) -> str:
+        """Hash: shard index -> the group version its full bytes (:meth:`shard`) are as of."""
+        return self.key("bases")
+
+    @property
+    def delta_floors(self) -> str:
+        """Hash: shard index -> every delta of the shard above this version is kept (<= its base)."""
+        return self.key("delta_floors")
+
+    def deltas(self, index: int) -> str:
+        """Stream of shard ``index``'s deltas: entry id ``<group version>-0``, field ``d`` the
+        coordinates that version changed and their new values (``services.deltas``)."""
+        return self.key("deltas", index)
+
+    @property
+    def version(self) -> str:
+        """Integer: the group's version, bumped by every atomic apply that changes its shards; a shard's
+        entry in :attr:`versions` is the group version that last wrote it."""
+        return self.key("version")
+
+    def optimizer_state(self, index: int, slot: int) -> str:
+        """Bytes of optimizer state ``slot`` (momentum, Adam's m and v) of shard ``index``, as of
+        the group's :attr:`persisted` update."""
+        return self.key("opt", index, slot)
+
+    @property
+    def optimizer_steps(self) -> str:
+        """Hash: shard index -> optimizer steps (Adam, lr schedule) as of :attr:`persisted`."""
+        return self.key("opt_steps")
+
+    @property
+    def cursor(self) -> str:
+        """Stream id of the last update the group applied."""
+        return self.key("cursor")
+
+    @property
+    def persisted(self) -> str:
+        """Stream id of the last update the group's persisted optimizer state includes."""
+        return self.key("persisted")
+
+    @property
+    def unaccounted(self) -> str:
+        """The accounting plan (msgpack) of the group's last apply, written atomically with it (each
+        apply replaces it): a server killed before the job's slot recorded it
+        (:attr:`JobKeys.group_accounted`) finishes the accounting from it on restart; one already
+        recorded is answered ``ALREADY`` (or ``PAST``) and counts nothing."""
+        return self.key("unaccounted")
+
+    def update_blob(self, token: str, index: int) -> str:
+        """Encoded gradient of shard ``index`` of the pushed update ``token``: written before the push
+        (a refused or abandoned one is deleted by the pusher or swept by the group's server), deleted
+        once the group's persisted optimizer state includes the update."""
+        return self.key("grad", token, index)
+
+    def staging(self, token: str, slot: int) -> str:
+        """A server's staged value ``slot`` of apply ``token``, renamed into place by the atomic apply
+        (or deleted when it loses the compare-and-set)."""
+        return self.key("stage", token, slot)

@@ -1,15 +1,21 @@
 """``GET /v1/model``: the job's model, one consistent version, as a safetensors file.
 
 The bytes come from :mod:`services.export` (the same code as ``streamtrain
-export``): one MULTI/EXEC reads every shard with its deltas, the tensors are
-rebuilt at one version and named by parameter, so
+export``): each shard group is read in one MULTI/EXEC, its shards rebuilt at
+the group's version, and the tensors named by parameter, so
 ``module.load_state_dict(safetensors.torch.load_file(path))`` loads them.
 
+- A version is named as :func:`services.export.version_name` writes it: the
+  plain integer with one shard group (``1200``), each group's version joined
+  by '.' with several (``12.7``, group 0's first).
 - ``X-Model-Version`` names the version, ``ETag`` is ``"<job>-v<version>"``;
   ``If-None-Match`` with it answers 304 without reading the shards.
-- ``?version=N`` returns version N while Redis can still rebuild it (every
-  shard's base at most N); an older one is 410 ``version_gone`` naming the
-  oldest available, a newer one 404 ``version_not_found``.
+- ``?version=V`` returns version V while Redis can still rebuild it (every
+  shard's base at most its group's version in V); an older one is 410
+  ``version_gone`` naming the oldest available, a newer one 404
+  ``version_not_found``, one of another form (not one integer per group) 400
+  ``invalid_query`` naming the form. The JSON's ``current`` and ``oldest`` are
+  integers with one group, version names (strings) with several.
 - Job token or admin token (the model is the job's product, not a public view).
 
 The coordinator does not import the parameter plane (nor torch) until the
@@ -26,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,8 +50,9 @@ T = TypeVar("T")
 
 __all__ = ["setup_model_route", "get_model", "etag", "MODEL_EXPORT", "ModelExport"]
 
-_VERSION_RE = re.compile(r"[0-9]{1,18}")
 _PARAMS = frozenset({"version"})
+_MAX_VERSION_CHARS = 20 * 1024
+"""Longest ``?version=`` looked at (1024 groups of 18 digits and the dots)."""
 
 
 @dataclass
@@ -67,8 +73,9 @@ MODEL_EXPORT = web.AppKey("model_export", ModelExport)
 """The app's :class:`ModelExport` (set while the app runs)."""
 
 
-def etag(job: str, version: int) -> str:
-    """The entity tag of ``job``'s model at ``version`` (a version's content never changes)."""
+def etag(job: str, version: str) -> str:
+    """The entity tag of ``job``'s model at the version named ``version`` (a version's content never
+    changes)."""
     return f'"{job}-v{version}"'
 
 
@@ -86,7 +93,7 @@ def _matches(if_none_match: str | None, tag: str) -> bool:
 class _VersionError(ApiError):
     """An :class:`ApiError` whose JSON also names the current (and oldest) version."""
 
-    def __init__(self, status: int, code: str, message: str, **versions: int) -> None:
+    def __init__(self, status: int, code: str, message: str, **versions: int | str) -> None:
         super().__init__(status, code, message)
         self.versions = versions
 
@@ -95,8 +102,9 @@ class _VersionError(ApiError):
                                  status=self.status)
 
 
-def _requested_version(request: web.Request) -> int | None:
-    """``?version=N`` (None when absent); 400 ``invalid_query`` for anything else."""
+def _requested_version(request: web.Request) -> str | None:
+    """``?version=V`` as given (None when absent; its form is checked once the job's number of shard
+    groups is known); 400 ``invalid_query`` for an unknown parameter or a repeated one."""
     unknown = sorted(set(request.query) - _PARAMS)
     if unknown:
         raise ApiError(400, "invalid_query", f"unknown query parameter {unknown[0]!r}: /v1/model takes only "
@@ -104,11 +112,18 @@ def _requested_version(request: web.Request) -> int | None:
     values = request.query.getall("version", [])
     if not values:
         return None
-    if len(values) > 1 or not _VERSION_RE.fullmatch(values[0]):
-        shown = values[0] if len(values) == 1 else "&".join(values)
-        raise ApiError(400, "invalid_query", f"version must be one non-negative integer (a model version), "
-                                             f"got {shown!r}")
-    return int(values[0])
+    if len(values) > 1:
+        raise ApiError(400, "invalid_query", f"version must be given once (one model version), "
+                                             f"got {'&'.join(values)!r}")
+    if len(values[0]) > _MAX_VERSION_CHARS:
+        raise ApiError(400, "invalid_query", f"version must be a model version, got {len(values[0])} characters")
+    return values[0]
+
+
+def _json_version(version: tuple[int, ...]) -> int | str:
+    """A version in an error's JSON: the integer with one group (as before groups), else its name."""
+    from services.export import version_name
+    return version[0] if len(version) == 1 else version_name(version)
 
 
 def _translate(fn: Callable[..., T]) -> Callable[..., T]:
@@ -116,30 +131,36 @@ def _translate(fn: Callable[..., T]) -> Callable[..., T]:
     :mod:`services.export` is imported)."""
     @functools.wraps(fn)
     def call(*args: Any) -> T:
-        from services.export import NoModelError, VersionGoneError, VersionNotFoundError
+        from services.export import BadVersionError, NoModelError, VersionGoneError, VersionNotFoundError
         try:
             return fn(*args)
         except NoModelError as exc:
             raise ApiError(404, "no_model", str(exc)) from None
+        except BadVersionError as exc:
+            raise ApiError(400, "invalid_query", str(exc)) from None
         except VersionNotFoundError as exc:
-            raise _VersionError(404, "version_not_found", str(exc), current=exc.current) from None
+            raise _VersionError(404, "version_not_found", str(exc), current=_json_version(exc.current)) from None
         except VersionGoneError as exc:
-            raise _VersionError(410, "version_gone", str(exc), oldest=exc.oldest, current=exc.current) from None
+            raise _VersionError(410, "version_gone", str(exc), oldest=_json_version(exc.oldest),
+                                current=_json_version(exc.current)) from None
     return call
 
 
 @_translate
-def _resolve(client: redis.Redis, job: str, requested: int | None) -> int:
-    """The version a request names (the current one when it names none); cheap: no shards."""
-    from services.export import resolve_version, retained
-    return resolve_version(job, requested, retained(client, job))
+def _resolve(client: redis.Redis, job: str, requested: str | None) -> tuple[tuple[int, ...] | None, str]:
+    """The version ``requested`` names, parsed (None: the current one), and the name of the version
+    it resolves to now; cheap: no shards."""
+    from services.export import parse_version, resolve_version, retained, version_name
+    kept = retained(client, job)
+    want = None if requested is None else parse_version(requested, len(kept.current), job=job)
+    return want, version_name(resolve_version(job, want, kept))
 
 
 @_translate
-def _export(client: redis.Redis, job: str, requested: int | None) -> tuple[int, bytes]:
-    from services.export import snapshot, to_safetensors_bytes
+def _export(client: redis.Redis, job: str, requested: tuple[int, ...] | None) -> tuple[str, bytes]:
+    from services.export import snapshot, to_safetensors_bytes, version_name
     version, tensors = snapshot(client, job, requested)
-    return version, to_safetensors_bytes(tensors, job=job, version=version)
+    return version_name(version), to_safetensors_bytes(tensors, job=job, version=version)
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -149,19 +170,18 @@ async def get_model(request: web.Request) -> web.Response:
         authenticate(request, settings.job_token, "job")
     except ApiError:
         authenticate(request, settings.admin_token, "job or admin")
-    requested = _requested_version(request)
     export = request.app[MODEL_EXPORT]
     job = settings.job
-    version = await export.call(_resolve, job, requested)
+    requested, version = await export.call(_resolve, job, _requested_version(request))
     if _matches(request.headers.get("If-None-Match"), etag(job, version)):
-        return web.Response(status=304, headers={"ETag": etag(job, version), "X-Model-Version": str(version),
+        return web.Response(status=304, headers={"ETag": etag(job, version), "X-Model-Version": version,
                                                  "Cache-Control": "no-cache"})
     # the current version may have moved on since: an export of "the current one" returns the newest
     version, body = await export.call(_export, job, requested)
-    logger.info("model_export job=%s version=%d bytes=%d requested=%s", job, version, len(body),
-                "current" if requested is None else requested)
+    logger.info("model_export job=%s version=%s bytes=%d requested=%s", job, version, len(body),
+                "current" if requested is None else "pinned")
     return web.Response(body=body, content_type="application/octet-stream", headers={
-        "ETag": etag(job, version), "X-Model-Version": str(version), "Cache-Control": "no-cache",
+        "ETag": etag(job, version), "X-Model-Version": version, "Cache-Control": "no-cache",
         "Content-Disposition": f'attachment; filename="{job}-v{version}.safetensors"'})
 
 

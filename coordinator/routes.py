@@ -26,7 +26,7 @@ from .errors import ConflictError, MemberGoneError, UnknownMemberError
 from .membership import Drain, Event, Heartbeat, Leave, Membership, Register
 from .runtime import RUNTIME, SAMPLER, Runtime, apply_event, now_ms
 from .state import FIXED_CONFIG, JobConfig
-from .status import members_view, partitions_view, summary
+from .status import members_view, partitions_view, queue_group_versions, summary
 from .validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field, InvalidBody, parse_json
 
 logger = logging.getLogger(__name__)
@@ -306,9 +306,11 @@ async def status(request: web.Request) -> web.Response:
     config = await rt.store.config()
     state = await rt.store.load()
     parts = await _partitions(rt, state, config)
-    versions = await rt.redis.hgetall(keys.versions)
-    clocks = await rt.redis.hgetall(keys.clocks)
-    applied = await rt.redis.hgetall(keys.applied_clocks)
+    pipe = rt.redis.pipeline(transaction=False)  # the groups' versions are in their own slots
+    queue_group_versions(pipe, keys, config.ps_groups)
+    pipe.hgetall(keys.clocks)
+    pipe.hgetall(keys.applied_clocks)
+    *versions, clocks, applied = await pipe.execute()
     body = {"job": rt.settings.job, "generation": state.generation, "config": config.as_json(),
             "members": members_view(state, now_ms()), "partitions": parts,
             "lag": sum(p["lag"] for p in parts if p["lag"] is not None),

@@ -1,8 +1,9 @@
 """The coordinator's sampler: once a second, read the job and add a sample to its history.
 
 The thin I/O shell around :mod:`coordinator.history`. Each tick reads the
-membership (members' last heartbeat stats), the ``versions`` and
-``staleness`` hashes and the committed offsets from Redis, the topic's end
+membership (members' last heartbeat stats), the model version (the sum of
+the shard groups' versions), the ``staleness`` hash and the committed offsets
+from Redis (one round trip), the topic's end
 offsets from Kafka, and drains the freshness samples that heartbeats brought
 since the previous tick (:meth:`Sampler.observe_heartbeat`).
 
@@ -35,7 +36,7 @@ from .history import SAMPLE_INTERVAL_S, History, Sample, take_sample
 from .kafka_probe import KafkaProbe
 from .settings import CoordinatorSettings
 from .state import JobConfig, Store
-from .status import partitions_view
+from .status import model_version, partitions_view, queue_group_versions
 
 if TYPE_CHECKING:
     from .membership import Membership
@@ -110,11 +111,11 @@ class Sampler:
         keys = store.keys
         config = await store.config()
         state = await store.load()
-        pipe = store.redis.pipeline(transaction=False)
-        pipe.hgetall(keys.versions)
+        pipe = store.redis.pipeline(transaction=False)  # the groups' versions are in their own slots
+        queue_group_versions(pipe, keys, config.ps_groups)
         pipe.hgetall(keys.staleness)
         pipe.hgetall(keys.offsets)
-        versions, staleness, committed = await pipe.execute()
+        *versions, staleness, committed = await pipe.execute()
         lag = await self._lag(state, config, _ints(committed))
         freshness, self._freshness = self._freshness, []
         if self._dropped:
@@ -127,7 +128,7 @@ class Sampler:
             t_ms = max(t_ms, last.t_ms + 1)  # the wall clock stepped back: keep the axis ordered
         sample = take_sample(t_ms, {m.member_id: m.stats for m in state.members.values()},
                              lag=lag, staleness=_ints(staleness),
-                             version=max(_ints(versions).values(), default=None),
+                             version=model_version(versions),
                              freshness_s=freshness, previous=last)
         self.history.add(sample)
         return sample

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from common.keys import JobKeys
 
 from .membership import Member, Membership
 from .state import JobConfig, parse_assignment
+
+if TYPE_CHECKING:
+    from redis.asyncio.client import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -59,28 +64,63 @@ def partitions_view(state: Membership, raw_assignment: Mapping[bytes, bytes],
     return out
 
 
+def queue_group_versions(pipe: Pipeline, keys: JobKeys, groups: int) -> None:
+    """Queue on ``pipe`` a read of the version of each of the job's ``groups`` shard groups (the job
+    config's ``ps_groups``, which is its model's); :func:`model_version` and :func:`versions_view`
+    read the replies. Each group's version lives in its own hash slot, so ``pipe`` must be a
+    non-transactional pipeline (one round trip; under Redis Cluster, one per node)."""
+    for g in range(groups):
+        pipe.get(keys.group(g).version)
+
+
+def _group_versions(raw: Sequence[bytes | None]) -> list[int] | None:
+    """Each group's version from the replies of :func:`queue_group_versions` (None while no group has
+    one: the job has no model yet)."""
+    if all(v is None for v in raw):
+        return None
+    return [int(v or 0) for v in raw]
+
+
+def model_version(raw: Sequence[bytes | None]) -> int | None:
+    """The model version (the sum of the groups' versions: it grows with every write of any group)
+    from the replies of :func:`queue_group_versions`; None before the model exists."""
+    versions = _group_versions(raw)
+    return None if versions is None else sum(versions)
+
+
+def versions_view(raw: Sequence[bytes | None]) -> dict[str, Any]:
+    """JSON of the parameter versions from the replies of :func:`queue_group_versions`: ``model``
+    (the model version, the sum of the groups'), ``groups`` (group -> its version) and the ``min``
+    and ``max`` of the groups' versions (how far apart the groups are; equal with one group). All
+    null, and ``groups`` empty, before the model exists."""
+    versions = _group_versions(raw)
+    if versions is None:
+        return {"model": None, "groups": {}, "min": None, "max": None}
+    return {"model": sum(versions), "groups": {str(g): v for g, v in enumerate(versions)},
+            "min": min(versions), "max": max(versions)}
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summary(state: Membership, config: JobConfig, versions: Mapping[bytes, bytes],
+def summary(state: Membership, config: JobConfig, versions: Sequence[bytes | None],
             clocks: Mapping[bytes, bytes], applied: Mapping[bytes, bytes]) -> dict[str, Any]:
-    """Parameter versions, staleness, throughput, loss and accuracy of the job.
+    """Parameter versions (``versions``: the replies of :func:`queue_group_versions`; see
+    :func:`versions_view`), staleness, throughput, loss and accuracy of the job.
 
     Measured staleness is the spread between the furthest live member's pushed
     clock and the slowest live member's applied clock (absent while the
     parameter plane has written no clocks).
     """
     live = set(state.members)
-    vers = _ints(versions)
     pushed = {m: c for m, c in _ints(clocks).items() if m in live}
     done = {m: c for m, c in _ints(applied).items() if m in live}
     stats = [m.stats for m in state.members.values()]
     reported = [s["staleness"] for s in stats if "staleness" in s]
     measured = max(pushed.values()) - min(done.values()) if pushed and done else None
     return {
-        "versions": {"shards": vers, "min": min(vers.values(), default=None),
-                     "max": max(vers.values(), default=None)},
+        "versions": versions_view(versions),
         "staleness": {"consistency": config.consistency, "bound": config.staleness,
                       "clock_spread": measured, "reported_max": max(reported, default=None),
                       "clocks": pushed, "applied_clocks": done},

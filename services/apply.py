@@ -1,18 +1,28 @@
-"""The atomic write of a batch of applied updates (``lua/apply.lua``), shared by every server group.
+"""The atomic write of a batch of applied updates, in two halves, shared by every server group.
 
 A server applies the pending updates it read one after another in memory and
-then writes the result once: for every shard it changed, the coordinates the
-batch changed and their new values as a versioned *delta* (and, when the
-shard is due for compaction, its full bytes); for *each* update of the
-batch, what a single apply records (``apply_progress``; for the group that
-completes the update: ``applied_clocks``, the ``applied_samples`` entry and
-the ``unapplied`` count); and, when the server persists its optimizer state,
-that state, the step counts, the group's persisted cursor, and the removal
-of the log entries (and gradient blobs) every group's persisted state now
-includes; and, every few seconds, the server's :class:`Housekeeping` (trim
-``applied_samples`` past its horizon, raising the audit floor; drop the
-per-member fields of departed members). This module builds that MULTI/EXEC;
-:mod:`services.server` decides what goes into it.
+then writes the result:
+
+1. **The group's half** (``lua/apply.lua``, the group's hash slot): for every
+   shard it changed, the coordinates the batch changed and their new values as
+   a delta at the group's next version (and, when the shard is due for
+   compaction, its full bytes); the group's cursor; when the server persists,
+   its optimizer state, step counts and persisted cursor, and the deletion of
+   the group's gradient blobs of the updates that state now includes; and the
+   plan of the second half, kept in ``unaccounted``. A compare-and-set on the
+   cursor and the shard versions makes it exactly once.
+2. **The job's half** (``lua/account.lua``, the job's hash slot): the group's
+   verdict on each update (HSETNX into ``applied_by``, so it counts once), and
+   for the group that completes an update: ``applied_clocks``, the
+   ``applied_samples`` entry and the ``unapplied`` count; the group's accounted
+   and persisted cursors, the log trim below every group's persisted cursor,
+   and, every few seconds, the server's :class:`Housekeeping`.
+
+A server killed between the halves finds the plan in ``unaccounted`` when it
+restarts and runs the second half then (:func:`finish_accounting`); a plan
+that was already recorded is answered ``ALREADY``. Under Redis Cluster the
+halves run on different nodes; each is one slot. :mod:`services.server`
+decides what goes into them.
 """
 
 from __future__ import annotations
@@ -30,9 +40,16 @@ from common.keys import JobKeys
 
 from .scripts import execute_with_script
 from .updates import Update
-from .wire import pack
+from .errors import ParameterPlaneError
+from .wire import pack, unpack
 
-__all__ = ["Outcome", "ShardWrite", "Persist", "Housekeeping", "WriteResult", "write_batch"]
+__all__ = ["Outcome", "ShardWrite", "Persist", "Housekeeping", "WriteResult", "AccountingError", "write_batch",
+           "finish_accounting"]
+
+
+class AccountingError(ParameterPlaneError):
+    """The job's half of an apply was refused (its accounted cursor is not where the group's half
+    left it)."""
 
 
 @dataclass(frozen=True)
@@ -90,8 +107,9 @@ class Persist:
     steps: Mapping[int, int]
     """Shard -> optimizer steps applied."""
     covered: Sequence[tuple[str, list[str]]]
-    """(update id, its gradient blob keys) of the updates applied since the group's previous
-    persist: removed from the log once every group's persisted state includes them."""
+    """(update id, the group's gradient blob keys of it) of the updates applied since the group's
+    previous persist: their blobs are deleted (only this group reads them), and the log drops the
+    updates once every group's persisted state includes them."""
 
 
 @dataclass(frozen=True)
@@ -139,66 +157,59 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
                 outcomes: Sequence[Outcome], shards: Sequence[ShardWrite], persist: Persist | None = None,
                 housekeeping: Housekeeping | None = None,
                 before_exec: Callable[[], None] = lambda: None) -> WriteResult:
-    """Write a batch's deltas, compactions, per-update records and (optionally) the group's
-    persisted optimizer state and the :class:`Housekeeping` in one MULTI/EXEC, if nothing moved
-    since ``cursor``.
+    """Write a batch for ``group``: its half (deltas, compactions, cursor, optionally the persisted
+    optimizer state) in one MULTI/EXEC if nothing moved since ``cursor``, then the job's half (the
+    per-update accounting, optionally the :class:`Housekeeping`).
 
     Full values are SET under staging keys in the same transaction and RENAMEd
     into place by the script (or deleted when the compare-and-set fails); deltas
     travel as script arguments. ``before_exec`` runs just before the EVALSHA is
     queued (fault injection). The cursor moves to the last update of ``outcomes``
-    (it stays with none, e.g. a persist on its own); the model version is bumped
-    once when any shard is written.
+    (it stays with none, e.g. a persist on its own); the group version is bumped
+    once when any shard is written. A write with no shard, no update and no
+    persist (housekeeping alone) runs only the job's half.
     """
-    keys = JobKeys(job)
-    fixed = [keys.ps_cursor(group), keys.versions, keys.model_version, keys.apply_progress,
-             keys.applied_clocks, keys.applied_samples, keys.update_log, keys.optimizer_steps,
-             keys.bases, keys.delta_floors, keys.unapplied, keys.ps_persisted(group),
-             keys.members, keys.clocks, keys.staleness, keys.audit_floor,
-             *(keys.ps_persisted(g) for g in range(groups))]
+    last = outcomes[-1].update.log_id if outcomes else cursor
+    account = _account_plan(group, groups, cursor, last, outcomes, persist, housekeeping)
+    if not shards and not outcomes and persist is None:
+        return _account(client, job, account, version=0)
+    gkeys = JobKeys(job).group(group)
+    fixed = [gkeys.cursor, gkeys.versions, gkeys.version, gkeys.optimizer_steps, gkeys.bases,
+             gkeys.delta_floors, gkeys.persisted, gkeys.unaccounted]
     token = uuid.uuid4().hex
     staged: list[tuple[str, memoryview]] = []
     renames: list[str] = []
 
     def stage(dest: str, value: torch.Tensor) -> None:
-        key = keys.staging(token, len(staged))
+        key = gkeys.staging(token, len(staged))
         staged.append((key, _view(value)))
         renames.extend((key, dest))
 
     for w in shards:
         if w.full is not None:
-            stage(keys.shard(w.index), w.full)
+            stage(gkeys.shard(w.index), w.full)
         elif w.delta is None:
             raise ValueError(f"shard {w.index}: a write needs a delta or the full values")
     if persist is not None:
         for index, slot, value in persist.state:
-            stage(keys.optimizer_state(index, slot), value)
-    streams = [keys.deltas(w.index) for w in shards]
+            stage(gkeys.optimizer_state(index, slot), value)
+    streams = [gkeys.deltas(w.index) for w in shards]
     first_stream = len(fixed) + len(renames) + 1  # 1-based KEYS index
     args: list = []
     plan_shards = []
     for j, w in enumerate(shards):
         if w.delta is not None:
             args.append(w.delta)
-        plan_shards.append([w.index, w.version_read, len(args) + 1 if w.delta is not None else 0,
+        plan_shards.append([w.index, w.version_read, len(args) + 2 if w.delta is not None else 0,
                             int(w.full is not None), first_stream + j])
-    plan_updates = []
-    for o in outcomes:
-        record = o.record()
-        plan_updates.append([o.update.log_id, o.update.member_id, o.update.clock,
-                             [x for kv in record.items() for x in kv]])
-    trim_keys: list[str] = []
-    plan: dict = {"cursor": cursor, "groups": groups, "renames": len(renames) // 2,
-                  "shards": plan_shards, "updates": plan_updates, "persist": 0,
-                  "housekeep": 0 if housekeeping is None else [housekeeping.horizon_ms, housekeeping.most]}
-    if persist is not None:
-        trims = []
-        for uid, blobs in persist.covered:
-            trims.append([uid, first_stream + len(streams) + len(trim_keys), len(blobs)])
-            trim_keys += blobs
-        plan["persist"] = {"steps": [x for kv in sorted(persist.steps.items()) for x in kv], "trim": trims}
-    all_keys = [*fixed, *renames, *streams, *trim_keys]
-    argv = [pack(plan), *args]
+    blob_keys = [k for _, keys in persist.covered for k in keys] if persist is not None else []
+    plan: dict = {"cursor": cursor, "last": last, "renames": len(renames) // 2, "shards": plan_shards,
+                  "persist": 0 if persist is None else {
+                      "steps": [x for kv in sorted(persist.steps.items()) for x in kv],
+                      "blobs": [first_stream + len(streams), len(blob_keys)]}}
+    all_keys = [*fixed, *renames, *streams, *blob_keys]
+    packed_account = pack(account)
+    argv = [pack(plan), packed_account, *args]
 
     def build(pipe: redis.client.Pipeline, sha: str) -> None:
         for key, value in staged:
@@ -211,5 +222,66 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
     if tag != "OK":
         return WriteResult(ok=False, conflict=" ".join(x.decode() if isinstance(x, bytes) else str(x)
                                                        for x in res))
-    return WriteResult(ok=True, version=int(res[1]), trimmed=int(res[3]), more=bool(int(res[4])),
-                       forgotten=int(res[5]))
+    return _account(client, job, account, version=int(res[1]))
+
+
+def _account_plan(group: int, groups: int, cursor: str, last: str, outcomes: Sequence[Outcome],
+                  persist: Persist | None, housekeeping: Housekeeping | None) -> dict:
+    """The plan of the job's half (``lua/account.lua``)."""
+    updates = []
+    for o in outcomes:
+        record = o.record()
+        record.pop("status")
+        reason = record.pop("reason", "")
+        verdict = (reason or "refused") if o.status == "rejected" else ""
+        updates.append([o.update.log_id, o.update.member_id, o.update.clock, verdict,
+                        [x for kv in record.items() for x in kv]])
+    return {"group": group, "groups": groups, "from": cursor, "to": last, "updates": updates,
+            "persisted": last if persist is not None else "",
+            "housekeep": 0 if housekeeping is None else [housekeeping.horizon_ms, housekeeping.most]}
+
+
+def _account(client: redis.Redis, job: str, plan: dict, *, version: int) -> WriteResult:
+    """Run the job's half for ``plan``; ``version`` is what the group's half answered."""
+    keys = JobKeys(job)
+    all_keys = [keys.group_accounted, keys.applied_clocks, keys.applied_samples, keys.unapplied,
+                keys.members, keys.clocks, keys.staleness, keys.audit_floor, keys.update_log,
+                keys.group_persisted, *(keys.applied_by(u[0]) for u in plan["updates"])]
+    packed = pack(plan)
+
+    def build(pipe: redis.client.Pipeline, sha: str) -> None:
+        pipe.evalsha(sha, len(all_keys), *all_keys, packed)
+
+    res = execute_with_script(client, "account", build)[-1]
+    tag = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
+    if tag == "ALREADY" or (tag == "PAST" and plan["updates"]):
+        return WriteResult(ok=True, version=version)
+    if tag == "PAST":  # a plan without updates that another server of the group overtook: it reloads
+        return WriteResult(ok=False, version=version, conflict=" ".join(
+            x.decode() if isinstance(x, bytes) else str(x) for x in res))
+    if tag != "OK":
+        # the group's half is written: its plan stays in `unaccounted` for the next load to finish
+        raise AccountingError(f"job {job} group {plan['group']}: accounting of {plan['from']!r}..{plan['to']!r} "
+                              f"refused: {' '.join(x.decode() if isinstance(x, bytes) else str(x) for x in res)}")
+    return WriteResult(ok=True, version=version, trimmed=int(res[2]), more=bool(int(res[3])),
+                       forgotten=int(res[4]))
+
+
+def finish_accounting(client: redis.Redis, job: str, group: int) -> bool:
+    """Run the job's half of ``group``'s last apply when a crash cut it off (its plan is kept in
+    ``unaccounted``); True when there was one to finish, False when it was already recorded.
+
+    Raises:
+        AccountingError: the job's accounted cursor of the group is neither the plan's start, nor its
+            end, nor past it (the job's slot lost writes the group's slot kept: a Redis restored from
+            different points in time).
+    """
+    raw = client.get(JobKeys(job).group(group).unaccounted)
+    if raw is None:
+        return False
+    plan = unpack(raw, what=f"group {group} unaccounted plan")
+    plan["housekeep"] = 0
+    keys = JobKeys(job)
+    before = (client.hget(keys.group_accounted, str(group)) or b"").decode()
+    _account(client, job, plan, version=0)
+    return before == plan["from"] != plan["to"]  # recorded now (not before, nor overtaken)

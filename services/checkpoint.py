@@ -1,15 +1,74 @@
-"""Checkpoints: a consistent snapshot of a job's parameter plane to one file, and back.
+"""Checkpoints: a consistent cut of a job's parameter plane to one file, and back.
 
-The snapshot is read in one MULTI/EXEC, so the published parameters (full
-shards and their deltas), the servers' persisted optimizer state, model
-version, committed offsets, clocks, cursors and the updates the log still
-holds all belong to the same instant. Restoring them into an empty Redis
-resumes training exactly: trainers restart at the committed offsets, servers
-replay the updates their persisted state lacks and apply the pending ones
-(whose offsets are already committed).
+A job's keys live in ``1 + G`` hash slots (``common.keys``): the job's slot
+(the log, offsets, clocks and accounting) and one per shard group (its
+shards, deltas, version, cursors, optimizer state and gradient blobs). A
+MULTI/EXEC reads one slot, so a checkpoint reads each slot in its own
+MULTI/EXEC and then makes the pieces fit: restored into an empty Redis, the
+state must keep invariant 1 (no record applied twice, none lost).
 
-Format: ``torch.save`` of a dict of tensors, strings and bytes, loaded with
-``weights_only=True`` (no pickled code).
+**What a restore must find.** For each group g, its shards at its cursor
+``C_g``, its optimizer state at its persisted cursor ``P_g``, its gradient
+blobs of every logged update after ``P_g`` (to replay ``(P_g, C_g]`` and
+apply the rest), and its plan in ``unaccounted``. In the job's slot: every
+update after the lowest ``P_g`` with its committed offsets, and the
+accounting of exactly the updates each group has applied: group g's
+accounted cursor ``T_g`` is ``C_g``, or the start of its plan when the plan
+is not recorded yet (the restored server records it on load,
+``services.apply.finish_accounting``).
+
+**Save.** Each attempt:
+
+1. reads the log (the job's slot), to learn the updates' blob tokens;
+2. reads each group in one MULTI/EXEC of its slot: version, cursor,
+   persisted cursor, plan, shards, bases, delta floors, deltas, optimizer
+   state and steps, and its blobs of the updates read in 1 (atomically with
+   ``P_g``: those after it are all there, or were missing when it read them);
+3. reads the job's slot in one MULTI/EXEC: meta, log, offsets, clocks,
+   applied clocks, ``applied_samples``, ``audit_floor``, ``unapplied``, the
+   groups' accounted and persisted cursors, and the ``applied_by`` hash of
+   every update pushed before 3 began (a log read just before names them);
+4. reads, from each group's slot, its blobs of the updates pushed after 1
+   (with its persisted cursor, in one MULTI/EXEC).
+
+Everything a group applied by its read in 2 was pushed before 3, so the job's
+slot holds it, its offsets and its log entry (the log keeps every update
+after the lowest persisted cursor that the groups reported). Pushes after 2
+are updates no group of the cut applied: they stay pending, as pushes during
+an ordinary stop would. But groups go on applying between 2 and 3, so the
+job's slot may account updates after a group's cut (``group_accounted`` past
+``C_g``). The save rolls that back in what it writes (never in Redis): for
+every logged update, the groups that report it are those whose ``T_g`` is at
+or after it; an update every group had reported by 3 but not every group by
+its cut is *un-completed*: its ``applied_samples`` entry is dropped,
+``unapplied`` counts it again, its ``applied_by`` hash names the groups of the
+cut with their verdicts (from the group's plan when it is there, else from the
+entry: ``applied``, or the reason it was rejected), and its member's applied
+clock goes back below its clock. ``group_persisted[g]`` goes back to ``P_g``
+(the log must keep what g replays). A restored group then applies those
+updates again (it is at ``C_g``) and accounts them once. The attempt is retried (up to ``_ATTEMPTS`` times, then
+:class:`CheckpointError`) when what that needs is gone: the log was trimmed
+past a group's ``P_g``, a blob read in 4 is missing because the group
+persisted past its update meanwhile, or an un-completed update's
+``applied_samples`` entry was already trimmed (an audit horizon shorter than
+the save). Approximations, on these rolled-back updates only: the reason
+recorded for one whose groups disagreed may name another group's verdict, and
+a departed member's clocks removed on its completion stay removed (the
+consistency rules read live members' clocks only).
+
+**Restore** (:func:`restore_checkpoint`), into a Redis without the job's
+model, under the init lock that ``ParameterStore.init_model`` takes: each
+group's slot in one MULTI/EXEC, then the job's slot with the meta last, so a
+reader that sees the model finds everything in place. Trainers resume at the
+committed offsets; each server finishes its plan, replays ``(P_g, C_g]`` and
+applies the pending updates. The ``applied_samples`` history (bounded by the
+servers' audit horizon) and ``audit_floor`` are part of a checkpoint, so the
+restored job's audit goes on; the coordinator's keys (membership, config) and
+``staleness`` are not.
+
+Format ``streamtrain-checkpoint-3``: ``torch.save`` of a dict of tensors,
+strings, bytes and numbers, loaded with ``weights_only=True`` (no pickled
+code). Files of older formats (one MULTI/EXEC of a one-slot job) are refused.
 """
 
 from __future__ import annotations
@@ -18,6 +77,9 @@ import logging
 import os
 import pickle
 import tempfile
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -26,101 +88,365 @@ import torch
 from common.keys import JobKeys
 
 from .errors import LayoutError, ParameterPlaneError
+from .export import version_name
 from .optim import slots
 from .store import ModelMeta
-from .updates import blob_keys, parse_entry
+from .updates import Update, parse_entry
+from .wire import unpack
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "CheckpointError", "FORMAT"]
 
-FORMAT = "streamtrain-checkpoint-2"
+FORMAT = "streamtrain-checkpoint-3"
 """Format tag stored in every checkpoint."""
 
 _ATTEMPTS = 20
+_RESTORE_LOCK_MS = 600_000
+"""How long a restore holds the job's init lock (it writes every group before the meta)."""
 
-_HASHES = ("versions", "bases", "delta_floors", "optimizer_steps", "offsets", "clocks", "applied_clocks",
-           "apply_progress")
+_GROUP_HASHES = ("versions", "bases", "delta_floors", "optimizer_steps")
+_JOB_HASHES = ("offsets", "clocks", "applied_clocks", "audit_floor")
 
 
 class CheckpointError(ParameterPlaneError):
-    """A checkpoint file is unreadable or of another format, or the target Redis is not empty."""
+    """A checkpoint file is unreadable or of another format, the target Redis already has the job,
+    or no consistent cut could be read."""
 
 
-def _b2s(d: dict[bytes, bytes]) -> dict[str, str]:
+class _Moved(Exception):
+    """What a cut needs changed under it: read it again."""
+
+
+def _sid(entry_id: str) -> tuple[int, int]:
+    """A stream id as a comparable pair ('' sorts first)."""
+    if not entry_id:
+        return (-1, -1)
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq)
+
+
+def _after(entry_id: str) -> str:
+    """The XRANGE start just after ``entry_id`` ('-' for '': from the start)."""
+    if not entry_id:
+        return "-"
+    ms, seq = _sid(entry_id)
+    return f"{ms}-{seq + 1}"
+
+
+def _text(value: bytes | str | None) -> str:
+    return "" if value is None else value.decode() if isinstance(value, bytes) else value
+
+
+def _b2s(d: Mapping[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in d.items()}
 
 
-def _blob_keys(job: str, eid: bytes, fields: dict[bytes, bytes]) -> list[str]:
-    """The gradient blob keys a log entry names (none for a malformed one, which was refused)."""
+def _parse(entry_id: str, fields: Mapping[bytes, bytes]) -> Update | None:
+    """A log entry's update (without gradients), or None for a malformed one (it names no blobs)."""
     try:
-        return blob_keys(job, parse_entry(eid, fields))
+        return parse_entry(entry_id, fields)
     except ParameterPlaneError:
-        return []
+        return None
 
 
-def save_checkpoint(client: redis.Redis, job: str, path: str) -> int:
-    """Write a consistent snapshot of ``job`` to ``path`` (atomically via a temp file).
+# -- the cut ---------------------------------------------------------------------------------------
+
+@dataclass
+class _GroupCut:
+    """What one MULTI/EXEC of a group's slot read (step 2)."""
+
+    version: int
+    cursor: str
+    persisted: str
+    plan: bytes | None
+    """Its ``unaccounted`` plan as stored."""
+    hashes: dict[str, dict[str, str]]
+    shards: dict[int, bytes | None]
+    optimizer: dict[tuple[int, int], bytes | None]
+    deltas: dict[int, list[tuple[str, bytes]]]
+    blobs: dict[tuple[str, int], bytes | None]
+    """(token, shard) -> the blob, of the updates read in step 1."""
+
+    def verdicts(self) -> dict[str, str]:
+        """Update -> the group's verdict on it ('' applied), of the updates its plan covers."""
+        if self.plan is None:
+            return {}
+        return {u[0]: u[3] for u in unpack(self.plan, what="unaccounted plan")["updates"]}
+
+    def accounted(self, job_accounted: str) -> str:
+        """``T_g``: the group's accounted cursor in the cut, given the job's (read later)."""
+        if _sid(job_accounted) >= _sid(self.cursor):
+            return self.cursor
+        if self.plan is not None:
+            plan = unpack(self.plan, what="unaccounted plan")
+            if plan["from"] == job_accounted and plan["to"] == self.cursor:
+                return job_accounted  # its plan is not recorded yet: the restored server records it
+        raise CheckpointError(f"the job's slot accounts this group up to {job_accounted!r}, behind its cursor "
+                              f"{self.cursor!r}, and its plan does not lead there: the slots were restored "
+                              "from different points in time?")
+
+
+@dataclass
+class _JobCut:
+    """What the MULTI/EXEC of the job's slot read (step 3)."""
+
+    meta: bytes | None
+    log: list[tuple[str, dict[bytes, bytes]]]
+    hashes: dict[str, dict[str, str]]
+    unapplied: int
+    accounted: dict[int, str]
+    persisted: dict[int, str]
+    applied_samples: list[tuple[str, dict[str, str]]]
+    applied_by: dict[str, dict[str, str]]
+    """Update -> its ``applied_by`` hash, of the updates named before the read."""
+
+
+@dataclass
+class _JobState:
+    """The job's slot as the checkpoint restores it (the cut's accounting)."""
+
+    log: list[tuple[str, dict[bytes, bytes]]]
+    hashes: dict[str, dict[str, str]]
+    unapplied: int
+    accounted: dict[int, str]
+    persisted: dict[int, str]
+    applied_samples: list[tuple[str, dict[str, str]]]
+    applied_by: dict[str, dict[str, str]]
+    uncompleted: int
+    """Updates the rollback un-completed (for the log line)."""
+
+
+def _settle(groups: Sequence[_GroupCut], job: _JobCut) -> _JobState:
+    """The job's state that fits the groups' cut: the accounting of what each group had applied
+    by its read, and nothing after (see the module docstring). Pure.
+
+    Raises:
+        _Moved: the log was trimmed past a group's persisted cursor, or an update to un-complete
+            has no ``applied_samples`` entry left.
+        CheckpointError: the slots contradict each other.
+    """
+    n = len(groups)
+    at_job = [job.accounted.get(g, "") for g in range(n)]
+    cut = []
+    for g, group in enumerate(groups):
+        try:
+            cut.append(group.accounted(at_job[g]))
+        except CheckpointError as exc:
+            raise CheckpointError(f"group {g}: {exc}") from None
+    lowest = min(_sid(group.persisted) for group in groups)
+    trimmed_to = (min(_sid(p) for p in job.persisted.values()) if len(job.persisted) >= n else (-1, -1))
+    if trimmed_to > lowest and not (job.log and _sid(job.log[0][0]) <= lowest):
+        raise _Moved("the log was trimmed past a group's persisted cursor")
+    samples = list(job.applied_samples)
+    sample_of = {fields.get("update", ""): k for k, (_, fields) in enumerate(samples)}
+    dropped: set[int] = set()
+    clocks_back: dict[str, int] = {}
+    applied_by: dict[str, dict[str, str]] = {}
+    plans = [group.verdicts() for group in groups]
+    for eid, fields in job.log:
+        u = _sid(eid)
+        in_cut = [g for g in range(n) if u <= _sid(cut[g])]
+        at_read = [g for g in range(n) if u <= _sid(at_job[g])]
+        if in_cut == at_read:
+            if in_cut and len(in_cut) < n:
+                if eid not in job.applied_by:
+                    raise CheckpointError(f"update {eid}: reported by group(s) {in_cut} but its applied_by "
+                                          "hash was not read")
+                applied_by[eid] = job.applied_by[eid]
+            continue
+        if len(at_read) == n:  # completed after the cut: complete it again from the restored state
+            k = sample_of.get(eid)
+            if k is None:
+                raise _Moved(f"update {eid} to un-complete has no applied_samples entry left")
+            dropped.add(k)
+            record = samples[k][1]
+            verdict = "" if record.get("status") == "applied" else record.get("reason", "refused")
+            hash_ = {str(g): plans[g].get(eid, verdict) for g in in_cut}
+            update = _parse(eid, fields)
+            if update is not None:
+                clocks_back[update.member_id] = min(clocks_back.get(update.member_id, update.clock), update.clock)
+        else:
+            read = job.applied_by.get(eid, {})
+            missing = [g for g in in_cut if str(g) not in read]
+            if missing:
+                raise CheckpointError(f"update {eid}: group(s) {missing} applied it by their read but its "
+                                      "applied_by hash does not name them")
+            hash_ = {str(g): read[str(g)] for g in in_cut}
+        if hash_:
+            applied_by[eid] = hash_
+    hashes = {name: dict(h) for name, h in job.hashes.items()}
+    applied_clocks = hashes["applied_clocks"]
+    for member, clock in clocks_back.items():
+        if member in applied_clocks:
+            applied_clocks[member] = str(min(int(applied_clocks[member]), clock - 1))
+    persisted = {}
+    for g, group in enumerate(groups):
+        reported = group.persisted if cut[g] == group.cursor else job.persisted.get(g, "")
+        if reported:
+            persisted[g] = reported
+    return _JobState(log=job.log, hashes=hashes, unapplied=job.unapplied + len(dropped),
+                     accounted={g: c for g, c in enumerate(cut) if c}, persisted=persisted,
+                     applied_samples=[s for k, s in enumerate(samples) if k not in dropped],
+                     applied_by=applied_by, uncompleted=len(dropped))
+
+
+def _own(meta: ModelMeta, group: int) -> list[int]:
+    return [s.index for s in meta.layout.shards if s.index % meta.groups == group]
+
+
+def _read_group(client: redis.Redis, job: str, meta: ModelMeta, group: int,
+                known: Mapping[str, Update | None]) -> _GroupCut:
+    """Step 2: the group's slot in one MULTI/EXEC, with its blobs of the ``known`` updates."""
+    gk, own, k = JobKeys(job).group(group), _own(meta, group), slots(meta.optimizer)
+    wanted = [(u.token, i) for u in known.values() if u is not None for i in u.shards if i % meta.groups == group]
+    pipe = client.pipeline(transaction=True)
+    for key in (gk.version, gk.cursor, gk.persisted, gk.unaccounted):
+        pipe.get(key)
+    for name in _GROUP_HASHES:
+        pipe.hgetall(getattr(gk, name))
+    pipe.mget([gk.shard(i) for i in own] or [gk.version])
+    pipe.mget([gk.optimizer_state(i, s) for i in own for s in range(k)] or [gk.version])
+    pipe.mget([gk.update_blob(t, i) for t, i in wanted] or [gk.version])
+    for i in own:
+        pipe.xrange(gk.deltas(i))
+    version, cursor, persisted, plan, *rest = pipe.execute()
+    hashes = {name: _b2s(h) for name, h in zip(_GROUP_HASHES, rest, strict=False)}
+    shards, opt, blobs, *streams = rest[len(_GROUP_HASHES):]
+    return _GroupCut(
+        version=int(version or 0), cursor=_text(cursor), persisted=_text(persisted), plan=plan, hashes=hashes,
+        shards=dict(zip(own, shards, strict=False)),
+        optimizer={(i, s): opt[j * k + s] for j, i in enumerate(own) for s in range(k)},
+        deltas={i: [(_text(eid), f[b"d"]) for eid, f in stream] for i, stream in zip(own, streams, strict=True)},
+        blobs=dict(zip(wanted, blobs, strict=False)))
+
+
+def _read_job(client: redis.Redis, job: str, named: Sequence[str]) -> _JobCut:
+    """Step 3: the job's slot in one MULTI/EXEC, with the ``applied_by`` hashes of ``named``."""
+    keys = JobKeys(job)
+    pipe = client.pipeline(transaction=True)
+    pipe.get(keys.meta)
+    pipe.xrange(keys.update_log)
+    for name in _JOB_HASHES:
+        pipe.hgetall(getattr(keys, name))
+    pipe.get(keys.unapplied)
+    pipe.hgetall(keys.group_accounted)
+    pipe.hgetall(keys.group_persisted)
+    pipe.xrange(keys.applied_samples)
+    for eid in named:
+        pipe.hgetall(keys.applied_by(eid))
+    meta, log, *rest = pipe.execute()
+    hashes = {name: _b2s(h) for name, h in zip(_JOB_HASHES, rest, strict=False)}
+    unapplied, accounted, persisted, samples, *by = rest[len(_JOB_HASHES):]
+    return _JobCut(
+        meta=meta, log=[(_text(eid), fields) for eid, fields in log], hashes=hashes, unapplied=int(unapplied or 0),
+        accounted={int(g): v for g, v in _b2s(accounted).items()},
+        persisted={int(g): v for g, v in _b2s(persisted).items()},
+        applied_samples=[(_text(eid), _b2s(fields)) for eid, fields in samples],
+        applied_by={eid: _b2s(h) for eid, h in zip(named, by, strict=True) if h})
+
+
+def _group_blobs(client: redis.Redis, job: str, meta: ModelMeta, group: int, cut: _GroupCut,
+                 log: Sequence[tuple[str, Mapping[bytes, bytes]]]) -> dict[tuple[str, int], bytes]:
+    """The group's blobs of the logged updates after its persisted cursor: those step 2 read, and
+    (step 4) those of updates pushed since step 1.
+
+    Raises:
+        _Moved: one of the latter is gone because the group persisted past it meanwhile.
+    """
+    gk = JobKeys(job).group(group)
+    out: dict[tuple[str, int], bytes] = {}
+    late: list[tuple[str, int]] = []
+    for eid, fields in log:
+        update = _parse(eid, fields)
+        if update is None or _sid(eid) <= _sid(cut.persisted):
+            continue
+        for i in update.shards:
+            if i % meta.groups != group:
+                continue
+            if (update.token, i) in cut.blobs:
+                blob = cut.blobs[(update.token, i)]
+                if blob is not None:  # missing when the group read it: it refuses the update anyway
+                    out[(update.token, i)] = blob
+            else:
+                late.append((update.token, i))
+    if late:
+        pipe = client.pipeline(transaction=True)
+        pipe.get(gk.persisted)
+        pipe.mget([gk.update_blob(t, i) for t, i in late])
+        persisted, blobs = pipe.execute()
+        if _text(persisted) != cut.persisted and None in blobs:
+            raise _Moved(f"group {group} persisted past an update pushed during the save")
+        out.update({key: blob for key, blob in zip(late, blobs, strict=True) if blob is not None})
+    return out
+
+
+def _read_cut(client: redis.Redis, job: str, raw_meta: bytes, meta: ModelMeta
+              ) -> tuple[list[_GroupCut], _JobState, list[dict[tuple[str, int], bytes]]]:
+    """One attempt: steps 1-4 and the rollback."""
+    keys = JobKeys(job)
+    known = {_text(eid): _parse(_text(eid), fields) for eid, fields in client.xrange(keys.update_log)}
+    groups = [_read_group(client, job, meta, g, known) for g in range(meta.groups)]
+    last = max(known, key=_sid, default="")
+    named = [*known, *(_text(eid) for eid, _ in client.xrange(keys.update_log, min=_after(last)))]
+    cut = _read_job(client, job, named)
+    if cut.meta != raw_meta:
+        raise CheckpointError(f"job {job}: the model's meta changed while checkpointing (removed or "
+                              "restored meanwhile)")
+    state = _settle(groups, cut)
+    blobs = [_group_blobs(client, job, meta, g, group, cut.log) for g, group in enumerate(groups)]
+    return groups, state, blobs
+
+
+# -- save ------------------------------------------------------------------------------------------
+
+def _floats(blob: bytes | None) -> torch.Tensor | None:
+    return None if blob is None else torch.frombuffer(bytearray(blob), dtype=torch.float32)
+
+
+def save_checkpoint(client: redis.Redis, job: str, path: str) -> tuple[int, ...]:
+    """Write a consistent cut of ``job`` to ``path`` (atomically via a temp file).
 
     Returns:
-        The model version it holds.
+        The model version it holds: each group's version (``services.export.version_name``
+        writes it).
 
     Raises:
         LayoutError: the job has no model.
+        CheckpointError: no consistent cut in ``_ATTEMPTS`` attempts, or the slots contradict
+            each other.
     """
-    keys = JobKeys(job)
-    raw_meta = client.get(keys.meta)
+    raw_meta = client.get(JobKeys(job).meta)
     if raw_meta is None:
         raise LayoutError(f"job {job} has no model to checkpoint")
     meta = ModelMeta.from_json(raw_meta)
-    n = len(meta.layout.shards)
-    k = slots(meta.optimizer)
-    for _ in range(_ATTEMPTS):
-        # the log entries name their gradient blobs: read them first, then everything in one MULTI,
-        # and accept when the MULTI saw no entry we had not named blobs for
-        before = client.xrange(keys.update_log)
-        pending = {eid: _blob_keys(job, eid, fields) for eid, fields in before}
-        wanted = [k for ks in pending.values() for k in ks]
-        pipe = client.pipeline(transaction=True)
-        pipe.get(keys.meta)
-        pipe.get(keys.model_version)
-        pipe.get(keys.unapplied)
-        pipe.mget([keys.shard(i) for i in range(n)])
-        pipe.mget([keys.optimizer_state(i, s) for i in range(n) for s in range(k)] or [keys.meta])
-        for name in _HASHES:
-            pipe.hgetall(getattr(keys, name))
-        pipe.mget([keys.ps_cursor(g) for g in range(meta.groups)])
-        pipe.mget([keys.ps_persisted(g) for g in range(meta.groups)])
-        for i in range(n):
-            pipe.xrange(keys.deltas(i))
-        pipe.xrange(keys.update_log)
-        pipe.mget(wanted or [keys.meta])
-        meta_now, raw_version, unapplied, shards, opt, *rest = pipe.execute()
-        hashes = {name: _b2s(h) for name, h in zip(_HASHES, rest[:len(_HASHES)])}
-        cursors, persisted = rest[len(_HASHES)], rest[len(_HASHES) + 1]
-        deltas = rest[len(_HASHES) + 2:len(_HASHES) + 2 + n]
-        entries, blob_values = rest[-2], rest[-1]
-        if all(eid in pending for eid, _ in entries):
+    why = ""
+    for attempt in range(1, _ATTEMPTS + 1):
+        try:
+            groups, state, blobs = _read_cut(client, job, raw_meta, meta)
             break
+        except _Moved as exc:
+            why = str(exc)
+            logger.debug("job %s: checkpoint attempt %d read again: %s", job, attempt, why)
     else:
-        raise CheckpointError(f"job {job}: the update log kept moving; no consistent checkpoint "
-                              f"in {_ATTEMPTS} attempts")
-    blobs = dict(zip(wanted, blob_values, strict=True)) if wanted else {}
-    if meta_now != raw_meta:
-        raise CheckpointError(f"job {job}: model meta changed while checkpointing; retry")
-    version = int(raw_version or 0)
-    log = [[eid.decode(), [[f, v] for f, v in fields.items()],
-            [[key, blobs[key]] for key in pending[eid]]] for eid, fields in entries]
+        raise CheckpointError(f"job {job}: no consistent checkpoint in {_ATTEMPTS} attempts; last: {why}")
+    version = tuple(group.version for group in groups)
     data: dict[str, Any] = {
-        "format": FORMAT, "job": job, "meta": raw_meta.decode(), "version": version,
-        "unapplied": int(unapplied or 0),
-        "shards": [torch.frombuffer(bytearray(b), dtype=torch.float32) for b in shards],
-        "optimizer": [torch.frombuffer(bytearray(b), dtype=torch.float32) if b is not None else None
-                      for b in opt] if k else [],
-        "hashes": hashes, "cursors": [(c or b"").decode() for c in cursors],
-        "persisted": [(c or b"").decode() for c in persisted],
-        "deltas": [[[eid.decode(), fields[b"d"]] for eid, fields in stream] for stream in deltas],
-        "log": log,
+        "format": FORMAT, "job": job, "meta": raw_meta.decode(), "version": list(version),
+        "groups": [{
+            "version": group.version, "cursor": group.cursor, "persisted": group.persisted,
+            "unaccounted": group.plan, "hashes": group.hashes,
+            "shards": {str(i): _floats(b) for i, b in group.shards.items()},
+            "optimizer": {f"{i}:{s}": _floats(b) for (i, s), b in group.optimizer.items() if b is not None},
+            "deltas": {str(i): [[eid, blob] for eid, blob in stream] for i, stream in group.deltas.items()},
+            "blobs": [[token, i, blob] for (token, i), blob in group_blobs.items()],
+        } for group, group_blobs in zip(groups, blobs, strict=True)],
+        "log": [[eid, [[f, v] for f, v in fields.items()]] for eid, fields in state.log],
+        "hashes": state.hashes, "unapplied": state.unapplied,
+        "group_accounted": {str(g): c for g, c in state.accounted.items()},
+        "group_persisted": {str(g): c for g, c in state.persisted.items()},
+        "applied_samples": [[eid, fields] for eid, fields in state.applied_samples],
+        "applied_by": state.applied_by,
     }
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -132,60 +458,114 @@ def save_checkpoint(client: redis.Redis, job: str, path: str) -> int:
     except BaseException:
         os.unlink(tmp)
         raise
-    logger.info("job %s: checkpoint of version %d (%d pending updates) saved to %s", job, version, len(log), path)
+    logger.info("job %s: checkpoint of version %s (%d logged updates, %d un-completed to fit the groups' cut, "
+                "%d attempt(s)) saved to %s", job, version_name(version), len(state.log), state.uncompleted,
+                attempt, path)
     return version
 
 
-def restore_checkpoint(client: redis.Redis, path: str, *, job: str | None = None) -> int:
-    """Restore the checkpoint at ``path`` into a Redis that has no model for the job.
+# -- restore ---------------------------------------------------------------------------------------
 
-    ``job`` restores under another job name (default: the checkpoint's).
-
-    Returns:
-        The restored model version.
-
-    Raises:
-        CheckpointError: unreadable file, wrong format, or the job already has a model.
-    """
+def _load(path: str) -> dict[str, Any]:
     try:
         data = torch.load(path, weights_only=True)
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
         reason = str(exc).splitlines()[0]
         raise CheckpointError(f"cannot read checkpoint {path}: {reason}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a {FORMAT} file")
-    job = job or data["job"]
-    keys = JobKeys(job)
-    if client.exists(keys.meta):
-        raise CheckpointError(f"job {job} already has a model in this Redis; restore into an empty one")
-    meta = ModelMeta.from_json(data["meta"])
-    k = slots(meta.optimizer)
+        found = data.get("format") if isinstance(data, dict) else None
+        older = (f" (it is {found}, written before a job's keys were split into one hash slot per shard group; "
+                 "restore it with the streamtrain version that wrote it)" if isinstance(found, str)
+                 and found.startswith("streamtrain-checkpoint-") else "")
+        raise CheckpointError(f"{path} is not a {FORMAT} file{older}")
+    return data
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.numpy().tobytes()
+
+
+def _restore_group(client: redis.Redis, job: str, meta: ModelMeta, group: int, saved: Mapping[str, Any]) -> None:
+    """One MULTI/EXEC writing the group's slot (replacing what a failed restore may have left)."""
+    gk, own, k = JobKeys(job).group(group), _own(meta, group), slots(meta.optimizer)
     pipe = client.pipeline(transaction=True)
-    for i, t in enumerate(data["shards"]):
-        pipe.set(keys.shard(i), t.numpy().tobytes())
-    for j, t in enumerate(data["optimizer"]):
-        if t is not None:
-            pipe.set(keys.optimizer_state(j // k, j % k), t.numpy().tobytes())
-    for name, mapping in data["hashes"].items():
+    pipe.delete(gk.version, gk.cursor, gk.persisted, gk.unaccounted, *(getattr(gk, h) for h in _GROUP_HASHES),
+                *(gk.shard(i) for i in own), *(gk.deltas(i) for i in own),
+                *(gk.optimizer_state(i, s) for i in own for s in range(k)))
+    for i in own:
+        pipe.set(gk.shard(i), _bytes(saved["shards"][str(i)]))
+        for eid, blob in saved["deltas"][str(i)]:
+            pipe.xadd(gk.deltas(i), {"d": blob}, id=eid)
+    for name in _GROUP_HASHES:
+        if saved["hashes"][name]:
+            pipe.hset(getattr(gk, name), mapping=saved["hashes"][name])
+    for slot, t in saved["optimizer"].items():
+        i, s = slot.split(":")
+        pipe.set(gk.optimizer_state(int(i), int(s)), _bytes(t))
+    for token, i, blob in saved["blobs"]:
+        pipe.set(gk.update_blob(token, i), blob)
+    for key, value in ((gk.cursor, saved["cursor"]), (gk.persisted, saved["persisted"]),
+                       (gk.unaccounted, saved["unaccounted"])):
+        if value:
+            pipe.set(key, value)
+    pipe.set(gk.version, saved["version"])
+    pipe.execute()
+
+
+def _restore_job(client: redis.Redis, job: str, data: Mapping[str, Any]) -> None:
+    """One MULTI/EXEC writing the job's slot, the meta last."""
+    keys = JobKeys(job)
+    log = data["log"]
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(keys.update_log, keys.unapplied, keys.group_accounted, keys.group_persisted, keys.applied_samples,
+                *(getattr(keys, name) for name in _JOB_HASHES), *(keys.applied_by(eid) for eid, _ in log))
+    for name in _JOB_HASHES:
+        if data["hashes"][name]:
+            pipe.hset(getattr(keys, name), mapping=data["hashes"][name])
+    for key, mapping in ((keys.group_accounted, data["group_accounted"]),
+                         (keys.group_persisted, data["group_persisted"])):
         if mapping:
-            pipe.hset(getattr(keys, name), mapping=mapping)
-    for g, (cursor, persisted) in enumerate(zip(data["cursors"], data["persisted"], strict=True)):
-        if cursor:
-            pipe.set(keys.ps_cursor(g), cursor)
-        if persisted:
-            pipe.set(keys.ps_persisted(g), persisted)
-    for i, stream in enumerate(data["deltas"]):
-        for eid, blob in stream:
-            pipe.xadd(keys.deltas(i), {"d": blob}, id=eid)
-    pipe.set(keys.unapplied, data["unapplied"])
-    old = JobKeys(data["job"])
-    for eid, fields, blobs in data["log"]:
-        for key, blob in blobs:  # blob keys carry the job name: re-key them for a renamed job
-            pipe.set(keys.key(*str(key).split(":")[2:]) if old != keys else key, blob)
+            pipe.hset(key, mapping=mapping)
+    for eid, fields in log:
         pipe.xadd(keys.update_log, dict(fields), id=eid)
-    pipe.set(keys.model_version, data["version"])
+    for eid, fields in data["applied_samples"]:
+        pipe.xadd(keys.applied_samples, fields, id=eid)
+    for eid, verdicts in data["applied_by"].items():
+        pipe.hset(keys.applied_by(eid), mapping=verdicts)
+    pipe.set(keys.unapplied, data["unapplied"])
     pipe.set(keys.meta, data["meta"])
     pipe.execute()
-    logger.info("job %s: restored version %d from %s (%d pending updates)", job, data["version"], path,
-                len(data["log"]))
-    return int(data["version"])
+
+
+def restore_checkpoint(client: redis.Redis, path: str, *, job: str | None = None) -> tuple[int, ...]:
+    """Restore the checkpoint at ``path`` into a Redis that has no model for the job.
+
+    ``job`` restores under another job name (default: the checkpoint's).
+
+    Returns:
+        The restored model version (each group's version).
+
+    Raises:
+        CheckpointError: unreadable file, another format, the job already has a model, or
+            another writer is creating it.
+    """
+    data = _load(path)
+    job = job or data["job"]
+    keys = JobKeys(job)
+    meta = ModelMeta.from_json(data["meta"])
+    token = uuid.uuid4().hex
+    if not client.set(keys.init_lock, token, nx=True, px=_RESTORE_LOCK_MS):
+        raise CheckpointError(f"job {job}: another writer is creating its model (init lock {keys.init_lock})")
+    try:
+        if client.exists(keys.meta):
+            raise CheckpointError(f"job {job} already has a model in this Redis; restore into an empty one")
+        for g, saved in enumerate(data["groups"]):
+            _restore_group(client, job, meta, g, saved)
+        _restore_job(client, job, data)
+    finally:
+        if client.get(keys.init_lock) == token.encode():
+            client.delete(keys.init_lock)
+    version = tuple(int(v) for v in data["version"])
+    logger.info("job %s: restored version %s from %s (%d logged updates, %d unapplied)", job,
+                version_name(version), path, len(data["log"]), data["unapplied"])
+    return version

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .checkpoint import restore_checkpoint, save_checkpoint
+from .errors import ParameterPlaneError
+from .export import version_name
 from .store import connect
 
 
@@ -17,17 +20,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Do it and print the version."""
+    """Do it and print the version; a refusal (no model, a bad file, a job already there) is one line
+    on stderr and exit 1."""
+    if args.action == "save" and not args.job:
+        raise SystemExit("streamtrain checkpoint save: --job is required")
     client = connect(args.redis_url)
     try:
         if args.action == "save":
-            if not args.job:
-                raise SystemExit("streamtrain checkpoint save: --job is required")
             version = save_checkpoint(client, args.job, args.path)
-            print(f"saved version {version} of job {args.job} to {args.path}")
+            print(f"saved version {version_name(version)} of job {args.job} to {args.path}")
         else:
             version = restore_checkpoint(client, args.path, job=args.job)
-            print(f"restored version {version} from {args.path}")
+            print(f"restored version {version_name(version)} from {args.path}")
+    except ParameterPlaneError as exc:
+        print(f"streamtrain checkpoint {args.action}: {exc}", file=sys.stderr)
+        return 1
     finally:
         client.close()
     return 0

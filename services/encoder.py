@@ -86,7 +86,9 @@ class Pusher:
         self.momentum = float(momentum)
         self.error_feedback = (error_feedback and self.codec.lossy) or bool(momentum)
         self.max_pending = max_pending
-        self.layout = ParameterStore(client, job).layout
+        meta = ParameterStore(client, job).meta()
+        self.layout = meta.layout
+        self.groups = meta.groups
         self.residuals: dict[int, torch.Tensor] = {}
         self.momenta: dict[int, torch.Tensor] = {}
         self._unsettled: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None
@@ -183,7 +185,7 @@ class Pusher:
                         batch_size=batch_size, produced_ts_ms=produced_ts_ms)
         try:
             update_id = push_update(self.client, self.job, update, max_pending=self.max_pending,
-                                    backpressure_timeout_s=backpressure_timeout_s)
+                                    backpressure_timeout_s=backpressure_timeout_s, groups=self.groups)
         except (redis.ConnectionError, redis.TimeoutError):
             self._unsettled = (residuals, momenta)  # the reply may be lost: settle() decides
             raise

@@ -1,12 +1,13 @@
 """Prometheus metrics of one parameter server, in its own registry, and the HTTP endpoint that
 serves a registry (``--metrics-port``), shared with the trainers.
 
-A server exports what only it sees: the model versions it publishes, the updates each of its
-writes applied or refused, how long one write batch takes from its read to its commit, and
-freshness measured at the moment the version holding a record's gradient became visible in
-Redis (sharper than the trainers' heartbeat view of it in the coordinator, which lags by up
-to a heartbeat and a clock wait). Per-group series carry the server's shard ``group``; the
-Prometheus target adds ``instance``. See ``docs/metrics.md``.
+A server exports what only it sees: the versions of its shard group it publishes (the model
+version is the sum of every group's version: ``sum(max by (group) (streamtrain_group_version))``
+in PromQL), the updates each of its writes applied or refused, how long one write batch takes
+from its read to its commit, and freshness measured at the moment the group version holding a
+record's gradient became visible in Redis (sharper than the trainers' heartbeat view of it in
+the coordinator, which lags by up to a heartbeat and a clock wait). Per-group series carry the
+server's shard ``group``; the Prometheus target adds ``instance``. See ``docs/metrics.md``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from common.redis_client import connect
 
 from .updates import unapplied_updates
 
@@ -62,7 +65,7 @@ class MeteredServer(Protocol):
 
     @property
     def version(self) -> int:
-        """Newest model version it loaded or published (read at scrape time)."""
+        """Newest version of its shard group it loaded or published (read at scrape time)."""
 
 
 class MetricsServer:
@@ -109,8 +112,8 @@ class _Backlog(Collector):
                                    "pushed updates not yet applied by every shard group (job-wide)")
         try:
             if self._client is None:  # its own client, with timeouts shorter than a scrape's
-                self._client = redis.Redis.from_url(self._server.settings.redis_url, socket_timeout=1.0,
-                                                    socket_connect_timeout=1.0)
+                self._client = connect(self._server.settings.redis_url, socket_timeout=1.0,
+                                       socket_connect_timeout=1.0)
             count = unapplied_updates(self._client, self._server.settings.job)
         except Exception as exc:  # noqa: BLE001 - a scrape reports what it can
             logger.debug("unapplied count unavailable: %s", exc)
@@ -131,16 +134,20 @@ class ServerMetrics:
     def __init__(self, server: MeteredServer) -> None:
         self.registry = CollectorRegistry()
         r, group = self.registry, str(server.settings.group)
-        self.model_version = Gauge("streamtrain_model_version",
-                                   "newest model version this server loaded or published", registry=r)
-        self.model_version.set_function(lambda: server.version)
+        self.group_version = Gauge("streamtrain_group_version",
+                                   "newest version of its shard group this server loaded or published (the "
+                                   "model version is the sum over groups), by shard group", ["group"],
+                                   registry=r).labels(group)
+        self.group_version.set_function(lambda: server.version)
         self._applied = Counter("streamtrain_updates_applied", "updates applied to the model, by shard group",
                                 ["group"], registry=r).labels(group)
         self._rejected = Counter("streamtrain_updates_rejected",
                                  "updates refused at apply time (recorded as rejected), by shard group",
                                  ["group"], registry=r).labels(group)
         self._versions = Counter("streamtrain_versions_published",
-                                 "model versions this server published (writes that changed a shard), by shard group", ["group"],
+                                 "group versions this server published (writes that changed a shard, each "
+                                 "bumping the group's version and so the model version once), by shard group",
+                                 ["group"],
                                  registry=r).labels(group)
         self._apply_seconds = Histogram(
             "streamtrain_apply_seconds",
@@ -148,7 +155,7 @@ class ServerMetrics:
             "steps, write), by shard group", ["group"], registry=r, buckets=APPLY_BUCKETS).labels(group)
         self._freshness = Histogram(
             "streamtrain_freshness_seconds",
-            "from the oldest produce time of an update's records to the model version holding its "
+            "from the oldest produce time of an update's records to the group version holding its "
             "gradient (this group's part) being visible", ["group"], registry=r,
             buckets=FRESHNESS_BUCKETS).labels(group)
         self._backlog = _Backlog(server)
@@ -156,7 +163,7 @@ class ServerMetrics:
 
     def observe_write(self, outcomes: Sequence[Outcome], seconds: float, published: bool) -> None:
         """Count one committed write of ``outcomes`` that took ``seconds`` (``published``: it
-        changed a shard, so it bumped the model version)."""
+        changed a shard, so it bumped the group's version)."""
         now_ms = time.time() * 1000
         applied = [o for o in outcomes if o.status == "applied"]
         self._applied.inc(len(applied))

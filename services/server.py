@@ -1,47 +1,55 @@
 """The parameter-server service (``streamtrain ps``): applies the update log exactly once.
 
 Several servers may split the shards: server ``group`` of ``groups`` owns the
-shards ``i`` with ``i % groups == group`` and keeps its own cursor (the last
-update id it applied). It holds its shards and their optimizer state in
-memory; Redis holds the published parameters (full shards plus versioned
-deltas), the state persisted at the group's last persist, and every update
-the persisted state does not include yet. In each round it:
+shards ``i`` with ``i % groups == group``. Each group keeps its data in its own
+Redis hash slot (:class:`common.keys.GroupKeys`: under Redis Cluster, its own
+node): its shards (full bytes plus versioned deltas), its version, its cursor
+(the last update it applied), its optimizer state as of its last persist, and
+the gradient blobs pushed for its shards. The job's slot holds the update log
+and the accounting. A server holds its group's shards and optimizer state in
+memory. In each round it:
 
-1. reads up to ``batch`` pending updates (XREAD after its cursor);
-2. for each of them in log order, decodes and validates *all* of its
-   gradients (so every group reaches the same verdict on a bad one; a refused
-   update is recorded as rejected and the others still apply) and applies one
-   optimizer step to its own shards in memory: exactly the math of applying
+1. reads up to ``batch`` pending updates (XREAD after its cursor) and its
+   group's gradient blobs of them (one MGET in its slot);
+2. for each of them in log order, decodes and validates its group's gradients
+   (and the header's shard list, which every group checks alike) and applies
+   one optimizer step to its shards in memory: exactly the math of applying
    the updates one by one. A sparse optimizer (``lazyadam``, ``dgc``) touches
-   only the coordinates a top-k gradient carries;
-3. writes once with ``lua/apply.lua`` (:mod:`services.apply`), which succeeds
-   only if its cursor and the shard versions are still what it read
-   (compare-and-set), and in the same atomic step bumps ``model_version``
-   once, publishes each changed shard's *delta* (the coordinates the batch
-   changed and their new values) at that version, rewrites the full bytes of
-   a shard that is due for compaction (its deltas since its last full write
-   outgrew ``compact_fraction`` of it, it is ``compact_every`` versions old,
-   or the whole shard changed), moves the cursor past the batch's last
-   update, and counts the group in ``apply_progress`` of every update. The
-   group that completes an update's count also raises the member's
-   ``applied_clocks``, appends its ``applied_samples`` entry and lowers the
-   ``unapplied`` count, so those happen exactly once per update.
-4. Every ``persist_every`` updates (or once the gradients applied since hold
+   only the coordinates a top-k gradient carries; a refused update is
+   recorded as rejected and the others still apply;
+3. writes the group's half with ``lua/apply.lua`` (:mod:`services.apply`),
+   which succeeds only if its cursor and the shard versions are still what it
+   read (compare-and-set), and in the same atomic step bumps the group's
+   version once, publishes each changed shard's *delta* at that version,
+   rewrites the full bytes of a shard that is due for compaction (its deltas
+   since its last full write outgrew ``compact_fraction`` of it, it is
+   ``compact_every`` versions old, or the whole shard changed), moves the
+   cursor past the batch, and keeps the plan of step 4 in ``unaccounted``;
+4. writes the job's half with ``lua/account.lua``: the group's verdict on each
+   update (once: HSETNX), and for the group that completes an update (the
+   last of the groups to report it): the member's ``applied_clocks``, its
+   ``applied_samples`` entry and the ``unapplied`` count, so those happen
+   exactly once per update.
+5. Every ``persist_every`` updates (or once the gradients applied since hold
    as many bytes as the optimizer state; at every write for optimizers
-   without state, and on a clean stop) the same write also persists the
-   group's optimizer state and step counts and its *persisted cursor*; the
-   updates every group's persisted state includes then leave the log with
-   their gradient blobs.
+   without state, and on a clean stop) step 3 also persists the group's
+   optimizer state, step counts and *persisted cursor* and deletes the group's
+   blobs of the updates it now includes; step 4 reports the persisted cursor,
+   and the log drops the updates every group's persisted state includes.
 
 Killed before 3, nothing was written and the batch is redone on restart;
-killed after 3, the cursor has moved past it. A restarted server reads its
-shards (full bytes plus deltas), its persisted optimizer state, and replays
-the updates between its persisted cursor and its cursor to rebuild the
-optimizer state exactly, without writing or counting them again (the state
+killed between 3 and 4, the restarted server finds the plan in
+``unaccounted`` and records it first (:func:`services.apply.finish_accounting`;
+a plan recorded twice counts once); killed after 4, the cursor has moved past
+the batch. A restarted server reads its shards, its persisted optimizer state,
+and replays the updates between its persisted cursor and its cursor to rebuild
+the optimizer state exactly, without writing or counting them again (the state
 depends on the gradients only: weight decay is decoupled, see
 :mod:`services.optim`). A CAS failure (another server of the same group won)
-reloads from Redis; so does any failure between 2 and 3 (memory is then
-ahead of Redis).
+reloads from Redis; so does any failure between 2 and 3 (memory is then ahead
+of Redis). Every ``sweep_every_s`` the server deletes its group's gradient
+blobs that no logged update has named for ``sweep_grace_s`` (a pusher that
+died between its blobs and its push).
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ from common.keys import JobKeys
 from common.outage import REDIS_DOWN, Outage, redis_name
 from common.settings import setting
 
-from .apply import Housekeeping, Outcome, Persist, ShardWrite, WriteResult, write_batch
+from .apply import Housekeeping, Outcome, Persist, ShardWrite, WriteResult, finish_accounting, write_batch
 from .codecs import Sent
 from .deltas import apply_deltas, encode_delta
 from .errors import LayoutError, ParameterPlaneError
@@ -100,7 +108,7 @@ class ServerSettings:
                                            "hold this fraction of its bytes")
     compact_every: int = setting(1000, env="STREAMTRAIN_PS_COMPACT_EVERY", min=1,
                                  help="rewrite a changed shard in full once its last full write is this many "
-                                      "model versions old")
+                                      "versions of its group old")
     persist_every: int = setting(256, env="STREAMTRAIN_PS_PERSIST_EVERY", min=1,
                                  help="persist the optimizer state after this many updates (or once the "
                                       "gradients applied since hold as many bytes as the state); the log "
@@ -112,8 +120,14 @@ class ServerSettings:
     housekeeping_s: float = setting(10.0, env="STREAMTRAIN_PS_HOUSEKEEPING_S", min=0.0, max=3600.0,
                                     help="how often a write also trims applied_samples past the audit horizon "
                                          "and drops departed members' clocks (0: every write)")
+    sweep_every_s: float = setting(30.0, env="STREAMTRAIN_PS_SWEEP_EVERY_S", min=0.0, max=3600.0,
+                                   help="how often the server looks for its group's orphaned gradient blobs "
+                                        "(a pusher that died between writing them and pushing; 0: every round)")
+    sweep_grace_s: float = setting(120.0, env="STREAMTRAIN_PS_SWEEP_GRACE_S", min=1.0,
+                                   help="delete an orphaned gradient blob once no logged update has named it "
+                                        "for this long (longer than a push can take, backpressure waits included)")
     checkpoint_every: int = setting(0, env="STREAMTRAIN_PS_CHECKPOINT_EVERY", min=0,
-                                    help="group 0 saves a checkpoint every N model versions (0: off)")
+                                    help="group 0 saves a checkpoint every N versions of group 0 (0: off)")
     checkpoint_dir: str = setting("checkpoints", env="STREAMTRAIN_PS_CHECKPOINT_DIR",
                                   help="directory of automatic checkpoints")
     outage_limit_s: float = setting(60.0, env="STREAMTRAIN_OUTAGE_LIMIT_S", min=0.1,
@@ -200,6 +214,14 @@ def _tensor(blob: bytes | None, numel: int, what: str) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(blob, dtype=np.float32).copy())
 
 
+def _after(entry_id: str) -> str:
+    """The XRANGE start just after stream id ``entry_id`` ('-' when it is empty: from the start)."""
+    if not entry_id:
+        return "-"
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq) + 1}"
+
+
 def _id(entry_id: str) -> tuple[int, int]:
     """A stream id as a comparable pair ('' sorts first)."""
     if not entry_id:
@@ -219,6 +241,7 @@ class ParameterServer:
     def __init__(self, settings: ServerSettings, client: redis.Redis | None = None) -> None:
         self.settings = settings
         self.keys = JobKeys(settings.job)
+        self.gkeys = self.keys.group(settings.group)
         self._own_client = client is None
         self.client = client if client is not None else connect(settings.redis_url)
         self.store = ParameterStore(self.client, settings.job)
@@ -237,6 +260,10 @@ class ParameterServer:
         self._last_checkpoint = 0
         self._housekeeping_at = 0.0
         """time.monotonic() from which the next write carries the housekeeping (the first does)."""
+        self._sweep_at = 0.0
+        """time.monotonic() of the next sweep for orphaned gradient blobs."""
+        self._orphans: dict[str, float] = {}
+        """Token -> when a sweep first found its blobs with no logged update naming it."""
         self.metrics = ServerMetrics(self)
         """This server's Prometheus metrics (served by ``streamtrain ps --metrics-port``)."""
 
@@ -290,7 +317,7 @@ class ParameterServer:
 
     @property
     def version(self) -> int:
-        """Newest model version this server loaded or published."""
+        """Newest version of this server's group it loaded or published."""
         return self._state.version
 
     def __enter__(self) -> ParameterServer:
@@ -313,6 +340,9 @@ class ParameterServer:
             while not self._stop.is_set():
                 try:
                     self.step()
+                    if time.monotonic() >= self._sweep_at:
+                        self.sweep()
+                        self._sweep_at = time.monotonic() + self.settings.sweep_every_s
                     outage.recovered()
                 except REDIS_DOWN as exc:
                     # reload once Redis answers: one restarted on its AOF may be a second behind memory
@@ -331,12 +361,16 @@ class ParameterServer:
 
     def load(self) -> None:
         """(Re)load the group's shards, cursors and persisted optimizer state from Redis (one
-        MULTI), then replay the updates applied since the persist to rebuild the optimizer state."""
+        MULTI in the group's slot), after finishing the accounting of its last apply if a crash cut
+        it off, then replay the updates applied since the persist to rebuild the optimizer state."""
         meta = self.store.meta(refresh=True)
         if meta.groups != self.settings.groups:
             raise LayoutError(f"job {self.settings.job} is split into {meta.groups} shard groups, "
                               f"this server was started with --groups {self.settings.groups}")
         self._meta = meta
+        if finish_accounting(self.client, self.settings.job, self.settings.group):
+            logger.info("ps job=%s group=%d: finished the accounting of its last apply (cut off before)",
+                        self.settings.job, self.settings.group)
         for attempt in range(8):
             try:
                 self._state = self._read_state(meta)
@@ -349,20 +383,22 @@ class ParameterServer:
     def _read_state(self, meta: ModelMeta) -> _GroupState:
         own = self.own_shards()
         k = slots(meta.optimizer)
-        g = self.settings.group
+        gk = self.gkeys
         pipe = self.client.pipeline(transaction=True)
-        pipe.get(self.keys.ps_cursor(g))
-        pipe.get(self.keys.ps_persisted(g))
-        pipe.get(self.keys.model_version)
-        pipe.hgetall(self.keys.versions)
-        pipe.hgetall(self.keys.bases)
-        pipe.hgetall(self.keys.optimizer_steps)
-        pipe.mget([self.keys.shard(i) for i in own] or [self.keys.shard(0)])
-        pipe.mget([self.keys.optimizer_state(i, s) for i in own for s in range(k)] or [self.keys.shard(0)])
+        pipe.get(gk.cursor)
+        pipe.get(gk.persisted)
+        pipe.get(gk.version)
+        pipe.hgetall(gk.versions)
+        pipe.hgetall(gk.bases)
+        pipe.hgetall(gk.optimizer_steps)
+        pipe.mget([gk.shard(i) for i in own] or [gk.version])
+        pipe.mget([gk.optimizer_state(i, s) for i in own for s in range(k)] or [gk.version])
         for i in own:
-            pipe.xrange(self.keys.deltas(i))
-        pipe.xrange(self.keys.update_log)
-        cursor, persisted, version, versions, bases, steps, blobs, opt_blobs, *streams, log = pipe.execute()
+            pipe.xrange(gk.deltas(i))
+        cursor, persisted, version, versions, bases, steps, blobs, opt_blobs, *streams = pipe.execute()
+        # the log (the job's slot) keeps every update after the lowest persisted cursor of all groups,
+        # so every update after this group's persisted cursor is still there
+        log = self.client.xrange(self.keys.update_log, _after(persisted.decode() if persisted else ""))
         st = _GroupState(cursor=(cursor or b"").decode(), persisted=(persisted or b"").decode(),
                          version=int(version or 0))
         layout = meta.layout
@@ -388,7 +424,7 @@ class ParameterServer:
             return
         scratch = {i: sh.params.clone() for i, sh in st.shards.items()}
         for eid, update, error in self._load(entries):
-            st.unpersisted.append((eid, blob_keys(self.settings.job, update) if update is not None else []))
+            st.unpersisted.append((eid, self._blob_keys(update)))
             if error is not None:
                 if update is not None and not self.client.xrange(self.keys.update_log, eid, eid):
                     raise _LogMoved(f"update {eid} left the log during a load")
@@ -443,7 +479,7 @@ class ParameterServer:
                 break
             outcome, nbytes, decoded = self._validate(eid, update, error)
             outcomes.append(outcome)
-            covered.append((eid, blob_keys(self.settings.job, outcome.update)))
+            covered.append((eid, self._blob_keys(outcome.update)))
             grad_bytes += nbytes
             if decoded is not None:
                 chunk.append(decoded)
@@ -507,6 +543,39 @@ class ParameterServer:
         if result.ok:
             st.persisted, st.unpersisted, st.unpersisted_bytes = st.cursor, [], 0
         return result.ok
+
+    def sweep(self) -> int:
+        """Delete this group's gradient blobs that no update in the log has named for at least
+        ``sweep_grace_s`` (what a pusher that died between writing its blobs and pushing, or before
+        deleting a refused push's blobs, leaves behind). Returns the number of blobs deleted.
+
+        A blob of a logged update is never touched: the group deletes those itself once its
+        persisted optimizer state includes the update, which is before the log drops it.
+        """
+        found: dict[str, list[bytes]] = {}
+        for key in self.client.scan_iter(match=self.gkeys.key("grad", "*"), count=1000):
+            token = key.decode().rsplit(":", 2)[-2]
+            found.setdefault(token, []).append(key)
+        if not found:
+            self._orphans.clear()
+            return 0
+        logged = set()
+        for eid, fields in self.client.xrange(self.keys.update_log):
+            try:
+                logged.add(parse_entry(eid, fields).token)
+            except ParameterPlaneError:
+                continue
+        now = time.monotonic()
+        self._orphans = {t: self._orphans.get(t, now) for t in found if t not in logged}
+        due = [t for t, first in self._orphans.items() if now - first >= self.settings.sweep_grace_s]
+        deleted = 0
+        for token in due:
+            deleted += self.client.delete(*found[token])
+            del self._orphans[token]
+        if deleted:
+            logger.info("ps job=%s group=%d: swept %d orphaned gradient blob(s) of %d abandoned push(es)",
+                        self.settings.job, self.settings.group, deleted, len(due))
+        return deleted
 
     def _housekeeping_due(self) -> Housekeeping | None:
         """The housekeeping the next write carries: once every ``housekeeping_s`` (so ordinary
@@ -586,7 +655,8 @@ class ParameterServer:
                 parsed.append((eid, parse_entry(eid, fields), None))
             except ParameterPlaneError as exc:
                 parsed.append((eid, None, exc))
-        loaded = iter(load_gradients(self.client, self.settings.job, [u for _, u, _ in parsed if u is not None]))
+        loaded = iter(load_gradients(self.client, self.settings.job, [u for _, u, _ in parsed if u is not None],
+                                     groups=self.settings.groups, group=self.settings.group))
         out = []
         for eid, update, error in parsed:
             if update is not None:
@@ -601,12 +671,14 @@ class ParameterServer:
         its decoded gradients (None when refused)."""
         if error is not None:
             return self._reject(eid, error, update), 0, None
-        nbytes = sum(len(b) for b in update.gradients.values())
+        nbytes = sum(len(b) for b in update.gradients.values())  # this group's share
         try:
             decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
         except ParameterPlaneError as exc:
-            return dataclasses.replace(self._reject(eid, exc, update), grad_bytes=nbytes), nbytes, None
-        return Outcome(dataclasses.replace(update, gradients={}), "applied", grad_bytes=nbytes), nbytes, decoded
+            return (dataclasses.replace(self._reject(eid, exc, update), grad_bytes=update.wire_bytes),
+                    nbytes, None)
+        return (Outcome(dataclasses.replace(update, gradients={}), "applied", grad_bytes=update.wire_bytes),
+                nbytes, decoded)
 
     def _steps(self, st: _GroupState, updates: Sequence[Mapping[int, Sent]],
                scratch: Mapping[int, torch.Tensor] | None = None) -> dict[int, list[np.ndarray | None]]:
@@ -642,6 +714,12 @@ class ParameterServer:
             update = Update(member_id="?", generation=0, clock=1, gradients={}, log_id=eid)
         return Outcome(dataclasses.replace(update, gradients={}), "rejected", reason=str(exc))
 
+    def _blob_keys(self, update: Update | None) -> list[str]:
+        """This group's gradient blob keys of ``update`` (none when its header did not parse)."""
+        if update is None:
+            return []
+        return blob_keys(self.settings.job, update, groups=self.settings.groups, group=self.settings.group)
+
     def _fault(self, where: str, n: int) -> None:
         """SIGKILL this process at ``where`` when the write of the next ``n`` updates includes update ``fault_at``."""
         s = self.settings
@@ -654,8 +732,12 @@ class ParameterServer:
         every = self.settings.checkpoint_every
         if not every or self.settings.group != 0 or version // every <= self._last_checkpoint // every:
             return
-        from .checkpoint import save_checkpoint
+        from .checkpoint import CheckpointError, save_checkpoint
 
         self._last_checkpoint = version
         path = os.path.join(self.settings.checkpoint_dir, f"{self.settings.job}-v{version:012d}.pt")
-        save_checkpoint(self.client, self.settings.job, path)
+        try:
+            save_checkpoint(self.client, self.settings.job, path)
+        except (CheckpointError, OSError, *REDIS_DOWN) as exc:  # a missed checkpoint must not stop applying
+            logger.error("ps job=%s: automatic checkpoint at group-0 version %d failed: %s", self.settings.job,
+                         version, exc)

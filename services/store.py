@@ -1,29 +1,43 @@
 """The parameter store: a model's shards in Redis, initialised once, pulled as consistent snapshots.
 
-Data model (all keys from :class:`common.keys.JobKeys`):
+Data model. The job's slot (:class:`common.keys.JobKeys`) holds ``meta``, JSON
+``{"layout": ..., "optimizer": ..., "groups": G}``, written once. Shard ``i``
+belongs to group ``g = i % G``, whose slot (:class:`common.keys.GroupKeys`)
+holds:
 
-* ``meta`` — JSON ``{"layout": ..., "optimizer": ..., "groups": n}``, written once.
 * ``shard:<i>`` — full float32 little-endian bytes of shard ``i`` as of its base version.
-* ``bases`` — hash ``i -> the model version shard:<i> is as of`` (moved by compaction only).
+* ``bases`` — hash ``i -> the group version shard:<i> is as of`` (moved by compaction only).
 * ``deltas:<i>`` — stream of shard ``i``'s deltas, entry ``<version>-0`` (``services.deltas``).
 * ``delta_floors`` — hash ``i -> every delta above this version is kept`` (<= the base).
-* ``versions`` — hash ``i -> model version that last changed shard i``.
-* ``model_version`` — integer, bumped by every atomic apply that changes shards.
+* ``versions`` — hash ``i -> group version that last changed shard i``.
+* ``version`` — the group's version, bumped by every atomic apply that changes its shards.
 
-Shard ``i`` at model version V is ``shard:<i>`` plus its deltas in (base, V].
-A snapshot at version V holds every shard as it was when ``model_version``
-was V (invariant 3): every apply bumps ``model_version`` in the same atomic
-step that publishes its deltas, so one MULTI/EXEC reads a consistent state.
-A pull that already holds a snapshot at S reads, in one MULTI/EXEC, the
-versions and the deltas after S, and moves only the changed coordinates; a
-shard whose deltas since S were compacted away is read in full (a second
-MULTI/EXEC, which the deltas' versions let it align on V).
+**Versions.** Each group has its own version; a model version is the vector
+of them (:attr:`Snapshot.group_versions`), and its scalar name is their sum
+(:attr:`Snapshot.version`: it grows with every apply of any group, so a
+reader's successive snapshots have growing versions). Shard ``i`` at group
+version V is ``shard:<i>`` plus its deltas in (base, V]. Invariant 3 holds per
+group: every shard of group g in a snapshot is at the snapshot's version of g,
+because each group's apply bumps its version in the same atomic step that
+publishes its deltas, and a pull reads each group in one MULTI/EXEC. Groups
+are read one after another (under Redis Cluster they live on different nodes),
+so two groups of a snapshot may be a few applies apart, the same as two
+trainers' pushes are: the SSP bound (invariant 2) is checked on the applied
+clocks, which an update reaches only once every group has applied it.
+
+A pull that already holds a snapshot reads, per group that moved, the versions
+and the deltas after the group's version it holds (one MULTI/EXEC), and moves
+only the changed coordinates; a shard whose deltas since then were compacted
+away is read in full (a second MULTI/EXEC, which the deltas' versions let it
+align on the group's version).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,14 +50,16 @@ from common.keys import JobKeys
 from .deltas import apply_deltas
 from .errors import LayoutError
 from .layout import DEFAULT_SHARD_ELEMS, Layout, ShardSpec, make_layout
-from .optim import OptimizerConfig
-from .scripts import script
-
+from .optim import OptimizerConfig, slots
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParameterStore", "Snapshot", "ModelMeta", "connect"]
 
 _PULL_RETRIES = 8
+_INIT_LOCK_MS = 120_000
+"""How long a model's creator holds the init lock (it writes every group's shards under it)."""
+_INIT_WAIT_S = 180.0
+"""How long another writer waits for the model to appear."""
 
 
 def connect(url: str, **kwargs: object) -> redis.Redis:
@@ -98,9 +114,9 @@ class Snapshot:
     """A consistent view of the model: every tensor as it was at model version ``version``."""
 
     version: int
-    """The model version it names."""
+    """The model version it names: the sum of :attr:`group_versions`."""
     versions: tuple[int, ...]
-    """Version of each shard (the model version that last changed it)."""
+    """Version of each shard (the version of its group that last changed it)."""
     tensors: dict[str, torch.Tensor]
     """Tensors by name (float32). Treat as read-only: a later pull shares the tensors that did
     not change (or, pulled with ``out=``, writes into them)."""
@@ -108,6 +124,8 @@ class Snapshot:
     """Shard indices this pull changed (all of them on a first pull)."""
     wire_bytes: int = 0
     """Shard and delta bytes this pull read from Redis."""
+    group_versions: tuple[int, ...] = (0,)
+    """Each group's version: every shard of group g is as it was at ``group_versions[g]``."""
 
 
 class ParameterStore:
@@ -148,17 +166,59 @@ class ParameterStore:
         flat = {name: t.detach().to("cpu", torch.float32).reshape(-1).contiguous()
                 for name, t in tensors.items()}
         blobs = [flat[s.name][s.start:s.start + s.numel].numpy().tobytes() for s in layout.shards]
-        keys = [self.keys.meta, self.keys.versions, self.keys.bases, self.keys.delta_floors,
-                self.keys.model_version, *(self.keys.shard(s.index) for s in layout.shards)]
-        stored = ModelMeta.from_json(script(self.client, "init")(keys=keys, args=[meta.to_json(), *blobs]))
+        stored = self._create(meta, blobs)
         diff = stored.layout.describe_difference(layout)
         if diff is not None:
             raise LayoutError(f"job {self.keys.job}: model does not match the stored one: {diff}")
         if stored == meta:
-            logger.info("job %s: model initialised with %d tensors, %d shards, %d values",
-                        self.keys.job, len(layout.tensors), len(layout.shards), layout.numel)
+            logger.info("job %s: model initialised with %d tensors, %d shards, %d values, %d group(s)",
+                        self.keys.job, len(layout.tensors), len(layout.shards), layout.numel, groups)
         self._meta = stored
         return stored
+
+    def _create(self, meta: ModelMeta, blobs: list[bytes]) -> ModelMeta:
+        """The stored meta, after creating the model when the job has none: one writer takes the
+        init lock, fills every group's slot with its shards at version 0, and writes ``meta`` last,
+        so a reader that sees ``meta`` finds every group ready. The others wait for ``meta``."""
+        token = uuid.uuid4().hex
+        deadline = time.monotonic() + _INIT_WAIT_S
+        while True:
+            raw = self.client.get(self.keys.meta)
+            if raw is not None:
+                return ModelMeta.from_json(raw)
+            if self.client.set(self.keys.init_lock, token, nx=True, px=_INIT_LOCK_MS):
+                try:
+                    for g in range(meta.groups):
+                        self._create_group(meta, g, blobs)
+                    self.client.set(self.keys.meta, meta.to_json(), nx=True)
+                finally:
+                    if self.client.get(self.keys.init_lock) == token.encode():
+                        self.client.delete(self.keys.init_lock)
+                continue
+            if time.monotonic() >= deadline:
+                raise LayoutError(f"job {self.keys.job}: another writer has been creating the model for "
+                                  f"{_INIT_WAIT_S:.0f} s (init lock {self.keys.init_lock}); is it stuck?")
+            time.sleep(0.05)
+
+    def _create_group(self, meta: ModelMeta, group: int, blobs: list[bytes]) -> None:
+        """Group ``group``'s shards at version 0 and nothing else (a writer that died before writing
+        ``meta`` may have left a partial group: it is replaced), in one MULTI/EXEC."""
+        gk = self.keys.group(group)
+        own = [s.index for s in meta.layout.shards if s.index % meta.groups == group]
+        stale = [gk.version, gk.versions, gk.bases, gk.delta_floors, gk.cursor, gk.persisted, gk.unaccounted,
+                 gk.optimizer_steps, *(gk.deltas(i) for i in own),
+                 *(gk.optimizer_state(i, k) for i in own for k in range(slots(meta.optimizer)))]
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(*stale)
+        for i in own:
+            pipe.set(gk.shard(i), blobs[i])
+        if own:
+            zeros = {str(i): 0 for i in own}
+            pipe.hset(gk.versions, mapping=zeros)
+            pipe.hset(gk.bases, mapping=zeros)
+            pipe.hset(gk.delta_floors, mapping=zeros)
+        pipe.set(gk.version, 0)
+        pipe.execute()
 
     def meta(self, *, refresh: bool = False) -> ModelMeta:
         """The job's stored model meta (cached).
@@ -178,9 +238,16 @@ class ParameterStore:
         """The stored layout."""
         return self.meta().layout
 
+    def group_versions(self) -> tuple[int, ...]:
+        """Each group's current version (one read per group: they live in different slots)."""
+        pipe = self.client.pipeline(transaction=False)
+        for g in range(self.meta().groups):
+            pipe.get(self.keys.group(g).version)
+        return tuple(int(v or 0) for v in pipe.execute())
+
     def version(self) -> int:
-        """The current model version."""
-        return int(self.client.get(self.keys.model_version) or 0)
+        """The current model version (the sum of the groups' versions)."""
+        return sum(self.group_versions())
 
     # -- pull ----------------------------------------------------------------
     def pull(self, since: Snapshot | None = None, *,
@@ -208,66 +275,94 @@ class ParameterStore:
                 return snap
         return self._pull_full(out)
 
+    def _own(self, group: int) -> list[int]:
+        """Indices of group ``group``'s shards."""
+        meta = self.meta()
+        return [s.index for s in meta.layout.shards if s.index % meta.groups == group]
+
     def _pull_full(self, out: Mapping[str, torch.Tensor] | None) -> Snapshot:
-        """Every shard: full bytes plus the deltas after its base, in one MULTI/EXEC."""
+        """Every shard: full bytes plus the deltas after its base, one MULTI/EXEC per group."""
         shards = self.layout.shards
-        pipe = self.client.pipeline(transaction=True)
-        pipe.get(self.keys.model_version)
-        pipe.hgetall(self.keys.versions)
-        pipe.hgetall(self.keys.bases)
-        pipe.mget([self.keys.shard(s.index) for s in shards])
-        for s in shards:
-            pipe.xrange(self.keys.deltas(s.index))
-        raw_version, raw_versions, raw_bases, blobs, *streams = pipe.execute()
-        version = int(raw_version or 0)
-        versions, bases = self._versions(raw_versions), self._versions(raw_bases)
         tensors, flats = self._targets(None, out, [s.index for s in shards])
+        versions = [0] * len(shards)
+        group_versions = []
         moved = 0
-        for s in shards:
-            moved += self._rebuild(flats[s.name], s, blobs[s.index], bases[s.index], streams[s.index], version)
-        return Snapshot(version, versions, tensors, tuple(range(len(shards))), moved)
+        for g in range(self.meta().groups):
+            gk, own = self.keys.group(g), self._own(g)
+            pipe = self.client.pipeline(transaction=True)
+            pipe.get(gk.version)
+            pipe.hgetall(gk.versions)
+            pipe.hgetall(gk.bases)
+            pipe.mget([gk.shard(i) for i in own] or [gk.version])
+            for i in own:
+                pipe.xrange(gk.deltas(i))
+            raw_version, raw_versions, raw_bases, blobs, *streams = pipe.execute()
+            version = int(raw_version or 0)
+            group_versions.append(version)
+            shard_versions, bases = self._versions(raw_versions, own), self._versions(raw_bases, own)
+            for j, i in enumerate(own):
+                s = shards[i]
+                versions[i] = shard_versions[i]
+                moved += self._rebuild(flats[s.name], s, blobs[j], bases[i], streams[j], version)
+        return Snapshot(sum(group_versions), tuple(versions), tensors, tuple(range(len(shards))), moved,
+                        tuple(group_versions))
 
     def _pull_since(self, since: Snapshot, out: Mapping[str, torch.Tensor] | None) -> Snapshot | None:
-        """The deltas after ``since`` (one MULTI/EXEC), and the full bytes of shards whose deltas
-        were compacted away (a second one); None when a compaction in between forces a retry."""
+        """Per group: the deltas after ``since``'s version of it (one MULTI/EXEC), and the full bytes
+        of shards whose deltas were compacted away (a second one); None when a compaction in between
+        forces a retry."""
         shards = self.layout.shards
-        pipe = self.client.pipeline(transaction=True)
-        pipe.get(self.keys.model_version)
-        pipe.hgetall(self.keys.versions)
-        pipe.hgetall(self.keys.delta_floors)
-        for s in shards:
-            pipe.xrange(self.keys.deltas(s.index), min=str(since.version + 1))
-        raw_version, raw_versions, raw_floors, *streams = pipe.execute()
-        version = int(raw_version or 0)
-        versions, floors = self._versions(raw_versions), self._versions(raw_floors)
-        changed = [i for i in range(len(shards)) if versions[i] != since.versions[i]]
-        if not changed:
-            return Snapshot(version, versions, since.tensors, ())
-        full = [i for i in changed if floors[i] > since.version]
-        blobs: dict[int, tuple[bytes | None, int, list]] = {}
-        if full:
+        versions = list(since.versions)
+        group_versions = list(since.group_versions)
+        reads: list[tuple[int, list[int], dict[int, list], dict[int, tuple[bytes | None, int, list]]]] = []
+        for g in range(self.meta().groups):
+            gk, own, held = self.keys.group(g), self._own(g), since.group_versions[g]
             pipe = self.client.pipeline(transaction=True)
-            pipe.hgetall(self.keys.bases)
-            pipe.mget([self.keys.shard(i) for i in full])
-            for i in full:
-                pipe.xrange(self.keys.deltas(i))
-            raw_bases, full_blobs, *full_streams = pipe.execute()
-            bases = self._versions(raw_bases)
-            if any(bases[i] > version for i in full):
-                return None  # compacted after the first read: its deltas up to `version` may be gone
-            blobs = {i: (b, bases[i], st) for i, b, st in zip(full, full_blobs, full_streams, strict=True)}
-        tensors, flats = self._targets(since, out, changed)
+            pipe.get(gk.version)
+            pipe.hgetall(gk.versions)
+            pipe.hgetall(gk.delta_floors)
+            for i in own:
+                pipe.xrange(gk.deltas(i), min=str(held + 1))
+            raw_version, raw_versions, raw_floors, *streams = pipe.execute()
+            version = int(raw_version or 0)
+            if version == held:
+                continue
+            shard_versions, floors = self._versions(raw_versions, own), self._versions(raw_floors, own)
+            changed = [i for i in own if shard_versions[i] != since.versions[i]]
+            full = [i for i in changed if floors[i] > held]
+            blobs: dict[int, tuple[bytes | None, int, list]] = {}
+            if full:
+                pipe = self.client.pipeline(transaction=True)
+                pipe.hgetall(gk.bases)
+                pipe.mget([gk.shard(i) for i in full])
+                for i in full:
+                    pipe.xrange(gk.deltas(i))
+                raw_bases, full_blobs, *full_streams = pipe.execute()
+                bases = self._versions(raw_bases, own)
+                if any(bases[i] > version for i in full):
+                    return None  # compacted after the first read: its deltas up to `version` may be gone
+                blobs = {i: (b, bases[i], st) for i, b, st in zip(full, full_blobs, full_streams, strict=True)}
+            group_versions[g] = version
+            for i in own:
+                versions[i] = shard_versions[i]
+            reads.append((version, changed, dict(zip(own, streams, strict=True)), blobs))
+        changed_all = [i for _, changed, _, _ in reads for i in changed]
+        if not changed_all:
+            return Snapshot(sum(group_versions), tuple(versions), since.tensors, (), 0, tuple(group_versions))
+        tensors, flats = self._targets(since, out, changed_all)
         moved = 0
-        for i in changed:
-            s = shards[i]
-            if i in blobs:
-                blob, base, entries = blobs[i]
-                moved += self._rebuild(flats[s.name], s, blob, base, entries, version)
-            else:
-                seg = flats[s.name][s.start:s.start + s.numel]
-                moved += apply_deltas(seg, streams[i], after=since.version, upto=version,
-                                      what=f"delta of shard {i} ({s.name})")
-        return Snapshot(version, versions, tensors, tuple(changed), moved)
+        for version, changed, streams, blobs in reads:
+            for i in changed:
+                s = shards[i]
+                if i in blobs:
+                    blob, base, entries = blobs[i]
+                    moved += self._rebuild(flats[s.name], s, blob, base, entries, version)
+                else:
+                    seg = flats[s.name][s.start:s.start + s.numel]
+                    moved += apply_deltas(seg, streams[i], after=since.group_versions[s.index % len(group_versions)],
+                                          upto=version, what=f"delta of shard {i} ({s.name})")
+        return Snapshot(sum(group_versions), tuple(versions), tensors, tuple(sorted(changed_all)), moved,
+                        tuple(group_versions))
 
     def _targets(self, since: Snapshot | None, out: Mapping[str, torch.Tensor] | None,
                  changed: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -306,11 +401,10 @@ class ParameterStore:
         return len(blob) + apply_deltas(seg, entries, after=base, upto=version,
                                         what=f"delta of shard {s.index} ({s.name})")
 
-    def _versions(self, raw: Mapping[bytes, bytes]) -> tuple[int, ...]:
-        n = len(self.layout.shards)
-        if len(raw) != n:
-            raise LayoutError(f"job {self.keys.job}: {len(raw)} shard versions stored, layout has {n}")
-        out = [0] * n
-        for k, v in raw.items():
-            out[int(k)] = int(v)
-        return tuple(out)
+    def _versions(self, raw: Mapping[bytes, bytes], own: list[int]) -> dict[int, int]:
+        """Shard -> version from a group's hash, which must name exactly the group's shards ``own``."""
+        out = {int(k): int(v) for k, v in raw.items()}
+        if sorted(out) != own:
+            raise LayoutError(f"job {self.keys.job}: {len(out)} shard versions stored in a group, its layout "
+                              f"has {len(own)}")
+        return out

@@ -8,15 +8,19 @@ to ``update_log``, commits the offsets and the member's clock, and counts the
 update in ``unapplied``. Either all of it happens or none of it.
 
 The gradient bytes do not pass through Lua (which would copy every argument
-into a Lua string): the push is one MULTI/EXEC that SETs each shard's encoded
-gradient under ``JobKeys.update_blob(token, i)`` and then runs the script,
-which deletes those keys again when it refuses. A log entry holds only a
-msgpack header (field ``h``) naming the token and the shards.
+into a Lua string), nor through the job's slot: before the script runs, each
+shard's encoded gradient is SET under ``GroupKeys.update_blob(token, i)`` in
+the slot of the group that owns the shard (one MULTI per group), so under
+Redis Cluster the bytes go to the node that applies them. A refused push
+deletes them again; a pusher that dies between the blobs and the script leaves
+them to the group's sweeper (``ParameterServer.sweep``). A log entry holds only
+a msgpack header (field ``h``) naming the token and the shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 import time
@@ -30,7 +34,7 @@ from common.keys import JobKeys
 
 from .codecs import Sent, decode_sent
 from .errors import (
-    BackpressureError, BadGradientError, FencedError, OffsetConflictError, ParameterPlaneError,
+    BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterPlaneError,
     PayloadError,
 )
 from .layout import Layout
@@ -76,6 +80,8 @@ class Update:
     """Names the gradient blob keys (set by the push)."""
     shards: tuple[int, ...] = ()
     """Shards with a gradient (set when read back from the log, before the blobs are loaded)."""
+    wire_bytes: int = 0
+    """Encoded gradient bytes of all its shards (set by the push)."""
 
     def validate_header(self) -> None:
         """Check the fields' types and ranges.
@@ -108,7 +114,7 @@ class Update:
         return {"m": self.member_id, "g": self.generation, "c": self.clock, "codec": self.codec,
                 "off": [[p, f, n] for p, (f, n) in sorted(self.offsets.items())],
                 "s": [list(s) for s in self.samples], "b": self.batch_size, "ts": self.produced_ts_ms,
-                "shards": sorted(self.gradients), "t": self.token}
+                "shards": sorted(self.gradients), "t": self.token, "wb": self.wire_bytes}
 
 
 def validate_gradients(update: Update, layout: Layout, *,
@@ -123,6 +129,10 @@ def validate_gradients(update: Update, layout: Layout, *,
         UnknownCodecError, PayloadError: from decoding.
     """
     n = len(layout.shards)
+    bad = [i for i in update.shards if not 0 <= i < n]
+    if bad:  # the header's shard list: every group reaches this verdict, whichever blobs it holds
+        raise BadGradientError(f"update from {update.member_id}: shard(s) {bad} do not exist "
+                               f"(the model has shards 0..{n - 1})")
     out = {}
     for i, blob in update.gradients.items():
         if not 0 <= i < n:
@@ -136,8 +146,12 @@ def validate_gradients(update: Update, layout: Layout, *,
 
 def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout | None = None,
                 max_pending: int = DEFAULT_MAX_PENDING, backpressure_timeout_s: float = 30.0,
-                max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+                max_bytes: int = DEFAULT_MAX_BYTES, groups: int | None = None) -> str:
     """Append ``update`` to the job's log and commit its offsets, atomically and fenced.
+
+    The gradient blobs are written first, each into the slot of the group that owns its shard
+    (``groups``: the model's group count, read from its meta when None); the push itself runs in
+    the job's slot. A refused push deletes its blobs again.
 
     With ``layout`` every gradient is decoded and validated first (pass it for
     gradients you did not encode yourself; :class:`services.encoder.Pusher`
@@ -161,19 +175,23 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
     if total > max_bytes:
         raise PayloadError(f"update from {update.member_id}: oversized, {total} bytes > limit {max_bytes}")
     keys = JobKeys(job)
-    update = dataclasses.replace(update, token=uuid.uuid4().hex)
-    order = sorted(update.gradients)
-    blob_keys = [keys.update_blob(update.token, i) for i in order]
+    if groups is None:
+        groups = _stored_groups(client, job)
+    update = dataclasses.replace(update, token=uuid.uuid4().hex, wire_bytes=total)
+    blobs = _blob_keys(keys, update.token, sorted(update.gradients), groups)
     args: list = [update.member_id, update.generation, update.clock, max_pending, len(update.offsets)]
     for p, (first, nxt) in sorted(update.offsets.items()):
         args += [p, first, nxt]
     args += ["h", pack(update.header())]
-    push_keys = [keys.generation, keys.assignment, keys.offsets, keys.update_log, keys.clocks, keys.unapplied,
-                 *blob_keys]
+    push_keys = [keys.generation, keys.assignment, keys.offsets, keys.update_log, keys.clocks, keys.unapplied]
+    # the blobs first, each group's into its own slot (one transaction per group), then the push
+    for group_blobs in _by_group(blobs, groups):
+        pipe = client.pipeline(transaction=True)
+        for key, i in group_blobs:
+            pipe.set(key, update.gradients[i])
+        pipe.execute()
 
     def build(pipe: redis.client.Pipeline, sha: str) -> None:
-        for key, i in zip(blob_keys, order, strict=True):
-            pipe.set(key, update.gradients[i])
         pipe.evalsha(sha, len(push_keys), *push_keys, *args)
 
     deadline = time.monotonic() + backpressure_timeout_s
@@ -185,9 +203,44 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
         except redis.ResponseError as exc:
             err = _translate(str(exc))
             if not isinstance(err, BackpressureError) or time.monotonic() >= deadline:
+                _drop_blobs(client, blobs, groups)
                 raise err from None
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
+
+
+def _blob_keys(keys: JobKeys, token: str, shards: Sequence[int], groups: int) -> list[tuple[str, int]]:
+    """(blob key, shard) of an update's gradients: shard i's blob lives in group i % groups's slot."""
+    return [(keys.group(i % groups).update_blob(token, i), i) for i in shards]
+
+
+def _by_group(blobs: Sequence[tuple[str, int]], groups: int) -> list[list[tuple[str, int]]]:
+    """``blobs`` split by group (one list per group that has any)."""
+    split: dict[int, list[tuple[str, int]]] = {}
+    for key, i in blobs:
+        split.setdefault(i % groups, []).append((key, i))
+    return [split[g] for g in sorted(split)]
+
+
+def _drop_blobs(client: redis.Redis, blobs: Sequence[tuple[str, int]], groups: int) -> None:
+    """Delete a refused push's blobs (best effort: the groups' sweepers remove what this misses)."""
+    for group_blobs in _by_group(blobs, groups):
+        try:
+            client.delete(*(key for key, _ in group_blobs))
+        except redis.RedisError as exc:
+            logger.warning("could not delete the blobs of a refused push (%s); the sweeper will", exc)
+
+
+def _stored_groups(client: redis.Redis, job: str) -> int:
+    """The job's number of shard groups, from its model's meta.
+
+    Raises:
+        LayoutError: the job has no model.
+    """
+    raw = client.get(JobKeys(job).meta)
+    if raw is None:
+        raise LayoutError(f"job {job} has no model yet (init_model first)")
+    return int(json.loads(raw)["groups"])
 
 
 _REFUSAL = re.compile(r"\b(FENCED|OFFSET|CLOCK|BACKPRESSURE) (.*)", re.S)
@@ -249,30 +302,33 @@ def parse_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Update:
                      offsets={int(p): (int(f), int(n)) for p, f, n in h["off"]},
                      samples=tuple((str(a), int(b), int(c)) for a, b, c in h["s"]),
                      batch_size=h["b"], produced_ts_ms=h["ts"], log_id=eid, token=str(h["t"]),
-                     shards=tuple(int(i) for i in h["shards"]))
+                     shards=tuple(int(i) for i in h["shards"]), wire_bytes=int(h.get("wb", 0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise PayloadError(f"update {eid}: malformed header: {exc!r}") from None
     upd.validate_header()
     return upd
 
 
-def blob_keys(job: str, update: Update) -> list[str]:
-    """Keys of the gradient blobs of a parsed update."""
-    keys = JobKeys(job)
-    return [keys.update_blob(update.token, i) for i in update.shards]
+def blob_keys(job: str, update: Update, *, groups: int, group: int | None = None) -> list[str]:
+    """Keys of the gradient blobs of a parsed update (of ``group``'s shards only, when given)."""
+    return [key for key, i in _blob_keys(JobKeys(job), update.token, update.shards, groups)
+            if group is None or i % groups == group]
 
 
-def load_gradients(client: redis.Redis, job: str, updates: Sequence[Update]) -> list[Update | PayloadError]:
-    """Each of ``updates`` with its gradient bytes read from Redis (one MGET for all of them), or,
-    for an update whose blobs are missing, a PayloadError naming them."""
-    keys = [k for u in updates for k in blob_keys(job, u)]
-    blobs = iter(client.mget(keys) if keys else [])
+def load_gradients(client: redis.Redis, job: str, updates: Sequence[Update], *, groups: int,
+                   group: int) -> list[Update | PayloadError]:
+    """Each of ``updates`` with the gradient bytes of ``group``'s shards read from the group's slot
+    (one MGET for all of them), or, for an update whose blobs are missing, a PayloadError naming them."""
+    mine = [[i for i in u.shards if i % groups == group] for u in updates]
+    keys = JobKeys(job).group(group)
+    names = [keys.update_blob(u.token, i) for u, shards in zip(updates, mine, strict=True) for i in shards]
+    blobs = iter(client.mget(names) if names else [])
     out: list[Update | PayloadError] = []
-    for u in updates:
-        mine = [next(blobs) for _ in u.shards]
-        missing = [i for i, b in zip(u.shards, mine, strict=True) if b is None]
+    for u, shards in zip(updates, mine, strict=True):
+        got = [next(blobs) for _ in shards]
+        missing = [i for i, b in zip(shards, got, strict=True) if b is None]
         if missing:
             out.append(PayloadError(f"update {u.log_id}: gradient blob of shard(s) {missing} missing"))
         else:
-            out.append(dataclasses.replace(u, gradients=dict(zip(u.shards, mine, strict=True))))
+            out.append(dataclasses.replace(u, gradients=dict(zip(shards, got, strict=True))))
     return out

@@ -165,7 +165,7 @@ def test_infrastructure_services(compose: dict) -> None:
 
 def test_every_service_runs_a_real_cli_command(compose: dict) -> None:
     ours = _our_services(compose)
-    assert {"coordinator", "ps", "trainer", "producer"} <= set(ours)
+    assert {"coordinator", "ps-0", "ps-1", "trainer", "producer"} <= set(ours)
     for name, svc in ours.items():
         command = svc["command"]
         assert command[0] == "streamtrain", f"{name}: command must start with streamtrain"
@@ -398,6 +398,21 @@ def _targets(job: dict) -> list[tuple[str, int]]:
     return out
 
 
+def test_one_parameter_server_per_shard_group(compose: dict) -> None:
+    """The ps services together serve every group of the model the coordinator creates, once."""
+    services = _our_services(compose)
+    groups = from_args(CoordinatorSettings, build_parser("coordinator").parse_args(services["coordinator"]["command"][2:]),
+                       environ=_env(services["coordinator"])).ps_groups
+    assert groups >= 2, "compose runs a model split into shard groups"
+    served = []
+    for name, svc in services.items():
+        if svc["command"][1] == "ps":
+            settings = from_args(ServerSettings, build_parser("ps").parse_args(svc["command"][2:]), environ=_env(svc))
+            assert settings.groups == groups, f"{name}: --groups {settings.groups}, the model has {groups}"
+            served.append(settings.group)
+    assert sorted(served) == list(range(groups))
+
+
 def test_prometheus_scrapes_every_metrics_endpoint_on_its_port(compose: dict, prometheus_config: dict) -> None:
     services = compose["services"]
     scraped: set[str] = set()
@@ -414,7 +429,7 @@ def test_prometheus_scrapes_every_metrics_endpoint_on_its_port(compose: dict, pr
             scraped.add(host)
     serving = {name for name, svc in services.items() if _served_metrics_port(svc)}
     assert serving == scraped, f"serving metrics but not scraped: {serving - scraped}"
-    assert {"coordinator", "ps", "trainer"} <= scraped
+    assert {"coordinator", "ps-0", "ps-1", "trainer"} <= scraped
     # trainers scale with --scale: they are discovered by DNS, never listed one by one
     trainer_jobs = [j for j in prometheus_config["scrape_configs"]
                     if any(h == "trainer" for h, _ in _targets(j))]

@@ -25,10 +25,11 @@ async def test_readyz_and_partition_lag(kafka, redis_url: str, redis: redis_lib.
         producer.close()
     keys = JobKeys("lagjob")
     redis.hset(keys.offsets, mapping={"0": 3})
-    redis.hset(keys.versions, mapping={"0": 7, "1": 9})
+    redis.set(keys.group(0).version, 7)  # two shard groups, each at its own version
+    redis.set(keys.group(1).version, 9)
     settings = CoordinatorSettings(job="lagjob", redis_url=redis_url, kafka_bootstrap=kafka.bootstrap,
                                    topic=topic, partitions=3, admin_token="a", job_token="j",
-                                   kafka_timeout_ms=5000)
+                                   kafka_timeout_ms=5000, ps_groups=2)
     async with running_coordinator(settings) as client:
         ready = await client.get("/readyz")
         assert ready.status == 200, await ready.text()
@@ -41,4 +42,5 @@ async def test_readyz_and_partition_lag(kafka, redis_url: str, redis: redis_lib.
             (member, 3, 5, 2), (member, None, 2, 2), (member, None, 0, 0)]
         status = await (await client.get("/v1/status")).json()
         assert status["lag"] == 4
-        assert status["versions"] == {"shards": {"0": 7, "1": 9}, "min": 7, "max": 9}
+        # the model version is the sum of the groups' versions
+        assert status["versions"] == {"model": 16, "groups": {"0": 7, "1": 9}, "min": 7, "max": 9}

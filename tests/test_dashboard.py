@@ -83,7 +83,7 @@ async def test_history_samples_heartbeats_and_redis_once_a_second(
     async with running_coordinator(settings) as client:
         a = await register(client, "host-a")
         b = await register(client, "host-b")
-        redis.hset(KEYS.versions, mapping={"0": 100, "1": 100})
+        redis.set(KEYS.group(0).version, 100)
         redis.hset(KEYS.staleness, mapping={a: 1, b: 3})
         await heartbeat(client, a, {"loss": 0.5, "accuracy": 0.8, "records_per_s": 300.0,
                                     "freshness_s": [1.0, 2.0, 3.0]})
@@ -104,8 +104,7 @@ async def test_history_samples_heartbeats_and_redis_once_a_second(
         assert p50 == [2.0] and p99 == [pytest.approx(2.98)]  # one heartbeat's samples, one tick
 
         since = h["t_ms"][-1]
-        redis.hincrby(KEYS.versions, "0", 50)
-        redis.hincrby(KEYS.versions, "1", 50)
+        redis.incrby(KEYS.group(0).version, 50)
         h = await wait_for_history(client, lambda h: h["job"]["version"][-1] == 150, what="version 150 sampled")
         # the rate of the sample that first saw 150: 50 versions over the time since the one before
         t, versions, rates = h["t_ms"], h["job"]["version"], h["job"]["versions_per_s"]
@@ -155,7 +154,7 @@ async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis,
                 if i == 0:
                     stats["accuracy"] = min(0.97, 0.2 + 0.05 * step)
                 await heartbeat(client, member, stats)
-            redis.hincrby(KEYS.versions, "0", 3)
+            redis.incrby(KEYS.group(0).version, 3)
             redis.hset(KEYS.staleness, mapping={m: (step + i) % 3 for i, m in enumerate(members)})
             await asyncio.sleep(0.25)
 

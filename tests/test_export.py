@@ -9,6 +9,7 @@ store retains is exported exactly as a pull saw it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,8 +26,8 @@ from coordinator.testing import running_coordinator
 from datastream import load_source
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings
 from services.export import (
-    NoModelError, Retained, VersionGoneError, VersionNotFoundError, resolve_version, retained, snapshot,
-    to_safetensors_bytes,
+    BadVersionError, NoModelError, Retained, VersionGoneError, VersionNotFoundError, parse_version,
+    resolve_version, retained, snapshot, to_safetensors_bytes, version_name,
 )
 from streamtrain import cli
 from common.keys import JobKeys
@@ -45,25 +46,48 @@ ADMIN_AUTH = {"Authorization": "Bearer admin-secret"}
 # -- pure ----------------------------------------------------------------------------------------
 
 def test_resolve_version_names_the_versions_available() -> None:
-    kept = Retained(current=8, oldest=5)
-    assert resolve_version(JOB, None, kept) == 8
-    assert resolve_version(JOB, 5, kept) == 5 and resolve_version(JOB, 8, kept) == 8
+    kept = Retained(current=(8,), oldest=(5,))
+    assert resolve_version(JOB, None, kept) == (8,)
+    assert resolve_version(JOB, (5,), kept) == (5,) and resolve_version(JOB, (8,), kept) == (8,)
     with pytest.raises(VersionNotFoundError, match="no model version 9 yet: the current version is 8"):
-        resolve_version(JOB, 9, kept)
+        resolve_version(JOB, (9,), kept)
     with pytest.raises(VersionGoneError, match="version 4 is no longer retained .* oldest version available is 5") \
             as gone:
-        resolve_version(JOB, 4, kept)
-    assert (gone.value.oldest, gone.value.current) == (5, 8)
-    for bad in (-1, True, 1.0, "3"):
+        resolve_version(JOB, (4,), kept)
+    assert (gone.value.oldest, gone.value.current) == ((5,), (8,))
+    for bad in ((-1,), (True,), (1.0,), "3", 3, (3, 4), ()):
         with pytest.raises(ValueError, match="non-negative integer"):
             resolve_version(JOB, bad, kept)  # type: ignore[arg-type]
+
+
+def test_a_version_of_several_groups_is_each_groups_version_joined_by_dots() -> None:
+    assert version_name((1200,)) == "1200" and version_name((12, 7)) == "12.7"
+    assert parse_version("1200", 1) == (1200,) and parse_version("12.7", 2) == (12, 7)
+    assert parse_version("0.0.3", 3) == (0, 0, 3)
+    for text in ("12", "12.7.1", "12.", ".7", "12.-7", "12.x", "1" * 19 + ".7", "12,7"):
+        with pytest.raises(BadVersionError, match=f"job {JOB} has 2 shard groups: version must be 2 non-negative "
+                                                  f"integers joined by '.'.* e.g. '12.7'.*got '{re.escape(text)}'"):
+            parse_version(text, 2, job=JOB)
+    with pytest.raises(BadVersionError, match=r"version must be one non-negative integer \(a model version\), "
+                                              "got '12.7'"):
+        parse_version("12.7", 1, job=JOB)
+    kept = Retained(current=(12, 7), oldest=(10, 0))
+    assert resolve_version(JOB, None, kept) == (12, 7)
+    assert resolve_version(JOB, (10, 0), kept) == (10, 0) and resolve_version(JOB, (11, 7), kept) == (11, 7)
+    with pytest.raises(VersionNotFoundError, match="no model version 12.8 yet: the current version is 12.7"):
+        resolve_version(JOB, (12, 8), kept)
+    # a version some group can no longer rebuild is gone, even when another group has not reached its own
+    for gone_version in ((9, 7), (9, 8)):
+        with pytest.raises(VersionGoneError, match=f"version {version_name(gone_version)} is no longer retained .* "
+                                                   "oldest version available is 10.0, the current 12.7"):
+            resolve_version(JOB, gone_version, kept)
 
 
 def test_safetensors_bytes_are_the_same_for_the_same_tensors_and_name_the_version() -> None:
     gen = torch.Generator().manual_seed(0)
     tensors = {"0.weight": torch.randn(4, 3, generator=gen), "0.bias": torch.randn(4, generator=gen),
                "head.é": torch.randn(2, generator=gen)}
-    blobs = {to_safetensors_bytes(tensors, job=JOB, version=3) for _ in range(8)}
+    blobs = {to_safetensors_bytes(tensors, job=JOB, version=(3,)) for _ in range(8)}
     assert len(blobs) == 1  # safetensors writes its metadata in hash order; we sort it
     blob = blobs.pop()
     loaded = safetensors.torch.load(blob)
@@ -82,8 +106,11 @@ def test_if_none_match_uses_the_weak_comparison() -> None:
 
 def test_export_flags_are_checked_before_connecting(capsys: pytest.CaptureFixture) -> None:
     for argv, problem in ((["--job", JOB], "--out FILE is required"),
-                          (["--out", "m.safetensors", "--version", "-1"], "--version: must be >= 0, got -1"),
-                          (["--out", "m.safetensors", "--version", "latest"], "--version: expected int"),
+                          (["--out", "m.safetensors", "--version", "-1"], "--version must be a model version: "
+                           "a non-negative integer, or with several shard groups one per group joined by '.' "
+                           "(e.g. 12.7), got '-1'"),
+                          (["--out", "m.safetensors", "--version", "latest"], "got 'latest'"),
+                          (["--out", "m.safetensors", "--version", "12."], "got '12.'"),
                           (["--out", "m.safetensors", "--job", "no spaces"], "invalid job name 'no spaces'")):
         with pytest.raises(SystemExit) as exited:
             cli.main(["export", *argv])
@@ -155,7 +182,7 @@ def assert_same(tensors: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
 
 def test_the_cli_export_scores_like_the_parameters_in_redis(trained: Trained, redis: redis_lib.Redis,
                                                             tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert retained(redis, JOB) == Retained(current=UPDATES, oldest=COMPACT_EVERY)
+    assert retained(redis, JOB) == Retained(current=(UPDATES,), oldest=(COMPACT_EVERY,))
     path = tmp_path / "model.safetensors"
     assert cli.main(["export", "--redis-url", trained.redis_url, "--job", JOB, "--out", str(path)]) == 0
     assert f"exported version {UPDATES} of job {JOB} to {path}" in capsys.readouterr().out
@@ -173,8 +200,8 @@ def test_the_cli_export_scores_like_the_parameters_in_redis(trained: Trained, re
     assert_same(safetensors.torch.load_file(old), trained.history[COMPACT_EVERY])
     assert old.read_bytes() != path.read_bytes()
     for version in range(COMPACT_EVERY, UPDATES + 1):
-        got, tensors = snapshot(redis, JOB, version)
-        assert got == version
+        got, tensors = snapshot(redis, JOB, (version,))
+        assert got == (version,) and snapshot(redis, JOB, str(version))[0] == got
         assert_same(tensors, trained.history[version])
 
 
@@ -283,11 +310,12 @@ async def test_the_route_refuses_bad_versions_naming_what_is_available(
         assert ahead["code"] == "version_not_found" and ahead["current"] == UPDATES
         assert f"no model version {UPDATES + 1} yet" in ahead["message"]
         for query, shown in (("?version=abc", "'abc'"), ("?version=-1", "'-1'"), ("?version=1.5", "'1.5'"),
-                             ("?version=", "''"), ("?version=1&version=2", "'1&2'"),
-                             ("?version=" + "9" * 19, "'" + "9" * 19 + "'")):
+                             ("?version=", "''"), ("?version=" + "9" * 19, "'" + "9" * 19 + "'")):
             bad = await error(query, 400)
             assert bad["code"] == "invalid_query" and f"non-negative integer (a model version), got {shown}" \
                 in bad["message"], bad
+        twice = await error("?version=1&version=2", 400)
+        assert twice["code"] == "invalid_query" and "version must be given once" in twice["message"]
         unknown = await error("?v=3", 400)
         assert unknown["code"] == "invalid_query" and "unknown query parameter 'v'" in unknown["message"]
     async with running_coordinator(replace(settings, job="nomodel")) as client:
@@ -295,3 +323,124 @@ async def test_the_route_refuses_bad_versions_naming_what_is_available(
         body = await resp.json()
         assert resp.status == 404 and body["error"]["code"] == "no_model"
         assert "job nomodel has no model" in body["error"]["message"]
+
+
+# -- two shard groups ----------------------------------------------------------------------------
+
+@dataclass
+class TrainedTwo:
+    """The digits MLP in two shard groups, each applied by its own server, group 1 half as often."""
+
+    redis_url: str
+    history: dict[tuple[int, ...], dict[str, torch.Tensor]]
+    """Group versions -> the tensors a pull returned at them."""
+    current: tuple[int, ...]
+    """The group versions after the last apply."""
+
+
+TWO_JOB = "exporttwo"
+
+
+@pytest.fixture
+def trained_two(redis: redis_lib.Redis, redis_url: str) -> Iterator[TrainedTwo]:
+    spec = build_model(MODEL)
+    model = spec.model
+    store = ParameterStore(redis, TWO_JOB)
+    store.init_model(dict(model.named_parameters()), shard_elems=8192,
+                     optimizer=OptimizerConfig(name="lazyadam", lr=0.01), groups=2)
+    set_membership(redis, TWO_JOB, {"a": [0]}, generation=1)
+    pusher = Pusher(redis, TWO_JOB, "a", codec="topk", codec_options={"density": 0.05})
+    servers = [ParameterServer(ServerSettings(redis_url=redis_url, job=TWO_JOB, group=g, groups=2, block_ms=1,
+                                              batch=2, compact_every=COMPACT_EVERY, compact_fraction=1000.0),
+                               client=redis) for g in (0, 1)]
+    for server in servers:
+        server.load()
+    x, y = load_source("digits", split="train").read(limit=64 * UPDATES)
+    x, y = torch.from_numpy(x).float(), torch.from_numpy(y).long()
+    params = {n: p.data for n, p in model.named_parameters()}
+    snap = store.pull(out=params)
+    history = {snap.group_versions: {k: v.clone() for k, v in snap.tensors.items()}}
+    for clock in range(1, UPDATES + 1):
+        model.zero_grad()
+        rows = slice(64 * (clock - 1), 64 * clock)
+        spec.loss_fn(model(x[rows]), y[rows]).backward()
+        pusher.push({n: p.grad for n, p in model.named_parameters()}, generation=1, clock=clock,
+                    offsets={0: (clock - 1, clock)})
+        for server in servers if clock % 2 == 0 else servers[:1]:  # group 1 applies two at a time
+            while server.step():
+                pass
+        snap = store.pull(since=snap, out=params)
+        history[snap.group_versions] = {k: v.clone() for k, v in snap.tensors.items()}
+    assert snap.group_versions == (UPDATES, UPDATES // 2)
+    keys = JobKeys(TWO_JOB)
+    redis.delete(keys.members, keys.assignment, keys.generation)
+    yield TrainedTwo(redis_url, history, snap.group_versions)
+
+
+def test_two_groups_export_each_group_at_its_version(trained_two: TrainedTwo, redis: redis_lib.Redis,
+                                                     tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    current = trained_two.current
+    name = version_name(current)
+    assert name == f"{UPDATES}.{UPDATES // 2}"
+    # group 0 compacted at version 5; group 1 (at 4) never did
+    assert retained(redis, TWO_JOB) == Retained(current=current, oldest=(COMPACT_EVERY, 0))
+    path = tmp_path / "two.safetensors"
+    assert cli.main(["export", "--redis-url", trained_two.redis_url, "--job", TWO_JOB, "--out", str(path)]) == 0
+    assert f"exported version {name} of job {TWO_JOB} to {path}" in capsys.readouterr().out
+    with safetensors.safe_open(str(path), "pt") as f:
+        assert f.metadata()["streamtrain.version"] == name
+    state = safetensors.torch.load_file(path)
+    pulled = ParameterStore(redis, TWO_JOB).pull()
+    assert pulled.group_versions == current
+    assert_same(state, pulled.tensors)
+    module = build_model(MODEL, seed=1).model
+    module.load_state_dict(state, strict=True)
+    assert_same({n: p.data for n, p in module.named_parameters()}, pulled.tensors)
+    # every retained version a pull saw exports as the pull saw it
+    seen = [v for v in trained_two.history if v[0] >= COMPACT_EVERY]
+    assert len(seen) >= 3
+    for version in seen:
+        got, tensors = snapshot(redis, TWO_JOB, version_name(version))
+        assert got == version
+        assert_same(tensors, trained_two.history[version])
+
+    def refused(*argv: str) -> str:
+        rc = cli.main(["export", "--redis-url", trained_two.redis_url, "--job", TWO_JOB, "--out", str(path), *argv])
+        captured = capsys.readouterr()
+        assert rc == 1 and captured.out == "", captured
+        return captured.err
+
+    assert f"job {TWO_JOB} has 2 shard groups: version must be 2 non-negative integers joined by '.'" in refused(
+        "--version", str(UPDATES))
+    assert f"no model version {UPDATES}.{UPDATES} yet: the current version is {name}" in refused(
+        "--version", f"{UPDATES}.{UPDATES}")
+    assert f"the oldest version available is {COMPACT_EVERY}.0, the current {name}" in refused("--version", "2.2")
+
+
+async def test_the_route_names_a_two_group_version_by_its_vector(
+        trained_two: TrainedTwo, redis: redis_lib.Redis, settings: CoordinatorSettings) -> None:
+    name = version_name(trained_two.current)
+    tag = f'"{TWO_JOB}-v{name}"'
+    async with running_coordinator(replace(settings, job=TWO_JOB, ps_groups=2)) as client:
+        resp = await client.get("/v1/model", headers=JOB_AUTH)
+        assert resp.status == 200 and resp.headers["X-Model-Version"] == name and resp.headers["ETag"] == tag
+        assert f'filename="{TWO_JOB}-v{name}.safetensors"' in resp.headers["Content-Disposition"]
+        assert_same(safetensors.torch.load(await resp.read()), ParameterStore(redis, TWO_JOB).pull().tensors)
+        resp = await client.get("/v1/model", headers={**JOB_AUTH, "If-None-Match": tag})
+        assert resp.status == 304 and resp.headers["X-Model-Version"] == name
+        older = next(v for v in sorted(trained_two.history) if v[0] >= COMPACT_EVERY)
+        resp = await client.get(f"/v1/model?version={version_name(older)}", headers=JOB_AUTH)
+        assert resp.status == 200 and resp.headers["ETag"] == f'"{TWO_JOB}-v{version_name(older)}"'
+        assert_same(safetensors.torch.load(await resp.read()), trained_two.history[older])
+
+        async def error(query: str, status: int) -> dict:
+            resp = await client.get(f"/v1/model{query}", headers=JOB_AUTH)
+            assert resp.status == status, (query, resp.status, await resp.text())
+            return (await resp.json())["error"]
+
+        bad = await error(f"?version={UPDATES}", 400)
+        assert bad["code"] == "invalid_query" and "2 non-negative integers joined by '.'" in bad["message"]
+        ahead = await error(f"?version={UPDATES + 1}.0", 404)
+        assert ahead["code"] == "version_not_found" and ahead["current"] == name
+        gone = await error("?version=1.1", 410)
+        assert gone["code"] == "version_gone" and (gone["oldest"], gone["current"]) == (f"{COMPACT_EVERY}.0", name)

@@ -110,7 +110,7 @@ def test_server_metrics_are_served_over_http() -> None:
         metrics.close()
     found = samples(text)
     g = (("group", "1"),)
-    assert found[("streamtrain_model_version", ())] == 7
+    assert found[("streamtrain_group_version", g)] == 7
     assert found[("streamtrain_updates_applied_total", g)] == 2
     assert found[("streamtrain_updates_rejected_total", g)] == 1
     assert found[("streamtrain_versions_published_total", g)] == 1
@@ -215,8 +215,8 @@ def test_ps_serves_its_metrics_while_applying(redis: redis_lib.Redis, ps_process
 
     found = wait_until(applied_all, timeout_s=60, what="the ps to report 5 updates applied")
     g = (("group", "0"),)
-    version = int(redis.get(JobKeys(JOB).model_version))
-    assert found[("streamtrain_model_version", ())] == version >= 3  # 5 updates, at most 2 per write
+    version = int(redis.get(JobKeys(JOB).group(0).version))  # the job's one group
+    assert found[("streamtrain_group_version", g)] == version >= 3  # 5 updates, at most 2 per write
     assert found[("streamtrain_versions_published_total", g)] == version
     assert found[("streamtrain_apply_seconds_count", g)] == version
     assert found[("streamtrain_updates_rejected_total", g)] == 0
@@ -299,6 +299,6 @@ async def test_trainer_and_coordinator_export_lag_dead_letters_and_bytes(kafka, 
     g = (("group", "0"),)
     assert p[("streamtrain_updates_applied_total", g)] > 0 and p[("streamtrain_versions_published_total", g)] > 0
     assert p[("streamtrain_apply_seconds_count", g)] > 0 and p[("streamtrain_freshness_seconds_count", g)] > 0
-    assert p[("streamtrain_model_version", ())] > 0
+    assert p[("streamtrain_group_version", g)] > 0
     for text in (t_text, ps_text, c_text):
         assert_promtool_accepts(text)

@@ -53,8 +53,8 @@ def client(redis_cluster: RedisCluster) -> Iterator[ClusterClient]:
 
 
 def job_keys(client: ClusterClient, job: str, pattern: str = "*") -> list[bytes]:
-    """The job's keys matching ``pattern``, from every master."""
-    return sorted(client.keys(f"st:{{{job}}}:{pattern}", target_nodes=ClusterClient.PRIMARIES))
+    """The job's keys matching ``pattern`` in its own slot and its groups' slots, from every master."""
+    return sorted(client.keys(f"st:{{{job}*}}:{pattern}", target_nodes=ClusterClient.PRIMARIES))
 
 
 # -- the launcher and the URL ----------------------------------------------------------------------
@@ -209,6 +209,53 @@ def test_push_apply_and_pull_on_the_cluster(redis_cluster: RedisCluster, client:
     assert snap.version >= 1  # one version per write: the server may apply both in one
     again = store.pull(since=snap)  # an incremental pull: nothing changed since
     assert again.version == snap.version and again.fetched == ()
+
+
+def test_shard_groups_live_on_different_nodes_and_apply_there(redis_cluster: RedisCluster,
+                                                                client: ClusterClient) -> None:
+    """Three groups: each group's shards, deltas and gradient blobs sit in its own slot, the slots
+    of the job and its groups spread over the masters, three servers apply in parallel, and a pull
+    and the accounting equal applying the updates one by one."""
+    # pick a job name whose three group slots are on three different masters
+    for _ in range(200):
+        job = f"cj-{uuid.uuid4().hex[:6]}"
+        keys = JobKeys(job)
+        nodes = {client.get_node_from_key(keys.group(g).version).name for g in range(3)}
+        if len(nodes) == 3:
+            break
+    assert len(nodes) == 3, "no job name spread its groups over the three masters"
+    store = ParameterStore(client, job)
+    meta = store.init_model(small_model(), shard_elems=64, optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.0),
+                            groups=3)
+    assert meta.groups == 3 and len(meta.layout.shards) >= 3
+    for s in meta.layout.shards:  # each shard is stored on its group's node, nowhere else
+        gk = keys.group(s.index % 3)
+        assert client.exists(gk.shard(s.index)) == 1
+        assert client.get_node_from_key(gk.shard(s.index)).name == client.get_node_from_key(gk.version).name
+    set_membership(client, job, {"a": [0]}, generation=1)
+    pusher = Pusher(client, job, "a", codec="none")
+    grads = {k: torch.ones_like(v) for k, v in small_model().items()}
+    for clock in (1, 2, 3):
+        pusher.push(grads, generation=1, clock=clock, offsets={0: (10 * clock - 10, 10 * clock)},
+                    samples=[("prod", 10 * clock - 10, 10)], batch_size=10)
+    for g in range(3):  # a group's blobs are in its slot only
+        blobs = client.keys(keys.group(g).key("grad", "*"), target_nodes=ClusterClient.PRIMARIES)
+        assert len(blobs) == 3 * sum(1 for s in meta.layout.shards if s.index % 3 == g)
+    servers = [ParameterServer(ServerSettings(redis_url=redis_cluster.url, job=job, group=g, groups=3, block_ms=50))
+               for g in range(3)]
+    try:
+        for server in servers:
+            server.start()
+        wait_until(lambda: unapplied_updates(client, job) == 0, 60, what="three updates applied by every group")
+    finally:
+        for server in servers:
+            server.close()
+    snap = store.pull()
+    for name, value in small_model().items():
+        torch.testing.assert_close(snap.tensors[name], value - 3 * 0.5)  # three SGD steps of lr 0.5
+    assert len(snap.group_versions) == 3 and all(v >= 1 for v in snap.group_versions)
+    assert client.xlen(keys.applied_samples) == 3
+    assert job_keys(client, job, "grad:*") == [] and job_keys(client, job, "applied_by:*") == []
 
 
 # -- the coordinator -------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def test_the_floor_takes_the_highest_next_per_partition_and_trims_in_chunks(redi
     third = housekeep()
     assert (third.trimmed, third.more) == (1, False)  # the malformed entry goes, raising nothing
     assert redis.xlen(KEYS.applied_samples) == 1
-    assert redis.get(KEYS.model_version) is None  # housekeeping alone is no new model version
+    assert redis.keys(KEYS.group(0).key("*")) == []  # housekeeping alone writes nothing of the group: no new version
     # horizon 0 keeps everything
     assert write_batch(redis, JOB, group=0, groups=1, cursor="", outcomes=[], shards=[],
                        housekeeping=Housekeeping(horizon_ms=0)).trimmed == 0
@@ -167,11 +167,13 @@ def test_departed_members_fields_go_once_applied_and_stay_while_pending(
 
     # a member that leaves with nothing pending, while no update arrives: an idle housekeeping
     redis.hset(KEYS.staleness, "d", 0)
-    version, cursor = redis.get(KEYS.model_version), redis.get(KEYS.ps_cursor(0))
+    group = KEYS.group(0)
+    version, cursor = redis.get(group.version), redis.get(group.cursor)
+    assert version is not None and cursor is not None
     idle = server(housekeeping_s=0.0)
     assert idle.apply_entries([]) == 0
     assert redis.hget(KEYS.staleness, "d") is None and per_member(redis, "a") == (b"1", b"1", b"0")
-    assert (redis.get(KEYS.model_version), redis.get(KEYS.ps_cursor(0))) == (version, cursor)
+    assert (redis.get(group.version), redis.get(group.cursor)) == (version, cursor)
 
 
 # -- departed records in the coordinator ---------------------------------------------------------

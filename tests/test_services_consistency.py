@@ -32,23 +32,32 @@ def model() -> dict[str, torch.Tensor]:
     return {"w": torch.zeros(300), "b": torch.zeros(7)}
 
 
-def start_job(redis: redis_lib.Redis, redis_url: str, cfg: OptimizerConfig, compact_fraction: float = 0.5):
+def start_job(redis: redis_lib.Redis, redis_url: str, cfg: OptimizerConfig, compact_fraction: float = 0.5,
+              groups: int = 1) -> tuple[ParameterStore, list[ParameterServer]]:
+    """The job's store and its running servers, one per shard group."""
     store = ParameterStore(redis, JOB)
-    store.init_model(model(), shard_elems=64, optimizer=cfg)
+    store.init_model(model(), shard_elems=64, optimizer=cfg, groups=groups)
     set_membership(redis, JOB, {"fast": [0], "slow": [1]}, generation=1)
-    server = ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, block_ms=20,
-                                            compact_fraction=compact_fraction))
-    server.start()
-    return store, server
+    servers = [ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, block_ms=20, group=g, groups=groups,
+                                              compact_fraction=compact_fraction)) for g in range(groups)]
+    try:
+        for server in servers:
+            server.start()
+    except BaseException:
+        for server in servers:
+            server.close()
+        raise
+    return store, servers
 
 
 @pytest.fixture
 def job(redis: redis_lib.Redis, redis_url: str):
-    store, server = start_job(redis, redis_url, OptimizerConfig(lr=1.0, momentum=0.0))
+    store, servers = start_job(redis, redis_url, OptimizerConfig(lr=1.0, momentum=0.0))
     try:
         yield store
     finally:
-        server.close()
+        for server in servers:
+            server.close()
 
 
 PLANES = {
@@ -60,15 +69,19 @@ PLANES = {
 }
 
 
-@pytest.fixture(params=sorted(PLANES))
+@pytest.fixture(params=[(name, groups) for name in sorted(PLANES) for groups in (1, 2)],
+                ids=lambda p: f"{p[0]}-{p[1]}group{'s' if p[1] > 1 else ''}")
 def plane(request, redis: redis_lib.Redis, redis_url: str):
-    """(store, codec the pushes use) of a job applied by a running server, for each way an apply publishes."""
-    cfg, codec, fraction = PLANES[request.param]
-    store, server = start_job(redis, redis_url, cfg, fraction)
+    """(store, codec the pushes use) of a job applied by running servers (one, or two splitting the
+    shards), for each way an apply publishes."""
+    name, groups = request.param
+    cfg, codec, fraction = PLANES[name]
+    store, servers = start_job(redis, redis_url, cfg, fraction, groups)
     try:
         yield store, codec
     finally:
-        server.close()
+        for server in servers:
+            server.close()
 
 
 def ones() -> dict[str, torch.Tensor]:
@@ -120,10 +133,26 @@ def test_ssp_blocks_then_releases_and_a_departed_member_releases(redis: redis_li
 
 
 def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redis, plane) -> None:
-    """Every update adds -1 to every value (lr 1, gradient 1) and each atomic write (one model
-    version) applies one or more whole updates to every shard: a consistent snapshot has every
-    value equal to -u, in every shard, with u growing with the version."""
+    """Every update adds -1 to every value (lr 1, gradient 1) and each atomic write of a group (one
+    group version) applies one or more whole updates to every shard of the group: a consistent
+    snapshot has, in each group, every value of every shard equal to -u, with u growing with the
+    group's version (invariant 3 holds per group; two groups may be a few applies apart)."""
     job, codec = plane
+    layout, groups = job.layout, job.meta().groups
+
+    def updates_in(snap) -> list[float]:
+        """u of each group of ``snap``, checking every value of the group's shards is -u."""
+        flat = {name: t.reshape(-1) for name, t in snap.tensors.items()}
+        u: list[float | None] = [None] * groups
+        for s in layout.shards:
+            g = s.index % groups
+            seg = flat[s.name][s.start:s.start + s.numel]
+            if u[g] is None:
+                u[g] = -float(seg[0])
+            assert torch.all(seg == -u[g]), (f"shard {s.index} ({s.name}) not all at {-u[g]} in version "
+                                             f"{snap.group_versions[g]} of group {g}")
+        return u
+
     stop = threading.Event()
     pushed = []
 
@@ -141,16 +170,15 @@ def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redi
     snaps = []
     try:
         snap = job.pull()
-        applied_at: dict[int, float] = {}  # version -> updates applied by then
+        applied_at: dict[tuple[int, int], float] = {}  # (group, group version) -> updates applied by then
         while thread.is_alive() or int(redis.hget(JobKeys(JOB).applied_clocks, "fast") or 0) < len(pushed):
             snap = job.pull(since=snap)
             snaps.append(snap)
-            u = -float(next(iter(snap.tensors.values())).reshape(-1)[0])
-            for name, t in snap.tensors.items():
-                assert torch.all(t == -u), f"{name} not all at {-u} in version {snap.version}"
-            assert applied_at.setdefault(snap.version, u) == u
-        versions = sorted(applied_at)
-        assert [applied_at[v] for v in versions] == sorted(set(applied_at.values()))  # u grows with v
+            for g, u in enumerate(updates_in(snap)):
+                assert applied_at.setdefault((g, snap.group_versions[g]), u) == u
+        for g in range(groups):  # u grows with the group's version
+            versions = sorted(v for h, v in applied_at if h == g)
+            assert [applied_at[g, v] for v in versions] == sorted({applied_at[g, v] for v in versions})
     finally:
         stop.set()
         thread.join(60)
@@ -158,13 +186,16 @@ def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redi
     assert len(pushed) == 200 and torch.all(snap.tensors["w"] == -200.0)
     assert len({s.version for s in snaps}) > 3  # the pulls saw the model move
     assert any(0 < len(s.fetched) for s in snaps)
-    assert all(s.versions == (s.version,) * 6 for s in snaps)  # every update writes all 6 shards
-    keys = JobKeys(JOB)
-    bases = [int(b) for b in redis.hmget(keys.bases, [str(i) for i in range(6)])]
+    # every update writes all 6 shards: each is at its group's version
+    assert all(s.versions == tuple(s.group_versions[i % groups] for i in range(6)) for s in snaps)
+    assert all(s.version == sum(s.group_versions) for s in snaps)
+    keys = [JobKeys(JOB).group(i % groups) for i in range(6)]  # shard i's group
+    bases = [int(redis.hget(keys[i].bases, str(i))) for i in range(6)]
+    at = [snap.group_versions[i % groups] for i in range(6)]
     if codec == "topk":  # deltas were published, and shards compacted now and then
-        assert all(redis.xlen(keys.deltas(i)) > 0 for i in range(6)) and all(0 < b <= snap.version for b in bases)
+        assert all(redis.xlen(keys[i].deltas(i)) > 0 for i in range(6)) and all(0 < b <= v for b, v in zip(bases, at))
     else:  # every apply rewrote every shard: no deltas
-        assert all(redis.xlen(keys.deltas(i)) == 0 for i in range(6)) and bases == [snap.version] * 6
+        assert all(redis.xlen(keys[i].deltas(i)) == 0 for i in range(6)) and bases == at
 
 
 def test_a_wait_reuses_its_last_read_only_while_no_update_can_be_due_that_it_did_not_see(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import set_membership
+from test_services_util import gradient_blobs, set_membership
 
 from services import (
     OptimizerConfig, ParameterServer, ParameterStore, PayloadError, Pusher, Sent, ServerSettings, Update,
@@ -141,7 +141,7 @@ def server(redis: redis_lib.Redis, redis_url: str, **settings) -> ParameterServe
 
 def test_a_sparse_update_publishes_only_the_coordinates_it_changed(redis: redis_lib.Redis, redis_url: str,
                                                                    sparse_job: ParameterStore) -> None:
-    keys = JobKeys(JOB)
+    keys = JobKeys(JOB).group(0)  # one group: every shard is in its slot
     first = sparse_job.pull()
     sparse_update(redis, 1, {0: [5, 9], 2: [100]})
     ps = server(redis, redis_url)
@@ -163,7 +163,7 @@ def test_a_sparse_update_publishes_only_the_coordinates_it_changed(redis: redis_
 
 def test_compaction_rewrites_a_shard_and_a_stale_puller_reads_it_in_full(redis: redis_lib.Redis, redis_url: str,
                                                                          sparse_job: ParameterStore) -> None:
-    keys = JobKeys(JOB)
+    keys = JobKeys(JOB).group(0)
     start = sparse_job.pull()
     ps = server(redis, redis_url, compact_fraction=0.1)  # 410 bytes of deltas for a 4 KB shard
     for c in range(1, 7):  # 60 coordinates each: ~310 bytes of delta
@@ -197,7 +197,7 @@ def test_a_dense_change_rewrites_the_shard_and_keeps_no_delta(redis: redis_lib.R
     sparse_update(redis, 2, {0: [6]})
     ps = server(redis, redis_url)
     assert ps.step() == 1 and ps.step() == 1
-    keys = JobKeys(JOB)
+    keys = JobKeys(JOB).group(0)
     assert redis.xlen(keys.deltas(0)) == 0 and redis.hget(keys.bases, 0) == b"2"
     assert redis.hget(keys.delta_floors, 0) == b"2"  # nothing before version 2 can be rebuilt from deltas
     values = store.pull().tensors["w"]
@@ -211,7 +211,7 @@ def test_compact_every_bounds_the_versions_a_shard_is_rebuilt_from(redis: redis_
     for c in range(1, 5):
         sparse_update(redis, c, {1: [c]})
         assert ps.step() == 1
-    keys = JobKeys(JOB)
+    keys = JobKeys(JOB).group(0)
     assert redis.hget(keys.bases, 1) == b"3" and redis.hget(keys.delta_floors, 1) == b"0"
     assert [e for e, _ in redis.xrange(keys.deltas(1))] == [b"1-0", b"2-0", b"3-0", b"4-0"]
 
@@ -232,4 +232,4 @@ def test_backpressure_counts_unapplied_updates_not_the_log(redis: redis_lib.Redi
     assert redis.xlen(keys.update_log) == 2 and unapplied_updates(redis, JOB) == 0  # kept until persisted
     pusher.push(grads, generation=1, clock=3, offsets={0: (2, 3)})
     assert ps.step() == 1 and ps.persist()
-    assert redis.xlen(keys.update_log) == 0 and redis.keys(f"st:{{{JOB}}}:grad:*") == []
+    assert redis.xlen(keys.update_log) == 0 and gradient_blobs(redis, JOB) == []

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import set_membership, small_model
+from test_services_util import gradient_blobs, set_membership, small_model
 
 from services import (
     BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterStore,
     PayloadError, Pusher, UnknownCodecError, Update, decode_gradient, get_codec, push_update,
     was_committed,
 )
+from services.updates import parse_entry
 from services.wire import pack
 from common.keys import JobKeys
 
@@ -22,7 +23,7 @@ JOB = "pushjob"
 @pytest.fixture
 def store(redis: redis_lib.Redis) -> ParameterStore:
     s = ParameterStore(redis, JOB)
-    s.init_model(small_model(), shard_elems=64)
+    s.init_model(small_model(), shard_elems=64, groups=2)  # a push spreads its blobs over two group slots
     set_membership(redis, JOB, {"a": [0, 1], "b": [2]}, generation=3)
     return s
 
@@ -34,8 +35,15 @@ def grads(value: float = 1.0) -> dict[str, torch.Tensor]:
 def state(redis: redis_lib.Redis) -> tuple:
     keys = JobKeys(JOB)
     return (redis.xlen(keys.update_log), redis.hgetall(keys.offsets), redis.hgetall(keys.clocks),
-            redis.get(keys.model_version), [redis.get(keys.shard(i)) for i in range(6)],
-            sorted(redis.keys(f"st:{{{JOB}}}:grad:*")))  # a refused push leaves no gradient blobs
+            redis.get(keys.unapplied), ParameterStore(redis, JOB).group_versions(),
+            [redis.get(keys.group(i % 2).shard(i)) for i in range(6)],
+            gradient_blobs(redis, JOB))  # a refused push leaves no gradient blob in any group's slot
+
+
+def pusher_token(redis: redis_lib.Redis) -> str:
+    """The blob token of the last logged update."""
+    (eid, fields), = redis.xrevrange(JobKeys(JOB).update_log, count=1)
+    return parse_entry(eid, fields).token
 
 
 def test_init_model_is_idempotent_and_checks_layout(redis: redis_lib.Redis, store: ParameterStore) -> None:
@@ -63,7 +71,11 @@ def test_push_commits_offsets_and_appends_atomically(redis: redis_lib.Redis, sto
     assert redis.hget(keys.clocks, "a") == b"1"
     (entry_id, fields), = redis.xrange(keys.update_log)
     assert entry_id.decode() == res.update_id and sorted(fields) == [b"h"]
-    assert len(redis.keys(f"st:{{{JOB}}}:grad:*")) == 6  # one gradient blob per shard
+    # one gradient blob per shard, each in the slot of the shard's group
+    assert sorted(redis.keys(keys.group(0).update_blob("*", "*"))) == [
+        keys.group(0).update_blob(pusher_token(redis), i).encode() for i in (0, 2, 4)]
+    assert sorted(redis.keys(keys.group(1).update_blob("*", "*"))) == [
+        keys.group(1).update_blob(pusher_token(redis), i).encode() for i in (1, 3, 5)]
     # the next range must start at the committed offset; an offsets-only update is fine
     assert not was_committed(redis, JOB, "a", 2)
     pusher.push(None, generation=3, clock=2, offsets={0: (5, 9)})
@@ -103,9 +115,11 @@ def test_backpressure_when_the_log_is_full(redis: redis_lib.Redis, store: Parame
     pusher = Pusher(redis, JOB, "a", max_pending=2)
     pusher.push(grads(), generation=3, clock=1)
     pusher.push(grads(), generation=3, clock=2)
+    before = state(redis)
     with pytest.raises(BackpressureError, match="holds 2 unapplied updates") as info:
         pusher.push(grads(), generation=3, clock=3, backpressure_timeout_s=0.05)
     assert info.value.retriable
+    assert state(redis) == before  # its blobs were deleted again
 
 
 @pytest.mark.parametrize("case", ["unknown tensor", "shape", "dtype", "nan", "inf"])

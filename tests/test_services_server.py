@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import set_membership, small_model
+from test_services_util import (
+    accounting_left, gradient_blobs, optimizer_state, optimizer_steps, set_membership, small_model, staged_values,
+)
 
 from services import (
     OptimizerConfig, ParameterServer, ParameterStore, Pusher, Sent, ServerSettings, ServerStatus, Update,
@@ -73,24 +75,33 @@ def servers(redis_url: str) -> Iterator[list[ParameterServer]]:
                                  OptimizerConfig(name="adam", lr=0.01, schedule="cosine", warmup_steps=2,
                                                  total_steps=10)], ids=["sgd", "adam"])
 @pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("groups", [1, 2])
 def test_applies_like_the_local_optimizer(redis: redis_lib.Redis, redis_url: str, servers: list,
-                                          cfg: OptimizerConfig, batch: int) -> None:
-    """Pending updates applied one by one (batch 1) or together in one write (batch 16)."""
-    store = setup(redis, cfg)
+                                          cfg: OptimizerConfig, batch: int, groups: int) -> None:
+    """Pending updates applied one by one (batch 1) or together in one write (batch 16), by one
+    server or by two running side by side, each applying its group's shards."""
+    store = setup(redis, cfg, groups=groups)
     push_n(redis, range(1, 6))
-    servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, batch=batch)))
-    servers[0].start()
+    for g in range(groups):
+        servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, batch=batch, group=g,
+                                                      groups=groups)))
+    for s in servers:
+        s.start()
     wait_until(lambda: applied(redis) == 5, 60, what="5 updates applied")
     snap = store.pull()
     want = expected_params(cfg, [1, 2, 3, 4, 5])
     for k in want:
         torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
     keys = JobKeys(JOB)
-    # one model version per write: 5 single applies, or the 5 pending updates in one batch
-    assert snap.version == (5 if batch == 1 else 1) and unapplied_updates(redis, JOB) == 0
-    servers[0].close()  # a clean stop persists the optimizer state: the log is then empty
-    assert redis.xlen(keys.update_log) == 0 and redis.keys(f"st:{{{JOB}}}:grad:*") == []
-    assert redis.hgetall(keys.optimizer_steps) == {str(i).encode(): b"5" for i in range(6)}
+    # one group version per write: 5 single applies, or the 5 pending updates in one batch; every
+    # update changes every shard, so every group wrote as often; the model version is their sum
+    writes = 5 if batch == 1 else 1
+    assert snap.group_versions == (writes,) * groups and snap.version == writes * groups == store.version()
+    assert unapplied_updates(redis, JOB) == 0 and accounting_left(redis, JOB) == []
+    for s in servers:
+        s.close()  # a clean stop persists the optimizer state: once every group has, the log is empty
+    assert redis.xlen(keys.update_log) == 0 and gradient_blobs(redis, JOB) == []
+    assert optimizer_steps(redis, JOB) == {str(i).encode(): b"5" for i in range(6)}
     entries = redis.xrange(keys.applied_samples)
     assert [json.loads(f[b"samples"]) for _, f in entries] == [[["prod", 10 * c, 10]] for c in range(5)]
     assert {f[b"status"] for _, f in entries} == {b"applied"}
@@ -118,9 +129,7 @@ def push_encoded(redis: redis_lib.Redis, jobs: list[str], clocks: range, codec: 
 
 def published(redis: redis_lib.Redis, job: str) -> tuple[dict[str, torch.Tensor], list[bytes | None]]:
     """The job's parameters (a full pull) and every optimizer state value persisted in Redis."""
-    keys = JobKeys(job)
-    return (ParameterStore(redis, job).pull().tensors,
-            redis.mget([keys.optimizer_state(i, s) for i in range(6) for s in range(2)]))
+    return ParameterStore(redis, job).pull().tensors, optimizer_state(redis, job, shards=6, slots=2)
 
 
 @pytest.mark.parametrize(("optimizer", "codec", "batch"), [("lazyadam", "topk+fp16", 1), ("lazyadam", "topk+fp16", 4),
@@ -159,7 +168,7 @@ def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, f
     assert applied(redis) == done and redis.xlen(keys.applied_samples) == done
     assert unapplied_updates(redis, JOB) == 6 - done
     if optimizer == "lazyadam":  # nothing persisted yet: the log still holds every update
-        assert redis.xlen(keys.update_log) == 6 and redis.get(keys.ps_persisted(0)) is None
+        assert redis.xlen(keys.update_log) == 6 and redis.get(keys.group(0).persisted) is None
     proc = run_ps(redis_url)
     try:
         wait_until(lambda: applied(redis) == 6, timeout_s=120, what="all 6 updates applied after restart")
@@ -174,9 +183,10 @@ def test_exactly_once_across_a_ps_kill(redis: redis_lib.Redis, redis_url: str, f
     assert ours[1] == theirs[1], "optimizer state differs from the reference"
     entries = redis.xrange(keys.applied_samples)
     assert [int(f[b"clock"]) for _, f in entries] == [1, 2, 3, 4, 5, 6]
-    assert redis.hgetall(keys.optimizer_steps) == {str(i).encode(): b"6" for i in range(6)}
+    assert optimizer_steps(redis, JOB) == {str(i).encode(): b"6" for i in range(6)}
     assert redis.xlen(keys.update_log) == 0  # the clean stop persisted: every update left the log
-    assert redis.keys(f"st:{{{JOB}}}:grad:*") == [] and redis.keys(f"st:{{{JOB}}}:stage:*") == []
+    assert gradient_blobs(redis, JOB) == [] and staged_values(redis, JOB) == []
+    assert accounting_left(redis, JOB) == [] and unapplied_updates(redis, JOB) == 0
 
 
 def test_two_servers_split_the_shards(redis: redis_lib.Redis, redis_url: str, servers: list) -> None:
@@ -193,7 +203,10 @@ def test_two_servers_split_the_shards(redis: redis_lib.Redis, redis_url: str, se
     assert redis.xlen(JobKeys(JOB).applied_samples) == 0
     assert servers[0].own_shards() == [0, 2, 4]
     servers[0].close()  # group 0 persisted its state; the log keeps what group 1 has not
-    assert redis.get(JobKeys(JOB).ps_persisted(0)) is not None and redis.xlen(JobKeys(JOB).update_log) == 8
+    assert redis.get(JobKeys(JOB).group(0).persisted) is not None and redis.xlen(JobKeys(JOB).update_log) == 8
+    # group 0 deleted its blobs of the updates its persisted state includes; group 1's are all there
+    assert [k.split(b"}")[0] for k in gradient_blobs(redis, JOB)] == [b"st:{psjob:g1"] * 8 * 3
+    assert store.group_versions() == (servers[0].version, 0) and servers[0].version > 0
     servers[1].start()
     wait_until(lambda: applied(redis) == 8, 60, what="both groups applied 8")
     want = expected_params(cfg, list(range(1, 9)))
@@ -202,10 +215,10 @@ def test_two_servers_split_the_shards(redis: redis_lib.Redis, redis_url: str, se
         torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
     keys = JobKeys(JOB)
     assert redis.xlen(keys.applied_samples) == 8 and unapplied_updates(redis, JOB) == 0
-    assert redis.hlen(keys.apply_progress) == 0
+    assert accounting_left(redis, JOB) == []
     servers[1].close()
     assert redis.xlen(keys.update_log) == 0
-    assert redis.keys(f"st:{{{JOB}}}:grad:*") == [] and redis.keys(f"st:{{{JOB}}}:stage:*") == []
+    assert gradient_blobs(redis, JOB) == [] and staged_values(redis, JOB) == []
     with pytest.raises(Exception, match="split into 2 shard groups"):
         ParameterServer(ServerSettings(redis_url=redis_url, job=JOB), client=redis).load()
 
@@ -244,7 +257,7 @@ def test_cas_loser_reloads_and_does_not_double_apply(redis: redis_lib.Redis, red
     assert version == 1  # the three pending updates were written together
     assert second.apply_entries(entries[:2]) == 0  # lost the compare-and-set: nothing written
     assert store.version() == version and second.applied == 0
-    assert redis.keys(f"st:{{{JOB}}}:stage:*") == []  # the loser's staged bytes were dropped
+    assert staged_values(redis, JOB) == []  # the loser's staged bytes were dropped
     assert second._state.cursor == entries[-1][0].decode()  # reloaded: resumes after the winner
     assert second.step() == 0
     want = expected_params(cfg, [1, 2, 3])
@@ -277,9 +290,9 @@ def test_a_refused_update_inside_a_batch_is_rejected_and_the_rest_apply(
     want = expected_params(cfg, [1, 2, 4])  # three optimizer steps: the refused update took none
     for k in want:
         torch.testing.assert_close(snap.tensors[k], want[k], rtol=1e-5, atol=1e-6)
-    assert redis.hgetall(keys.optimizer_steps) == {str(i).encode(): b"3" for i in range(6)}
+    assert optimizer_steps(redis, JOB) == {str(i).encode(): b"3" for i in range(6)}
     assert int(redis.hget(keys.applied_clocks, "a")) == 4 and redis.xlen(keys.update_log) == 0
-    assert redis.keys(f"st:{{{JOB}}}:grad:*") == [] and redis.keys(f"st:{{{JOB}}}:stage:*") == []
+    assert gradient_blobs(redis, JOB) == [] and staged_values(redis, JOB) == []
 
 
 def test_a_batch_gives_the_same_bytes_as_single_applies(redis: redis_lib.Redis, redis_url: str) -> None:
@@ -308,16 +321,19 @@ def test_a_batch_gives_the_same_bytes_as_single_applies(redis: redis_lib.Redis, 
                 pass
             assert server.applied == 7
             assert server.persist()
-    single, batched = JobKeys("single"), JobKeys("batched")
     one, other = ParameterStore(redis, "single").pull(), ParameterStore(redis, "batched").pull()
     for name in one.tensors:
         assert torch.equal(one.tensors[name], other.tensors[name]), f"parameters of {name} differ"
-    for i in range(len(layout.shards)):
-        for slot in (0, 1):
-            a, b = (k.optimizer_state(i, slot) for k in (single, batched))
-            assert redis.get(a) == redis.get(b), f"optimizer state {slot} of shard {i} differs"
-    assert redis.hgetall(single.optimizer_steps) == redis.hgetall(batched.optimizer_steps)
-    assert redis.get(single.model_version) == b"14" and redis.get(batched.model_version) == b"6"
-    for k in (single, batched):
+    n = len(layout.shards)
+    for i, (a, b) in enumerate(zip(optimizer_state(redis, "single", n, 2), optimizer_state(redis, "batched", n, 2),
+                                   strict=True)):
+        assert a is not None and a == b, f"optimizer state {i % 2} of shard {i // 2} differs"
+    assert optimizer_steps(redis, "single") == optimizer_steps(redis, "batched")
+    assert len(optimizer_steps(redis, "single")) == n
+    # each group wrote once per update (7) or once per batch (3, 3, 1: 3 writes)
+    assert (one.group_versions, other.group_versions) == ((7, 7), (3, 3))
+    assert (one.version, other.version) == (14, 6)
+    for job in jobs.values():
+        k = JobKeys(job)
         assert redis.xlen(k.applied_samples) == 7 and redis.xlen(k.update_log) == 0
-        assert redis.hlen(k.apply_progress) == 0
+        assert accounting_left(redis, job) == [] and gradient_blobs(redis, job) == []

@@ -1,4 +1,5 @@
-"""Helpers shared by the parameter-plane tests (membership as the coordinator writes it, small models)."""
+"""Helpers shared by the parameter-plane tests (membership as the coordinator writes it, small models, and what
+a job keeps in its shard groups' slots)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,43 @@ def small_model(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(10, 20, generator=g), "b": torch.randn(20, generator=g),
             "v": torch.randn(5, generator=g)}
 
+
+def stored_groups(client: redis_lib.Redis, job: str) -> int:
+    """The job's number of shard groups, from its model's meta (1 while it has no model)."""
+    raw = client.get(JobKeys(job).meta)
+    return 1 if raw is None else int(json.loads(raw)["groups"])
+
+
+def gradient_blobs(client: redis_lib.Redis, job: str) -> list[bytes]:
+    """Every gradient blob key of ``job`` left in any of its groups' slots, sorted."""
+    keys = JobKeys(job)
+    return sorted(k for g in range(stored_groups(client, job))
+                  for k in client.keys(keys.group(g).update_blob("*", "*")))
+
+
+def staged_values(client: redis_lib.Redis, job: str) -> list[bytes]:
+    """Every staging key of ``job`` left in any of its groups' slots (an apply's, not renamed or dropped)."""
+    keys = JobKeys(job)
+    return sorted(k for g in range(stored_groups(client, job))
+                  for k in client.keys(keys.group(g).staging("*", "*")))
+
+
+def optimizer_steps(client: redis_lib.Redis, job: str) -> dict[bytes, bytes]:
+    """Shard -> optimizer steps persisted, over every group of ``job``."""
+    keys = JobKeys(job)
+    out: dict[bytes, bytes] = {}
+    for g in range(stored_groups(client, job)):
+        out.update(client.hgetall(keys.group(g).optimizer_steps))
+    return out
+
+
+def optimizer_state(client: redis_lib.Redis, job: str, shards: int, slots: int) -> list[bytes | None]:
+    """Every persisted optimizer state value of ``job`` (shard by shard, slot by slot), each read from
+    its shard's group."""
+    keys, groups = JobKeys(job), stored_groups(client, job)
+    return [client.get(keys.group(i % groups).optimizer_state(i, s)) for i in range(shards) for s in range(slots)]
+
+
+def accounting_left(client: redis_lib.Redis, job: str) -> list[bytes]:
+    """The ``applied_by`` hashes still open (an update some group has not reported yet)."""
+    return sorted(client.keys(JobKeys(job).applied_by("*")))

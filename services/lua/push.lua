@@ -1,17 +1,14 @@
--- Append one update to the log and commit its Kafka offsets, fenced, in one atomic step.
--- Runs in the MULTI/EXEC that first SETs the update's gradient blobs (KEYS[6..]); a refused push
--- deletes them again, so a refusal leaves nothing behind.
+-- Append one update to the log and commit its Kafka offsets, fenced, in one atomic step (the job's
+-- slot). The update's gradient blobs were written before, into each group's slot; a refused push
+-- leaves them to the pusher to delete (and to the groups' sweepers, should the pusher die first).
 -- KEYS[1] generation, KEYS[2] assignment, KEYS[3] offsets, KEYS[4] update_log, KEYS[5] clocks,
--- KEYS[6] unapplied (updates not yet applied by every group), KEYS[7..] the update's gradient blob keys
+-- KEYS[6] unapplied (updates not yet applied by every group)
 -- ARGV[1] member id, ARGV[2] generation, ARGV[3] clock, ARGV[4] max pending log entries,
 -- ARGV[5] number of offset ranges n, ARGV[6 .. 5+3n] partition, first, next (per range),
 -- ARGV[6+3n ..] stream field, value pairs of the log entry (the header).
 -- Returns the new log entry id, or an error reply starting with FENCED, OFFSET, CLOCK or BACKPRESSURE.
 local member, gen, clock = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local function refuse(message)
-  if #KEYS >= 7 then
-    redis.call('DEL', unpack(KEYS, 7))
-  end
   return redis.error_reply(message)
 end
 local current = redis.call('GET', KEYS[1])
