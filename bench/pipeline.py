@@ -71,6 +71,7 @@ from coordinator.settings import CoordinatorSettings  # noqa: E402
 from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster  # noqa: E402
 from common.keys import JobKeys  # noqa: E402
 from trainers import build_model, evaluate  # noqa: E402
+from trainers.progress import PHASE_LOG  # noqa: E402
 
 RESULTS = _HERE / "results" / "pipeline.json"
 console = Console(width=120)
@@ -85,7 +86,7 @@ at 0.01)."""
 TARGET = 0.7
 """Held-out accuracy the time-to-accuracy runs aim at (mlp-2m on the synthetic task)."""
 
-_PHASES = re.compile(r"last 50 steps spent \(ms/step\) (.*)$")
+_PHASES = re.compile(re.escape(PHASE_LOG) + r" (.*)$")
 
 
 def applied_entries(cluster: LocalCluster) -> list[dict[bytes, bytes]]:

@@ -56,7 +56,7 @@ from .device import plan_device
 from .evaluate import EvalResult, evaluate
 from .metrics import TrainerMetrics, TrainerReport
 from .models import build_model
-from .progress import Progress
+from .progress import PHASE_LOG, Progress
 from .settings import TrainerSettings
 from .state import Move, TrainerState, needs_pull
 from .step import Replica, StepResult
@@ -413,7 +413,7 @@ class Trainer:
                               done.result.loss if done.result is not None else None)
         self.progress.applied(done.wait.own_applied, time.time() * 1000)
         if (report := self.progress.phase_report()) is not None:
-            logger.info("member %s: ms per step %s", self.coordinator.member_id,
+            logger.info("member %s: %s %s", self.coordinator.member_id, PHASE_LOG,
                         ", ".join(f"{k} {v:.1f}" for k, v in report.items()))
         if self._eval_data is not None and self.progress.steps % self.settings.eval_every == 0:
             await self._evaluate()
