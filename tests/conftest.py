@@ -23,6 +23,7 @@ import redis as redis_lib
 from kafka.admin import KafkaAdminClient
 
 from streamtrain.launcher import KafkaBroker, RedisCluster, RedisServer
+from streamtrain.netns import NetNamespace, NetnsUnavailable
 
 
 @dataclass
@@ -184,3 +185,17 @@ def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     if found:
         pytest.fail(f"the test left behind (after a {leaks.GRACE_S:.0f}s grace):\n  " + "\n  ".join(found),
                     pytrace=False)
+
+
+@pytest.fixture
+def netns() -> Iterator[NetNamespace]:
+    """A network namespace linked to this one, removed after the test."""
+    ns = NetNamespace()
+    try:
+        ns.create()
+    except NetnsUnavailable as exc:
+        pytest.skip(f"this machine cannot create a network namespace (needs root and iproute2): {exc}")
+    try:
+        yield ns
+    finally:
+        ns.close()

@@ -8,26 +8,14 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
-from streamtrain.netns import NetNamespace, NetnsError, NetnsUnavailable, remove_stale
+from streamtrain.netns import NetNamespace, NetnsError, remove_stale
 
 pytestmark = pytest.mark.netns
 
 
-@pytest.fixture
-def netns() -> Iterator[NetNamespace]:
-    ns = NetNamespace()
-    try:
-        ns.create()
-    except NetnsUnavailable as exc:
-        pytest.skip(f"this machine cannot create a network namespace (needs root and iproute2): {exc}")
-    try:
-        yield ns
-    finally:
-        ns.close()
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from services import unapplied_updates
 from streamtrain.accounting import audit
 from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec, LocalCluster
 from streamtrain.launcher import ServiceProcess, wait_until
-from streamtrain.netns import NetNamespace, NetnsUnavailable
+from streamtrain.netns import NetNamespace
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(300)]
 
@@ -43,18 +42,6 @@ _JOINED = re.compile(r"member (\S+) joined job")
 _REFUSED = re.compile(r"push at clock \d+ refused: generation (\d+) of member \S+ is stale")
 
 
-@pytest.fixture
-def netns() -> Iterator[NetNamespace]:
-    """A network namespace linked to this one, removed after the test."""
-    ns = NetNamespace()
-    try:
-        ns.create()
-    except NetnsUnavailable as exc:
-        pytest.skip(f"this machine cannot create a network namespace (needs root and iproute2): {exc}")
-    try:
-        yield ns
-    finally:
-        ns.close()
 
 
 def _log(proc: ServiceProcess) -> str:

@@ -18,14 +18,13 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
-from .process import LaunchError, ManagedProcess, ServerState, free_port, wait_until
+from .process import LaunchError, ManagedProcess, ServerFolder, ServerState, free_port, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +264,7 @@ class KafkaBroker(ManagedProcess):
         super().stop()
 
 
-class KafkaCluster:
+class KafkaCluster(ServerFolder):
     """``brokers`` KRaft nodes on loopback, each broker and controller, as one Kafka cluster.
 
     Every node has its own ``node.id`` (1..N), client and controller ports and folder
@@ -291,11 +290,8 @@ class KafkaCluster:
                 raise ValueError(f"{reserved} is chosen per node by KafkaCluster")
         self.cluster_id = random_cluster_id()
         self._options = node_options
-        self._tmp = None
-        if workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="streamtrain-kafka-")
-            workdir = Path(self._tmp.name)
         self.workdir = workdir
+        self._ensure_workdir("streamtrain-kafka-")
         self.nodes: list[KafkaBroker] = []
         try:
             self.nodes = [self._node(i + 1) for i in range(brokers)]
@@ -428,17 +424,9 @@ class KafkaCluster:
         """Remove the folder this object made (kept after :meth:`stop` for the logs)."""
         for node in self.nodes:
             node.cleanup()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        super().cleanup()
 
     def log_tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines of every node's log, each under its name."""
         return "\n".join(f"--- node {n.node_id} ---\n{n.log_tail(lines)}" for n in self.nodes)
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-        self.cleanup()

@@ -75,7 +75,44 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
-class ManagedProcess:
+class ServerFolder:
+    """What every launcher shares: its folder (``workdir`` when given, else a temporary one made on
+    first use and removed by :meth:`cleanup`), and use as a context manager (start on entry; stop
+    and clean up on exit). Subclasses provide ``start`` and ``stop``."""
+
+    workdir: Path | None = None
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def _ensure_workdir(self, prefix: str) -> Path:
+        """The folder, made (a temporary one named ``prefix...`` when none was given) if missing."""
+        if self.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
+            self.workdir = Path(self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        return self.workdir
+
+    def cleanup(self) -> None:
+        """Remove the temporary folder this object made (kept after a failed start for the logs)."""
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+        self.cleanup()
+
+
+class ManagedProcess(ServerFolder):
     """One server process: spawned, waited on until ready, stopped by its pid.
 
     Subclasses provide the command line (:meth:`_command`), optional preparation
@@ -92,7 +129,6 @@ class ManagedProcess:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self._own_workdir = workdir is None
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.workdir = workdir
         self.state = ServerState.NEW
         self._proc: subprocess.Popen[bytes] | None = None
@@ -161,10 +197,7 @@ class ManagedProcess:
             return self
         if self.state is not ServerState.NEW:
             raise LaunchError(f"{self.name} cannot be restarted once stopped; make a new one")
-        if self.workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix=f"streamtrain-{self.name}-")
-            self.workdir = Path(self._tmp.name)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._ensure_workdir(f"streamtrain-{self.name}-")
         self.state = ServerState.STARTING
         self._launched_at = time.monotonic()
         try:
@@ -273,24 +306,9 @@ class ManagedProcess:
         if self._log_fh is not None:
             self._log_fh.close()
             self._log_fh = None
-        if self._tmp is not None and self.state is not ServerState.STARTING:
-            self._tmp.cleanup()
-            self._tmp = None
+        if self.state is not ServerState.STARTING:
+            self.cleanup()
         self.state = ServerState.STOPPED
-
-    def cleanup(self) -> None:
-        """Remove the temporary folder (kept after a failed start for the log)."""
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
-        self.cleanup()
 
 
 def wait_until(predicate: Callable[[], T], timeout_s: float, *, interval_s: float = 0.05,

@@ -20,18 +20,16 @@ import os
 import secrets
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 from urllib.parse import quote
 
 from common.redis_client import CLUSTER_SCHEME
 from common.urls import redact_url
 
-from .process import LaunchError, ServerState, _die_with_parent, free_port, pid_alive
+from .process import LaunchError, ServerFolder, ServerState, _die_with_parent, free_port, pid_alive
 from .redis import CONFIG_NAME, RedisServer
 
 logger = logging.getLogger(__name__)
@@ -91,7 +89,7 @@ class ClusterNode(RedisServer):
         return {str(k): str(v) for k, v in raw.items()}
 
 
-class RedisCluster:
+class RedisCluster(ServerFolder):
     """A Redis Cluster of ``masters`` masters and ``replicas`` replicas of each, on loopback.
 
     Same lifecycle as the other launchers: :meth:`start` (blocks until the
@@ -137,7 +135,6 @@ class RedisCluster:
         self.appendonly = appendonly
         self.start_timeout_s = start_timeout_s
         self.workdir = workdir
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.password = secrets.token_urlsafe(24) if password is None else password
         """The password of every node (in each node's config file, never on a command line)."""
         self._node_kwargs: dict[str, object] = {"host": host, "password": self.password, "appendonly": appendonly,
@@ -187,10 +184,7 @@ class RedisCluster:
             return self
         if self.state is not ServerState.NEW:
             raise LaunchError(f"{self.name} cannot be restarted once stopped; make a new one")
-        if self.workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix=f"streamtrain-{self.name}-")
-            self.workdir = Path(self._tmp.name)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._ensure_workdir(f"streamtrain-{self.name}-")
         self.state = ServerState.STARTING
         t0 = time.monotonic()
         try:
@@ -266,21 +260,6 @@ class RedisCluster:
                 node.stop()
             except Exception:  # noqa: BLE001 - keep stopping the rest
                 logger.exception("could not stop %s %s", node.name, node.address)
-        if self._tmp is not None and self.state is not ServerState.STARTING:
-            self._tmp.cleanup()
-            self._tmp = None
+        if self.state is not ServerState.STARTING:
+            self.cleanup()
         self.state = ServerState.STOPPED
-
-    def cleanup(self) -> None:
-        """Remove the temporary folder (kept after a failed start for the logs)."""
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
-        self.cleanup()
