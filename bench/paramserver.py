@@ -55,6 +55,7 @@ from services import (  # noqa: E402
     OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, Update, connect, get_codec,
     push_update,
 )
+from services.protocol import group_of  # noqa: E402
 from common.keys import JobKeys  # noqa: E402
 from streamtrain.launcher import RedisServer  # noqa: E402
 
@@ -183,7 +184,7 @@ def push_pull(url: str, rounds: int) -> dict:
         client.delete(keys.update_log, keys.unapplied, *(k for b in blobs_of for k in client.keys(b)),
                       *client.keys("fresh:*"))
 
-    shard_keys = [keys.group(s.index % groups).shard(s.index) for s in layout.shards]  # one group: one MGET
+    shard_keys = [keys.group(group_of(s.index, groups)).shard(s.index) for s in layout.shards]  # one group: one MGET
     push_s, set_s = paired(push, raw_set, rounds, clear_log)
     _, fresh_s = paired(lambda: None, lambda: raw_set("fresh"), rounds, clear_log)
     params = {k: v.clone() for k, v in store.pull().tensors.items()}

@@ -71,6 +71,7 @@ from services import (  # noqa: E402
     OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, connect, read_job_clocks,
     unapplied_updates,
 )
+from services.protocol import own_shards  # noqa: E402
 from streamtrain.launcher import KafkaBroker, RedisCluster, ServiceProcess  # noqa: E402
 from trainers import build_model  # noqa: E402
 from trainers.settings import TrainerSettings  # noqa: E402
@@ -269,7 +270,7 @@ def throughput(cluster: RedisCluster, client: redis.cluster.RedisCluster, master
     meta = store.init_model(tensors, groups=groups, optimizer=OptimizerConfig(name=defaults.optimizer, lr=defaults.lr))
     membership(client, job)
     trainer = Trainer(client, job, tensors, max_pending=args.updates + 16)
-    group_params = [sum(s.numel for s in meta.layout.shards if s.index % groups == g) for g in range(groups)]
+    group_params = [sum(meta.layout.shards[i].numel for i in own_shards(meta.layout, groups, g)) for g in range(groups)]
     home = placement["job"]["node"]
     group_nodes = sorted({g["node"] for g in placement["groups"]})
     rounds = []

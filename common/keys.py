@@ -142,7 +142,8 @@ class JobKeys:
 
     @property
     def assignment(self) -> str:
-        """Hash: Kafka partition -> ``"<member id>|<generation>"`` that owns it.
+        """Hash: Kafka partition -> the fence token of the member that owns it
+        (:func:`common.fence.fence_token`: ``"<member id>|<generation>"``).
 
         The parameter plane's atomic push refuses offsets for a partition
         whose owner or generation differs from the pushing trainer's (fencing).
@@ -170,8 +171,8 @@ class JobKeys:
 class GroupKeys:
     """Key names of parameter-server shard group ``group`` of job ``job`` (hash tag ``{job:g<group>}``).
 
-    Group g owns shards ``i`` with ``i % groups == g``; its version, cursors and optimizer state are
-    its own. Shard ``i`` at group version V is :meth:`shard` plus its deltas in (base, V].
+    Group g owns shards ``i`` with ``i % groups == g`` (``services.protocol.group_of``); its version,
+    cursors and optimizer state are its own. Shard ``i`` at group version V is :meth:`shard` plus its deltas in (base, V].
     """
 
     job: str

@@ -4,7 +4,8 @@ Layout (all names from :class:`common.keys.JobKeys`):
 
 - ``generation``: integer, bumped on every membership change.
 - ``members``: hash member id -> JSON of :class:`~coordinator.membership.Member`.
-- ``assignment``: hash partition -> ``"<member id>|<generation>"``; on each bump
+- ``assignment``: hash partition -> the owner's fence token
+  (:func:`common.fence.fence_token`, ``"<member id>|<generation>"``); on each bump
   every entry is rewritten with the new generation in the same MULTI/EXEC as
   ``generation`` itself.
 - ``departed``: hash member id -> JSON :class:`~coordinator.membership.Departure`
@@ -23,8 +24,8 @@ strings; nothing is pickled.
 Fencing: :func:`check_fence` is the check the parameter plane performs inside
 its push Lua script (same logic, :data:`FENCE_LUA`): a write by ``member_id`` at
 ``generation`` for ``partitions`` is allowed only if ``GET generation`` equals
-``generation`` and ``HGET assignment p == "<member_id>|<generation>"`` for every
-partition.
+``generation`` and ``HGET assignment p`` is the member's fence token at that
+generation for every partition.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import redis as redis_sync
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
+from common.fence import fence_token, parse_fence_token
 from common.keys import JobKeys
 
 from .errors import ConflictError, FencedError, MemberGoneError, UnknownMemberError
@@ -140,11 +142,7 @@ def _s(value: bytes | str) -> str:
 
 def parse_assignment(raw: Mapping[bytes | str, bytes | str]) -> dict[int, tuple[str, int]]:
     """``JobKeys.assignment`` hash -> partition -> (member id, generation)."""
-    out = {}
-    for p, v in raw.items():
-        member, _, gen = _s(v).rpartition("|")
-        out[int(_s(p))] = (member, int(gen))
-    return out
+    return {int(_s(p)): parse_fence_token(v) for p, v in raw.items()}
 
 
 class Store:
@@ -318,7 +316,7 @@ class Store:
             pipe.set(k.generation, new.generation)
             pipe.delete(k.assignment)
             if new.assignment:
-                pipe.hset(k.assignment, mapping={str(p): f"{m}|{new.generation}"
+                pipe.hset(k.assignment, mapping={str(p): fence_token(m, new.generation)
                                                  for p, m in new.assignment.items()})
         gone = departures(list(actions))
         if gone:
@@ -326,13 +324,13 @@ class Store:
 
 
 FENCE_LUA = """
--- KEYS[1] = generation, KEYS[2] = assignment; ARGV[1] = member id, ARGV[2] = generation,
--- ARGV[3..] = partitions. Returns {1} if allowed, else {0, reason}.
+-- KEYS[1] = generation, KEYS[2] = assignment; ARGV[1] = the writer's fence token, ARGV[2] =
+-- generation, ARGV[3..] = partitions. Returns {1} if allowed, else {0, reason}.
 local gen = redis.call('GET', KEYS[1])
 if gen ~= ARGV[2] then
   return {0, 'stale generation ' .. ARGV[2] .. ' (current ' .. tostring(gen) .. ')'}
 end
-local want = ARGV[1] .. '|' .. ARGV[2]
+local want = ARGV[1]
 for i = 3, #ARGV do
   local owner = redis.call('HGET', KEYS[2], ARGV[i])
   if owner ~= want then
@@ -350,14 +348,14 @@ def check_fence(redis: redis_sync.Redis, job: str, member_id: str, generation: i
 
     Atomic (one Lua script), and the same check the parameter plane performs
     inside its push: ``GET generation == generation`` and, for each partition,
-    ``HGET assignment p == "<member_id>|<generation>"``.
+    ``HGET assignment p == fence_token(member_id, generation)``.
 
     Raises:
         FencedError: the generation is stale or a partition has another owner;
             the message names which.
     """
     keys = JobKeys(job)
-    result = redis.eval(FENCE_LUA, 2, keys.generation, keys.assignment, member_id,
+    result = redis.eval(FENCE_LUA, 2, keys.generation, keys.assignment, fence_token(member_id, int(generation)),
                         str(int(generation)), *(str(int(p)) for p in partitions))
     if int(result[0]) != 1:
         raise FencedError(f"member {member_id!r} is fenced: {_s(result[1])}")

@@ -3,7 +3,8 @@
 Trainers use :class:`ParameterStore` (``init_model``, ``pull``),
 :func:`wait_for_clock` and :class:`Pusher` (or :func:`push_update` with an
 :class:`Update`); ``streamtrain ps`` runs :class:`ParameterServer`. See
-``docs/parameter-plane.md`` for the Redis data model and the protocol.
+``docs/parameter-plane.md`` for the Redis data model and the protocol, and
+:mod:`services.protocol` and :mod:`services.scripts` for its wire contract.
 """
 
 from .checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
@@ -20,7 +21,8 @@ from .layout import Layout, ShardSpec, TensorSpec
 from .optim import OPTIMIZERS, OptimizerConfig
 from .server import ParameterServer, ServerSettings, ServerStatus
 from .store import ModelMeta, ParameterStore, Snapshot, connect
-from .updates import Update, committed_offsets, push_update, unapplied_updates, was_committed
+from .protocol import Update
+from .updates import committed_offsets, push_update, unapplied_updates, was_committed
 
 __all__ = [
     # store and snapshots

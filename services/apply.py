@@ -22,12 +22,15 @@ A server killed between the halves finds the plan in ``unaccounted`` when it
 restarts and runs the second half then (:func:`finish_accounting`); a plan
 that was already recorded is answered ``ALREADY``. Under Redis Cluster the
 halves run on different nodes; each is one slot. :mod:`services.server`
-decides what goes into them.
+decides what goes into them. The scripts' KEYS and ARGV are those of
+:class:`services.scripts.ApplyCall` and :class:`~services.scripts.AccountCall`;
+the plan of the second half is a :class:`services.protocol.AccountPlan`, and
+each ``applied_samples`` entry an :class:`~services.protocol.AccountingRecord`.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -38,10 +41,9 @@ import torch
 
 from common.keys import JobKeys
 
-from .scripts import execute_with_script
-from .updates import Update
 from .errors import ParameterPlaneError
-from .wire import pack, unpack
+from .protocol import AccountingRecord, AccountPlan, PlanUpdate, Status, Update
+from .scripts import AccountCall, ApplyCall, ShardPublish, execute_with_script
 
 __all__ = ["Outcome", "ShardWrite", "Persist", "Housekeeping", "WriteResult", "AccountingError", "write_batch",
            "finish_accounting"]
@@ -54,12 +56,12 @@ class AccountingError(ParameterPlaneError):
 
 @dataclass(frozen=True)
 class Outcome:
-    """The verdict on one update of a batch, as its ``applied_samples`` entry records it."""
+    """A group's verdict on one update of a batch."""
 
     update: Update
     """The update (its ``shards`` name the gradient blobs to delete; ``log_id`` is set)."""
-    status: str
-    """``applied`` or ``rejected``."""
+    status: Status
+    """Applied, or rejected."""
     reason: str = ""
     """Why it was rejected (empty when applied)."""
     grad_bytes: int = 0
@@ -67,18 +69,11 @@ class Outcome:
     applied_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     """When the server applied (or refused) it, ms since the epoch."""
 
-    def record(self) -> dict[str, str]:
-        """Field/value pairs of its ``applied_samples`` entry."""
-        u = self.update
-        rec = {"update": u.log_id, "member": u.member_id, "generation": str(u.generation),
-               "clock": str(u.clock), "status": self.status,
-               "samples": json.dumps([list(s) for s in u.samples]),
-               "offsets": json.dumps([[p, f, n] for p, (f, n) in sorted(u.offsets.items())]),
-               "batch_size": str(u.batch_size), "produced_ts_ms": str(u.produced_ts_ms),
-               "applied_ms": str(self.applied_ms), "grad_bytes": str(self.grad_bytes)}
-        if self.reason:
-            rec["reason"] = self.reason
-        return rec
+    def record(self) -> AccountingRecord:
+        """Its ``applied_samples`` entry, as this group sees it (the entry's status is
+        ``rejected`` when any group refused the update)."""
+        return AccountingRecord.of(self.update, Status(self.status), reason=self.reason,
+                                   grad_bytes=self.grad_bytes, applied_ms=self.applied_ms)
 
 
 @dataclass(frozen=True)
@@ -174,16 +169,14 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
     if not shards and not outcomes and persist is None:
         return _account(client, job, account, version=0)
     gkeys = JobKeys(job).group(group)
-    fixed = [gkeys.cursor, gkeys.versions, gkeys.version, gkeys.optimizer_steps, gkeys.bases,
-             gkeys.delta_floors, gkeys.persisted, gkeys.unaccounted]
     token = uuid.uuid4().hex
     staged: list[tuple[str, memoryview]] = []
-    renames: list[str] = []
+    renames: list[tuple[str, str]] = []
 
     def stage(dest: str, value: torch.Tensor) -> None:
         key = gkeys.staging(token, len(staged))
         staged.append((key, _view(value)))
-        renames.extend((key, dest))
+        renames.append((key, dest))
 
     for w in shards:
         if w.full is not None:
@@ -193,31 +186,18 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
     if persist is not None:
         for index, slot, value in persist.state:
             stage(gkeys.optimizer_state(index, slot), value)
-    streams = [gkeys.deltas(w.index) for w in shards]
-    first_stream = len(fixed) + len(renames) + 1  # 1-based KEYS index
-    args: list = []
-    plan_shards = []
-    for j, w in enumerate(shards):
-        if w.delta is not None:
-            args.append(w.delta)
-        plan_shards.append([w.index, w.version_read, len(args) + 2 if w.delta is not None else 0,
-                            int(w.full is not None), first_stream + j])
-    blob_keys = [k for _, keys in persist.covered for k in keys] if persist is not None else []
-    plan: dict = {"cursor": cursor, "last": last, "renames": len(renames) // 2, "shards": plan_shards,
-                  "persist": 0 if persist is None else {
-                      "steps": [x for kv in sorted(persist.steps.items()) for x in kv],
-                      "blobs": [first_stream + len(streams), len(blob_keys)]}}
-    all_keys = [*fixed, *renames, *streams, *blob_keys]
-    packed_account = pack(account)
-    argv = [pack(plan), packed_account, *args]
+    call = ApplyCall(gkeys, cursor=cursor, last=last, renames=renames,
+                     shards=[ShardPublish(w.index, w.version_read, w.delta, w.full is not None) for w in shards],
+                     accounting=account, steps=None if persist is None else persist.steps,
+                     blobs=[k for _, keys in persist.covered for k in keys] if persist is not None else [])
 
     def build(pipe: redis.client.Pipeline, sha: str) -> None:
         for key, value in staged:
             pipe.set(key, value)
         before_exec()
-        pipe.evalsha(sha, len(all_keys), *all_keys, *argv)
+        call.queue(pipe, sha)
 
-    res = execute_with_script(client, "apply", build)[-1]
+    res = execute_with_script(client, call.SCRIPT, build)[-1]
     tag = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
     if tag != "OK":
         return WriteResult(ok=False, conflict=" ".join(x.decode() if isinstance(x, bytes) else str(x)
@@ -226,42 +206,27 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
 
 
 def _account_plan(group: int, groups: int, cursor: str, last: str, outcomes: Sequence[Outcome],
-                  persist: Persist | None, housekeeping: Housekeeping | None) -> dict:
+                  persist: Persist | None, housekeeping: Housekeeping | None) -> AccountPlan:
     """The plan of the job's half (``lua/account.lua``)."""
-    updates = []
-    for o in outcomes:
-        record = o.record()
-        record.pop("status")
-        reason = record.pop("reason", "")
-        verdict = (reason or "refused") if o.status == "rejected" else ""
-        updates.append([o.update.log_id, o.update.member_id, o.update.clock, verdict,
-                        [x for kv in record.items() for x in kv]])
-    return {"group": group, "groups": groups, "from": cursor, "to": last, "updates": updates,
-            "persisted": last if persist is not None else "",
-            "housekeep": 0 if housekeeping is None else [housekeeping.horizon_ms, housekeeping.most]}
+    return AccountPlan(group=group, groups=groups, start=cursor, end=last,
+                       updates=tuple(PlanUpdate.of(o.record()) for o in outcomes),
+                       persisted=last if persist is not None else "",
+                       housekeep=None if housekeeping is None else (housekeeping.horizon_ms, housekeeping.most))
 
 
-def _account(client: redis.Redis, job: str, plan: dict, *, version: int) -> WriteResult:
+def _account(client: redis.Redis, job: str, plan: AccountPlan, *, version: int) -> WriteResult:
     """Run the job's half for ``plan``; ``version`` is what the group's half answered."""
-    keys = JobKeys(job)
-    all_keys = [keys.group_accounted, keys.applied_clocks, keys.applied_samples, keys.unapplied,
-                keys.members, keys.clocks, keys.staleness, keys.audit_floor, keys.update_log,
-                keys.group_persisted, *(keys.applied_by(u[0]) for u in plan["updates"])]
-    packed = pack(plan)
-
-    def build(pipe: redis.client.Pipeline, sha: str) -> None:
-        pipe.evalsha(sha, len(all_keys), *all_keys, packed)
-
-    res = execute_with_script(client, "account", build)[-1]
+    call = AccountCall(JobKeys(job), plan)
+    res = execute_with_script(client, call.SCRIPT, call.queue)[-1]
     tag = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
-    if tag == "ALREADY" or (tag == "PAST" and plan["updates"]):
+    if tag == "ALREADY" or (tag == "PAST" and plan.updates):
         return WriteResult(ok=True, version=version)
     if tag == "PAST":  # a plan without updates that another server of the group overtook: it reloads
         return WriteResult(ok=False, version=version, conflict=" ".join(
             x.decode() if isinstance(x, bytes) else str(x) for x in res))
     if tag != "OK":
         # the group's half is written: its plan stays in `unaccounted` for the next load to finish
-        raise AccountingError(f"job {job} group {plan['group']}: accounting of {plan['from']!r}..{plan['to']!r} "
+        raise AccountingError(f"job {job} group {plan.group}: accounting of {plan.start!r}..{plan.end!r} "
                               f"refused: {' '.join(x.decode() if isinstance(x, bytes) else str(x) for x in res)}")
     return WriteResult(ok=True, version=version, trimmed=int(res[2]), more=bool(int(res[3])),
                        forgotten=int(res[4]))
@@ -279,9 +244,8 @@ def finish_accounting(client: redis.Redis, job: str, group: int) -> bool:
     raw = client.get(JobKeys(job).group(group).unaccounted)
     if raw is None:
         return False
-    plan = unpack(raw, what=f"group {group} unaccounted plan")
-    plan["housekeep"] = 0
+    plan = dataclasses.replace(AccountPlan.unpack(raw, what=f"group {group} unaccounted plan"), housekeep=None)
     keys = JobKeys(job)
     before = (client.hget(keys.group_accounted, str(group)) or b"").decode()
     _account(client, job, plan, version=0)
-    return before == plan["from"] != plan["to"]  # recorded now (not before, nor overtaken)
+    return before == plan.start != plan.end  # recorded now (not before, nor overtaken)

@@ -87,12 +87,11 @@ import torch
 
 from common.keys import JobKeys
 
-from .errors import LayoutError, ParameterPlaneError
+from .errors import LayoutError, ParameterPlaneError, PayloadError
 from .export import version_name
 from .optim import slots
+from .protocol import AccountingRecord, AccountPlan, StreamId, Update, after, group_of, own_shards
 from .store import ModelMeta
-from .updates import Update, parse_entry
-from .wire import unpack
 
 logger = logging.getLogger(__name__)
 
@@ -118,22 +117,6 @@ class _Moved(Exception):
     """What a cut needs changed under it: read it again."""
 
 
-def _sid(entry_id: str) -> tuple[int, int]:
-    """A stream id as a comparable pair ('' sorts first)."""
-    if not entry_id:
-        return (-1, -1)
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq)
-
-
-def _after(entry_id: str) -> str:
-    """The XRANGE start just after ``entry_id`` ('-' for '': from the start)."""
-    if not entry_id:
-        return "-"
-    ms, seq = _sid(entry_id)
-    return f"{ms}-{seq + 1}"
-
-
 def _text(value: bytes | str | None) -> str:
     return "" if value is None else value.decode() if isinstance(value, bytes) else value
 
@@ -145,7 +128,7 @@ def _b2s(d: Mapping[bytes, bytes]) -> dict[str, str]:
 def _parse(entry_id: str, fields: Mapping[bytes, bytes]) -> Update | None:
     """A log entry's update (without gradients), or None for a malformed one (it names no blobs)."""
     try:
-        return parse_entry(entry_id, fields)
+        return Update.from_fields(entry_id, fields)
     except ParameterPlaneError:
         return None
 
@@ -172,15 +155,15 @@ class _GroupCut:
         """Update -> the group's verdict on it ('' applied), of the updates its plan covers."""
         if self.plan is None:
             return {}
-        return {u[0]: u[3] for u in unpack(self.plan, what="unaccounted plan")["updates"]}
+        return AccountPlan.unpack(self.plan, what="unaccounted plan").verdicts()
 
     def accounted(self, job_accounted: str) -> str:
         """``T_g``: the group's accounted cursor in the cut, given the job's (read later)."""
-        if _sid(job_accounted) >= _sid(self.cursor):
+        if StreamId.parse(job_accounted) >= StreamId.parse(self.cursor):
             return self.cursor
         if self.plan is not None:
-            plan = unpack(self.plan, what="unaccounted plan")
-            if plan["from"] == job_accounted and plan["to"] == self.cursor:
+            plan = AccountPlan.unpack(self.plan, what="unaccounted plan")
+            if plan.start == job_accounted and plan.end == self.cursor:
                 return job_accounted  # its plan is not recorded yet: the restored server records it
         raise CheckpointError(f"the job's slot accounts this group up to {job_accounted!r}, behind its cursor "
                               f"{self.cursor!r}, and its plan does not lead there: the slots were restored "
@@ -234,20 +217,25 @@ def _settle(groups: Sequence[_GroupCut], job: _JobCut) -> _JobState:
             cut.append(group.accounted(at_job[g]))
         except CheckpointError as exc:
             raise CheckpointError(f"group {g}: {exc}") from None
-    lowest = min(_sid(group.persisted) for group in groups)
-    trimmed_to = (min(_sid(p) for p in job.persisted.values()) if len(job.persisted) >= n else (-1, -1))
-    if trimmed_to > lowest and not (job.log and _sid(job.log[0][0]) <= lowest):
+    lowest = min(StreamId.parse(group.persisted) for group in groups)
+    trimmed_to = (min(StreamId.parse(p) for p in job.persisted.values()) if len(job.persisted) >= n
+                  else StreamId.parse(""))
+    if trimmed_to > lowest and not (job.log and StreamId.parse(job.log[0][0]) <= lowest):
         raise _Moved("the log was trimmed past a group's persisted cursor")
     samples = list(job.applied_samples)
-    sample_of = {fields.get("update", ""): k for k, (_, fields) in enumerate(samples)}
+    try:
+        records = [AccountingRecord.from_fields(fields) for _, fields in samples]
+    except PayloadError as exc:
+        raise CheckpointError(f"unreadable applied_samples entry: {exc}") from None
+    sample_of = {record.update_id: k for k, record in enumerate(records)}
     dropped: set[int] = set()
     clocks_back: dict[str, int] = {}
     applied_by: dict[str, dict[str, str]] = {}
     plans = [group.verdicts() for group in groups]
     for eid, fields in job.log:
-        u = _sid(eid)
-        in_cut = [g for g in range(n) if u <= _sid(cut[g])]
-        at_read = [g for g in range(n) if u <= _sid(at_job[g])]
+        u = StreamId.parse(eid)
+        in_cut = [g for g in range(n) if u <= StreamId.parse(cut[g])]
+        at_read = [g for g in range(n) if u <= StreamId.parse(at_job[g])]
         if in_cut == at_read:
             if in_cut and len(in_cut) < n:
                 if eid not in job.applied_by:
@@ -260,8 +248,7 @@ def _settle(groups: Sequence[_GroupCut], job: _JobCut) -> _JobState:
             if k is None:
                 raise _Moved(f"update {eid} to un-complete has no applied_samples entry left")
             dropped.add(k)
-            record = samples[k][1]
-            verdict = "" if record.get("status") == "applied" else record.get("reason", "refused")
+            verdict = records[k].verdict
             hash_ = {str(g): plans[g].get(eid, verdict) for g in in_cut}
             update = _parse(eid, fields)
             if update is not None:
@@ -291,15 +278,12 @@ def _settle(groups: Sequence[_GroupCut], job: _JobCut) -> _JobState:
                      applied_by=applied_by, uncompleted=len(dropped))
 
 
-def _own(meta: ModelMeta, group: int) -> list[int]:
-    return [s.index for s in meta.layout.shards if s.index % meta.groups == group]
-
-
 def _read_group(client: redis.Redis, job: str, meta: ModelMeta, group: int,
                 known: Mapping[str, Update | None]) -> _GroupCut:
     """Step 2: the group's slot in one MULTI/EXEC, with its blobs of the ``known`` updates."""
-    gk, own, k = JobKeys(job).group(group), _own(meta, group), slots(meta.optimizer)
-    wanted = [(u.token, i) for u in known.values() if u is not None for i in u.shards if i % meta.groups == group]
+    gk, own, k = JobKeys(job).group(group), own_shards(meta.layout, meta.groups, group), slots(meta.optimizer)
+    wanted = [(u.token, i) for u in known.values() if u is not None for i in u.shards
+              if group_of(i, meta.groups) == group]
     pipe = client.pipeline(transaction=True)
     for key in (gk.version, gk.cursor, gk.persisted, gk.unaccounted):
         pipe.get(key)
@@ -359,10 +343,10 @@ def _group_blobs(client: redis.Redis, job: str, meta: ModelMeta, group: int, cut
     late: list[tuple[str, int]] = []
     for eid, fields in log:
         update = _parse(eid, fields)
-        if update is None or _sid(eid) <= _sid(cut.persisted):
+        if update is None or StreamId.parse(eid) <= StreamId.parse(cut.persisted):
             continue
         for i in update.shards:
-            if i % meta.groups != group:
+            if group_of(i, meta.groups) != group:
                 continue
             if (update.token, i) in cut.blobs:
                 blob = cut.blobs[(update.token, i)]
@@ -387,8 +371,8 @@ def _read_cut(client: redis.Redis, job: str, raw_meta: bytes, meta: ModelMeta
     keys = JobKeys(job)
     known = {_text(eid): _parse(_text(eid), fields) for eid, fields in client.xrange(keys.update_log)}
     groups = [_read_group(client, job, meta, g, known) for g in range(meta.groups)]
-    last = max(known, key=_sid, default="")
-    named = [*known, *(_text(eid) for eid, _ in client.xrange(keys.update_log, min=_after(last)))]
+    last = max(known, key=StreamId.parse, default="")
+    named = [*known, *(_text(eid) for eid, _ in client.xrange(keys.update_log, min=after(last)))]
     cut = _read_job(client, job, named)
     if cut.meta != raw_meta:
         raise CheckpointError(f"job {job}: the model's meta changed while checkpointing (removed or "
@@ -487,7 +471,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 def _restore_group(client: redis.Redis, job: str, meta: ModelMeta, group: int, saved: Mapping[str, Any]) -> None:
     """One MULTI/EXEC writing the group's slot (replacing what a failed restore may have left)."""
-    gk, own, k = JobKeys(job).group(group), _own(meta, group), slots(meta.optimizer)
+    gk, own, k = JobKeys(job).group(group), own_shards(meta.layout, meta.groups, group), slots(meta.optimizer)
     pipe = client.pipeline(transaction=True)
     pipe.delete(gk.version, gk.cursor, gk.persisted, gk.unaccounted, *(getattr(gk, h) for h in _GROUP_HASHES),
                 *(gk.shard(i) for i in own), *(gk.deltas(i) for i in own),

@@ -31,8 +31,9 @@ import torch
 
 from .codecs import Sent, get_codec
 from .errors import BadGradientError
+from .protocol import Update
 from .store import ParameterStore
-from .updates import DEFAULT_MAX_PENDING, Update, push_update
+from .updates import DEFAULT_MAX_PENDING, push_update
 
 logger = logging.getLogger(__name__)
 

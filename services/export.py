@@ -58,6 +58,7 @@ from common.keys import JobKeys
 
 from .deltas import apply_deltas
 from .errors import LayoutError, ParameterPlaneError
+from .protocol import own_shards
 from .store import ModelMeta
 
 logger = logging.getLogger(__name__)
@@ -289,14 +290,10 @@ def snapshot(client: redis.Redis, job: str, version: str | Sequence[int] | None 
     return target, tensors
 
 
-def _own(meta: ModelMeta, group: int) -> list[int]:
-    return [s.index for s in meta.layout.shards if s.index % meta.groups == group]
-
-
 def _read(client: redis.Redis, job: str, meta: ModelMeta, group: int, upto: int | None) -> _GroupRead:
     """Group ``group``'s version, bases, shards and deltas (those up to version ``upto`` when
     given: later ones are not needed), in one MULTI/EXEC of its slot."""
-    gk, own = JobKeys(job).group(group), _own(meta, group)
+    gk, own = JobKeys(job).group(group), own_shards(meta.layout, meta.groups, group)
     pipe = client.pipeline(transaction=True)
     pipe.get(gk.version)
     pipe.hgetall(gk.bases)
@@ -311,7 +308,7 @@ def _read(client: redis.Redis, job: str, meta: ModelMeta, group: int, upto: int 
 def _rebuild(job: str, meta: ModelMeta, group: int, read: _GroupRead, version: int,
              tensors: dict[str, torch.Tensor]) -> None:
     """Write group ``group``'s shards at ``version`` into ``tensors``."""
-    for j, i in enumerate(_own(meta, group)):
+    for j, i in enumerate(own_shards(meta.layout, meta.groups, group)):
         s = meta.layout.shards[i]
         blob = read.blobs[j]
         if i not in read.bases:

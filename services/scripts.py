@@ -1,4 +1,14 @@
-"""The Lua scripts of the parameter plane, registered once per client.
+"""The Lua scripts of the parameter plane: one class per script that renders its KEYS and ARGV by
+name, and their registration on a client.
+
+Each script in ``services/lua`` declares, in its header, every position it reads, one a line
+(``-- KEYS[1] cursor``, ``-- KEYS[9..] renames`` for a variable-length tail), and names them
+once in locals (``local K_CURSOR = 1``, ``local A_PLAN = 1``; ``S_``/``U_`` for the fields of the
+plan entries it reads by position). Its :class:`ScriptCall` lists the same names (``KEYS``,
+``ARGV``, ``KEYS_TAIL``, ``ARGV_TAIL``, ``ENTRIES``) and renders the arguments from them, so a
+call never counts positions: :class:`PushCall` (``push.lua``), :class:`ApplyCall` (``apply.lua``)
+and :class:`AccountCall` (``account.lua``). ``tests/test_protocol.py`` reads each header and its
+locals and fails when they and the class disagree on any position.
 
 On a Redis Cluster client (``common.redis_client``) SCRIPT LOAD goes to every master and an
 EVALSHA to the master of its keys' slot (a job's keys share one), so a script is loaded up front
@@ -8,13 +18,22 @@ which reloads it everywhere and retries.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from typing import Any, ClassVar, NamedTuple
 
 import redis
 
-__all__ = ["script", "execute_with_script"]
+from common.fence import fence_token
+from common.keys import GroupKeys, JobKeys
+
+from .protocol import AccountPlan, PlanUpdate, Update
+from .wire import pack
+
+__all__ = ["ScriptCall", "PushCall", "ApplyCall", "ShardPublish", "ShardPlan", "AccountCall", "CALLS", "script",
+           "execute_with_script"]
 
 
 @cache
@@ -56,3 +75,240 @@ def execute_with_script(client: redis.Redis, name: str,
                 raise
             client.script_load(_source(name))
     raise AssertionError("unreachable")
+
+
+# -- the calls -------------------------------------------------------------------------------------
+
+class ScriptCall:
+    """One call of a script of ``services/lua``, rendering its KEYS and ARGV by name.
+
+    A subclass names the script and the positions it reads, in the order of the script's header;
+    it supplies the values by name (:meth:`named_keys`, :meth:`named_argv`) and the
+    variable-length tails in order (:meth:`key_tail`, :meth:`argv_tail`).
+    """
+
+    SCRIPT: ClassVar[str]
+    """``services/lua/<SCRIPT>.lua``."""
+    KEYS: ClassVar[tuple[str, ...]]
+    """Names of KEYS[1], KEYS[2], ... (the keys' attribute names in :mod:`common.keys`)."""
+    KEYS_TAIL: ClassVar[str | None] = None
+    """Name of the variable-length rest of KEYS, after the named ones (None: there is none)."""
+    ARGV: ClassVar[tuple[str, ...]] = ()
+    """Names of ARGV[1], ARGV[2], ..."""
+    ARGV_TAIL: ClassVar[str | None] = None
+    """Name of the variable-length rest of ARGV (None: there is none)."""
+    ENTRIES: ClassVar[Mapping[str, type[tuple]]] = {}
+    """Prefix of the script's locals -> the NamedTuple whose fields it reads by position (1-based)
+    from the entries of its plan."""
+
+    def named_keys(self) -> Mapping[str, str]:
+        """Name -> key of each of :attr:`KEYS`."""
+        raise NotImplementedError
+
+    def key_tail(self) -> Sequence[str]:
+        """The keys after the named ones."""
+        return ()
+
+    def named_argv(self) -> Mapping[str, Any]:
+        """Name -> value of each of :attr:`ARGV`."""
+        raise NotImplementedError
+
+    def argv_tail(self) -> Sequence[Any]:
+        """The arguments after the named ones."""
+        return ()
+
+    @classmethod
+    def key_index(cls, name: str) -> int:
+        """The 1-based KEYS index of ``name`` (for the tail: of its first key), as a plan names it."""
+        return _index(cls.KEYS, cls.KEYS_TAIL, name, f"{cls.SCRIPT}.lua KEYS")
+
+    @classmethod
+    def arg_index(cls, name: str) -> int:
+        """The 1-based ARGV index of ``name`` (for the tail: of its first argument)."""
+        return _index(cls.ARGV, cls.ARGV_TAIL, name, f"{cls.SCRIPT}.lua ARGV")
+
+    def keys(self) -> list[str]:
+        """KEYS, in the script's order."""
+        return _render(self.KEYS, self.named_keys(), self.KEYS_TAIL, self.key_tail(), f"{self.SCRIPT}.lua KEYS")
+
+    def argv(self) -> list[Any]:
+        """ARGV, in the script's order."""
+        return _render(self.ARGV, self.named_argv(), self.ARGV_TAIL, self.argv_tail(), f"{self.SCRIPT}.lua ARGV")
+
+    def queue(self, pipe: redis.client.Pipeline, sha: str) -> None:
+        """Queue the EVALSHA of this call (``sha``: the script's) on ``pipe``."""
+        keys = self.keys()
+        pipe.evalsha(sha, len(keys), *keys, *self.argv())
+
+
+def _index(names: tuple[str, ...], tail: str | None, name: str, what: str) -> int:
+    if name in names:
+        return names.index(name) + 1
+    if name == tail:
+        return len(names) + 1
+    raise KeyError(f"{what} has no {name!r}")
+
+
+def _render(names: tuple[str, ...], values: Mapping[str, Any], tail: str | None, rest: Sequence[Any],
+            what: str) -> list[Any]:
+    if set(values) != set(names):
+        raise TypeError(f"{what}: got {sorted(values)}, the script reads {list(names)}")
+    if rest and tail is None:
+        raise TypeError(f"{what}: {len(rest)} value(s) after the named ones, but the script has no tail")
+    return [*(values[n] for n in names), *rest]
+
+
+def _named(space: JobKeys | GroupKeys, names: tuple[str, ...]) -> dict[str, str]:
+    """Name -> key, for keys named by their attribute in :mod:`common.keys`."""
+    return {n: getattr(space, n) for n in names}
+
+
+@dataclass(frozen=True)
+class PushCall(ScriptCall):
+    """``push.lua``: append ``update`` to the log and commit its offsets, fenced (the job's slot)."""
+
+    SCRIPT: ClassVar[str] = "push"
+    KEYS: ClassVar[tuple[str, ...]] = ("generation", "assignment", "offsets", "update_log", "clocks", "unapplied")
+    ARGV: ClassVar[tuple[str, ...]] = ("member_id", "generation", "fence", "clock", "max_pending", "range_count")
+    ARGV_TAIL: ClassVar[str | None] = "ranges"
+
+    job: JobKeys
+    """The job's keys."""
+    update: Update
+    """The update (its token and wire bytes set: its header is the log entry)."""
+    max_pending: int
+    """Unapplied updates the log may hold before the push is refused (BACKPRESSURE)."""
+
+    def named_keys(self) -> dict[str, str]:
+        return _named(self.job, self.KEYS)
+
+    def named_argv(self) -> dict[str, Any]:
+        u = self.update
+        return {"member_id": u.member_id, "generation": u.generation,
+                "fence": fence_token(u.member_id, u.generation), "clock": u.clock,
+                "max_pending": self.max_pending, "range_count": len(u.offsets)}
+
+    def argv_tail(self) -> list[Any]:
+        """Partition, first, next of each offset range, then the log entry's field/value pairs."""
+        return [*(x for r in self.update.ranges() for x in r),
+                *(x for kv in self.update.to_fields().items() for x in kv)]
+
+
+class ShardPublish(NamedTuple):
+    """What an apply publishes for one shard it changed (an input of :class:`ApplyCall`)."""
+
+    index: int
+    """Shard index."""
+    version_read: int
+    """Its version when the server loaded it (compare-and-set)."""
+    delta: bytes | None
+    """Its delta at the new version, or None (the whole shard changed)."""
+    compacted: bool
+    """Its full bytes are among the renames (it becomes the shard's base)."""
+
+
+class ShardPlan(NamedTuple):
+    """One entry of ``plan.shards`` of ``apply.lua``, which reads it by position (``S_`` locals)."""
+
+    index: int
+    """Shard index."""
+    version_read: int
+    """Its version when the server loaded it."""
+    delta: int
+    """ARGV index of its delta (0: none)."""
+    full: int
+    """1 when its full bytes are written (compaction), else 0."""
+    stream: int
+    """KEYS index of its delta stream."""
+
+
+@dataclass(frozen=True)
+class ApplyCall(ScriptCall):
+    """``apply.lua``: the group's half of an apply (compare-and-set on the cursor and the shard
+    versions; the group's slot)."""
+
+    SCRIPT: ClassVar[str] = "apply"
+    KEYS: ClassVar[tuple[str, ...]] = ("cursor", "versions", "version", "optimizer_steps", "bases", "delta_floors",
+                                       "persisted", "unaccounted")
+    KEYS_TAIL: ClassVar[str | None] = "renames"
+    ARGV: ClassVar[tuple[str, ...]] = ("plan", "accounting")
+    ARGV_TAIL: ClassVar[str | None] = "deltas"
+    ENTRIES: ClassVar[Mapping[str, type[tuple]]] = {"S": ShardPlan}
+
+    group: GroupKeys
+    """The group's keys."""
+    cursor: str
+    """The cursor the server read (``''`` when none)."""
+    last: str
+    """The cursor after the batch (``cursor`` when it has no update)."""
+    renames: Sequence[tuple[str, str]]
+    """(staging key, destination) of each full value staged in the same transaction."""
+    shards: Sequence[ShardPublish]
+    """What it publishes for each shard it changed."""
+    accounting: AccountPlan | None
+    """The job's half, kept in ``unaccounted`` (None: none)."""
+    steps: Mapping[int, int] | None = None
+    """Shard -> optimizer steps when the group persists its optimizer state (staged among the
+    renames) as of ``last``; None when it does not."""
+    blobs: Sequence[str] = ()
+    """Gradient blob keys to delete (those of the updates the persisted state now includes)."""
+
+    def named_keys(self) -> dict[str, str]:
+        return _named(self.group, self.KEYS)
+
+    def key_tail(self) -> list[str]:
+        """The renames' pairs, the changed shards' delta streams, the blobs."""
+        return [*(k for pair in self.renames for k in pair), *(self.group.deltas(s.index) for s in self.shards),
+                *self.blobs]
+
+    def _plan(self) -> dict[str, Any]:
+        first_stream = self.key_index(self.KEYS_TAIL) + 2 * len(self.renames)
+        first_delta = self.arg_index(self.ARGV_TAIL)
+        shards, deltas = [], 0
+        for j, s in enumerate(self.shards):
+            at = 0
+            if s.delta is not None:
+                at, deltas = first_delta + deltas, deltas + 1
+            shards.append(list(ShardPlan(s.index, s.version_read, at, int(s.compacted), first_stream + j)))
+        return {"cursor": self.cursor, "last": self.last, "renames": len(self.renames), "shards": shards,
+                "persist": 0 if self.steps is None else {
+                    "steps": [x for kv in sorted(self.steps.items()) for x in kv],
+                    "blobs": [first_stream + len(self.shards), len(self.blobs)]}}
+
+    def named_argv(self) -> dict[str, Any]:
+        return {"plan": pack(self._plan()), "accounting": "" if self.accounting is None else self.accounting.pack()}
+
+    def argv_tail(self) -> list[bytes]:
+        """The deltas, in the order of :attr:`shards`."""
+        return [s.delta for s in self.shards if s.delta is not None]
+
+
+@dataclass(frozen=True)
+class AccountCall(ScriptCall):
+    """``account.lua``: the job's half of an apply (idempotent; the job's slot)."""
+
+    SCRIPT: ClassVar[str] = "account"
+    KEYS: ClassVar[tuple[str, ...]] = ("group_accounted", "applied_clocks", "applied_samples", "unapplied", "members",
+                                       "clocks", "staleness", "audit_floor", "update_log", "group_persisted")
+    KEYS_TAIL: ClassVar[str | None] = "applied_by"
+    ARGV: ClassVar[tuple[str, ...]] = ("plan",)
+    ENTRIES: ClassVar[Mapping[str, type[tuple]]] = {"U": PlanUpdate}
+
+    job: JobKeys
+    """The job's keys."""
+    plan: AccountPlan
+    """What to record."""
+
+    def named_keys(self) -> dict[str, str]:
+        return _named(self.job, self.KEYS)
+
+    def key_tail(self) -> list[str]:
+        """The ``applied_by`` hash of each update of the plan, in order."""
+        return [self.job.applied_by(u.update_id) for u in self.plan.updates]
+
+    def named_argv(self) -> dict[str, Any]:
+        return {"plan": self.plan.pack()}
+
+
+CALLS: tuple[type[ScriptCall], ...] = (PushCall, ApplyCall, AccountCall)
+"""The call class of every script in ``services/lua``."""

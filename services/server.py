@@ -1,7 +1,7 @@
 """The parameter-server service (``streamtrain ps``): applies the update log exactly once.
 
 Several servers may split the shards: server ``group`` of ``groups`` owns the
-shards ``i`` with ``i % groups == group``. Each group keeps its data in its own
+shards ``i`` with ``i % groups == group`` (:func:`services.protocol.group_of`). Each group keeps its data in its own
 Redis hash slot (:class:`common.keys.GroupKeys`: under Redis Cluster, its own
 node): its shards (full bytes plus versioned deltas), its version, its cursor
 (the last update it applied), its optimizer state as of its last persist, and
@@ -78,8 +78,9 @@ from .deltas import apply_deltas, encode_delta
 from .errors import LayoutError, ParameterPlaneError
 from .metrics import ServerMetrics
 from .optim import clip_factor, slots, step
+from .protocol import Status, StreamId, Update, after, group_of, own_shards
 from .store import ModelMeta, ParameterStore, connect
-from .updates import Update, blob_keys, load_gradients, parse_entry, validate_gradients
+from .updates import blob_keys, load_gradients, validate_gradients
 from .wire import DEFAULT_MAX_BYTES
 
 logger = logging.getLogger(__name__)
@@ -214,22 +215,6 @@ def _tensor(blob: bytes | None, numel: int, what: str) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(blob, dtype=np.float32).copy())
 
 
-def _after(entry_id: str) -> str:
-    """The XRANGE start just after stream id ``entry_id`` ('-' when it is empty: from the start)."""
-    if not entry_id:
-        return "-"
-    ms, _, seq = entry_id.partition("-")
-    return f"{ms}-{int(seq) + 1}"
-
-
-def _id(entry_id: str) -> tuple[int, int]:
-    """A stream id as a comparable pair ('' sorts first)."""
-    if not entry_id:
-        return (-1, -1)
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq)
-
-
 class ParameterServer:
     """Applies a job's update log to the shards of one group. Use ``with`` or start()/close().
 
@@ -357,7 +342,7 @@ class ParameterServer:
     def own_shards(self) -> list[int]:
         """Indices of the shards this server's group owns."""
         meta = self._meta or self.store.meta()
-        return [s.index for s in meta.layout.shards if s.index % self.settings.groups == self.settings.group]
+        return own_shards(meta.layout, self.settings.groups, self.settings.group)
 
     def load(self) -> None:
         """(Re)load the group's shards, cursors and persisted optimizer state from Redis (one
@@ -398,7 +383,7 @@ class ParameterServer:
         cursor, persisted, version, versions, bases, steps, blobs, opt_blobs, *streams = pipe.execute()
         # the log (the job's slot) keeps every update after the lowest persisted cursor of all groups,
         # so every update after this group's persisted cursor is still there
-        log = self.client.xrange(self.keys.update_log, _after(persisted.decode() if persisted else ""))
+        log = self.client.xrange(self.keys.update_log, after(persisted or ""))
         st = _GroupState(cursor=(cursor or b"").decode(), persisted=(persisted or b"").decode(),
                          version=int(version or 0))
         layout = meta.layout
@@ -412,8 +397,8 @@ class ParameterServer:
                    for b in opt_blobs[j * k:(j + 1) * k]]
             st.shards[i] = _Shard(params, opt, int(steps.get(str(i).encode(), 0)),
                                   int(versions.get(str(i).encode(), 0)), base, delta_bytes)
-        done, persisted_at = _id(st.cursor), _id(st.persisted)
-        replay = [(eid.decode(), fields) for eid, fields in log if persisted_at < _id(eid.decode()) <= done]
+        done, persisted_at = StreamId.parse(st.cursor), StreamId.parse(st.persisted)
+        replay = [(eid.decode(), fields) for eid, fields in log if persisted_at < StreamId.parse(eid) <= done]
         self._replay(st, replay)
         return st
 
@@ -527,7 +512,7 @@ class ParameterServer:
         self.metrics.observe_write(outcomes, time.monotonic() - started, published=bool(writes))
         logger.debug("ps job=%s group=%d: %d update(s) %s..%s (%d rejected) -> version %d", self.settings.job,
                      self.settings.group, n, outcomes[0].update.log_id, st.cursor,
-                     sum(o.status == "rejected" for o in outcomes), result.version)
+                     sum(o.status is Status.REJECTED for o in outcomes), result.version)
         self._maybe_checkpoint(result.version)
         return n
 
@@ -562,7 +547,7 @@ class ParameterServer:
         logged = set()
         for eid, fields in self.client.xrange(self.keys.update_log):
             try:
-                logged.add(parse_entry(eid, fields).token)
+                logged.add(Update.from_fields(eid, fields).token)
             except ParameterPlaneError:
                 continue
         now = time.monotonic()
@@ -652,7 +637,7 @@ class ParameterServer:
         for entry_id, fields in entries:
             eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             try:
-                parsed.append((eid, parse_entry(eid, fields), None))
+                parsed.append((eid, Update.from_fields(eid, fields), None))
             except ParameterPlaneError as exc:
                 parsed.append((eid, None, exc))
         loaded = iter(load_gradients(self.client, self.settings.job, [u for _, u, _ in parsed if u is not None],
@@ -677,7 +662,7 @@ class ParameterServer:
         except ParameterPlaneError as exc:
             return (dataclasses.replace(self._reject(eid, exc, update), grad_bytes=update.wire_bytes),
                     nbytes, None)
-        return (Outcome(dataclasses.replace(update, gradients={}), "applied", grad_bytes=update.wire_bytes),
+        return (Outcome(dataclasses.replace(update, gradients={}), Status.APPLIED, grad_bytes=update.wire_bytes),
                 nbytes, decoded)
 
     def _steps(self, st: _GroupState, updates: Sequence[Mapping[int, Sent]],
@@ -689,7 +674,7 @@ class ParameterServer:
         (None: all of them)."""
         cfg = self._meta.optimizer
         g, groups = self.settings.group, self.settings.groups
-        mine = [{i: d for i, d in decoded.items() if i % groups == g} for decoded in updates]
+        mine = [{i: d for i, d in decoded.items() if group_of(i, groups) == g} for decoded in updates]
         factors = [clip_factor(cfg, list(m.values())) for m in mine]
         changed: dict[int, list[np.ndarray | None]] = {}
         for i in sorted({i for m in mine for i in m}):
@@ -712,7 +697,7 @@ class ParameterServer:
         self.rejected += 1
         if update is None:  # not even its header parsed
             update = Update(member_id="?", generation=0, clock=1, gradients={}, log_id=eid)
-        return Outcome(dataclasses.replace(update, gradients={}), "rejected", reason=str(exc))
+        return Outcome(dataclasses.replace(update, gradients={}), Status.REJECTED, reason=str(exc))
 
     def _blob_keys(self, update: Update | None) -> list[str]:
         """This group's gradient blob keys of ``update`` (none when its header did not parse)."""

@@ -51,6 +51,7 @@ from .deltas import apply_deltas
 from .errors import LayoutError
 from .layout import DEFAULT_SHARD_ELEMS, Layout, ShardSpec, make_layout
 from .optim import OptimizerConfig, slots
+from .protocol import own_shards
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParameterStore", "Snapshot", "ModelMeta", "connect"]
@@ -93,7 +94,8 @@ class ModelMeta:
     optimizer: OptimizerConfig
     """Server-side optimizer."""
     groups: int
-    """Number of parameter-server shard groups (shard i belongs to group i % groups)."""
+    """Number of parameter-server shard groups (shard i belongs to group
+    ``services.protocol.group_of(i, groups)``)."""
 
     def to_json(self) -> str:
         """Stored form."""
@@ -204,7 +206,7 @@ class ParameterStore:
         """Group ``group``'s shards at version 0 and nothing else (a writer that died before writing
         ``meta`` may have left a partial group: it is replaced), in one MULTI/EXEC."""
         gk = self.keys.group(group)
-        own = [s.index for s in meta.layout.shards if s.index % meta.groups == group]
+        own = own_shards(meta.layout, meta.groups, group)
         stale = [gk.version, gk.versions, gk.bases, gk.delta_floors, gk.cursor, gk.persisted, gk.unaccounted,
                  gk.optimizer_steps, *(gk.deltas(i) for i in own),
                  *(gk.optimizer_state(i, k) for i in own for k in range(slots(meta.optimizer)))]
@@ -275,20 +277,16 @@ class ParameterStore:
                 return snap
         return self._pull_full(out)
 
-    def _own(self, group: int) -> list[int]:
-        """Indices of group ``group``'s shards."""
-        meta = self.meta()
-        return [s.index for s in meta.layout.shards if s.index % meta.groups == group]
-
     def _pull_full(self, out: Mapping[str, torch.Tensor] | None) -> Snapshot:
         """Every shard: full bytes plus the deltas after its base, one MULTI/EXEC per group."""
-        shards = self.layout.shards
+        meta = self.meta()
+        shards = meta.layout.shards
         tensors, flats = self._targets(None, out, [s.index for s in shards])
         versions = [0] * len(shards)
         group_versions = []
         moved = 0
-        for g in range(self.meta().groups):
-            gk, own = self.keys.group(g), self._own(g)
+        for g in range(meta.groups):
+            gk, own = self.keys.group(g), own_shards(meta.layout, meta.groups, g)
             pipe = self.client.pipeline(transaction=True)
             pipe.get(gk.version)
             pipe.hgetall(gk.versions)
@@ -311,12 +309,13 @@ class ParameterStore:
         """Per group: the deltas after ``since``'s version of it (one MULTI/EXEC), and the full bytes
         of shards whose deltas were compacted away (a second one); None when a compaction in between
         forces a retry."""
-        shards = self.layout.shards
+        meta = self.meta()
+        shards = meta.layout.shards
         versions = list(since.versions)
         group_versions = list(since.group_versions)
         reads: list[tuple[int, list[int], dict[int, list], dict[int, tuple[bytes | None, int, list]]]] = []
-        for g in range(self.meta().groups):
-            gk, own, held = self.keys.group(g), self._own(g), since.group_versions[g]
+        for g in range(meta.groups):
+            gk, own, held = self.keys.group(g), own_shards(meta.layout, meta.groups, g), since.group_versions[g]
             pipe = self.client.pipeline(transaction=True)
             pipe.get(gk.version)
             pipe.hgetall(gk.versions)

@@ -14,7 +14,9 @@ the slot of the group that owns the shard (one MULTI per group), so under
 Redis Cluster the bytes go to the node that applies them. A refused push
 deletes them again; a pusher that dies between the blobs and the script leaves
 them to the group's sweeper (``ParameterServer.sweep``). A log entry holds only
-a msgpack header (field ``h``) naming the token and the shards.
+a msgpack header naming the token and the shards
+(:meth:`services.protocol.Update.to_fields`; :meth:`~services.protocol.Update.from_fields`
+reads one back), and the script's KEYS and ARGV are :class:`services.scripts.PushCall`'s.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import redis
 
@@ -38,83 +39,17 @@ from .errors import (
     PayloadError,
 )
 from .layout import Layout
-from .scripts import execute_with_script
-from .wire import DEFAULT_MAX_BYTES, pack, unpack
+from .protocol import Update, group_of
+from .scripts import PushCall, execute_with_script
+from .wire import DEFAULT_MAX_BYTES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Update", "push_update", "was_committed", "committed_offsets", "unapplied_updates", "parse_entry", "load_gradients",
-           "blob_keys", "validate_gradients", "DEFAULT_MAX_PENDING"]
+__all__ = ["push_update", "was_committed", "committed_offsets", "unapplied_updates", "load_gradients", "blob_keys",
+           "validate_gradients", "DEFAULT_MAX_PENDING"]
 
 DEFAULT_MAX_PENDING = 64
 """Unapplied updates the log may hold before pushes are refused with BackpressureError."""
-
-_HEADER_LIMIT = 16 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Update:
-    """One trainer step as pushed to the parameter plane."""
-
-    member_id: str
-    """The pushing trainer (never reused)."""
-    generation: int
-    """Membership generation the trainer holds (fencing token)."""
-    clock: int
-    """Per-member step counter, +1 per push, starting at 1."""
-    gradients: Mapping[int, bytes]
-    """Shard index -> encoded gradient bytes (msgpack). Empty for an offsets-only update."""
-    codec: str = "none"
-    """Codec chain that produced the gradients (informational; each blob names its codecs)."""
-    offsets: Mapping[int, tuple[int, int]] = field(default_factory=dict)
-    """Kafka partition -> (first offset, next offset) consumed into the batch."""
-    samples: Sequence[tuple[str, int, int]] = ()
-    """(producer id, first sequence number, count) of the rows in the batch."""
-    batch_size: int = 0
-    """Rows in the batch."""
-    produced_ts_ms: int = 0
-    """Oldest produce timestamp in the batch (ms since the epoch)."""
-    log_id: str = ""
-    """Update-log entry id (set when read back from the log)."""
-    token: str = ""
-    """Names the gradient blob keys (set by the push)."""
-    shards: tuple[int, ...] = ()
-    """Shards with a gradient (set when read back from the log, before the blobs are loaded)."""
-    wire_bytes: int = 0
-    """Encoded gradient bytes of all its shards (set by the push)."""
-
-    def validate_header(self) -> None:
-        """Check the fields' types and ranges.
-
-        Raises:
-            PayloadError: naming the bad field.
-        """
-        if not isinstance(self.member_id, str) or not self.member_id or "|" in self.member_id:
-            raise PayloadError(f"update: member_id must be a non-empty string without '|', got {self.member_id!r}")
-        for name in ("generation", "batch_size", "produced_ts_ms"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise PayloadError(f"update: {name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.clock, int) or isinstance(self.clock, bool) or self.clock < 1:
-            raise PayloadError(f"update: clock must be an int >= 1, got {self.clock!r}")
-        for p, rng in self.offsets.items():
-            if (not isinstance(p, int) or p < 0 or not isinstance(rng, (tuple, list)) or len(rng) != 2
-                    or not all(isinstance(o, int) and o >= 0 for o in rng) or rng[0] > rng[1]):
-                raise PayloadError(f"update: offsets[{p!r}] must be (first, next) with 0 <= first <= next, got {rng!r}")
-        for s in self.samples:
-            if (not isinstance(s, (tuple, list)) or len(s) != 3 or not isinstance(s[0], str)
-                    or not all(isinstance(v, int) and v >= 0 for v in s[1:])):
-                raise PayloadError(f"update: samples entries must be (producer_id, first_seq, count), got {s!r}")
-        for i, blob in self.gradients.items():
-            if not isinstance(i, int) or not isinstance(blob, (bytes, bytearray, memoryview)):
-                raise PayloadError(f"update: gradients must map shard index -> bytes, got {i!r}: {type(blob).__name__}")
-
-    def header(self) -> dict:
-        """The msgpack-ready header of the log entry."""
-        return {"m": self.member_id, "g": self.generation, "c": self.clock, "codec": self.codec,
-                "off": [[p, f, n] for p, (f, n) in sorted(self.offsets.items())],
-                "s": [list(s) for s in self.samples], "b": self.batch_size, "ts": self.produced_ts_ms,
-                "shards": sorted(self.gradients), "t": self.token, "wb": self.wire_bytes}
 
 
 def validate_gradients(update: Update, layout: Layout, *,
@@ -179,11 +114,7 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
         groups = _stored_groups(client, job)
     update = dataclasses.replace(update, token=uuid.uuid4().hex, wire_bytes=total)
     blobs = _blob_keys(keys, update.token, sorted(update.gradients), groups)
-    args: list = [update.member_id, update.generation, update.clock, max_pending, len(update.offsets)]
-    for p, (first, nxt) in sorted(update.offsets.items()):
-        args += [p, first, nxt]
-    args += ["h", pack(update.header())]
-    push_keys = [keys.generation, keys.assignment, keys.offsets, keys.update_log, keys.clocks, keys.unapplied]
+    call = PushCall(keys, update, max_pending)
     # the blobs first, each group's into its own slot (one transaction per group), then the push
     for group_blobs in _by_group(blobs, groups):
         pipe = client.pipeline(transaction=True)
@@ -191,14 +122,11 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
             pipe.set(key, update.gradients[i])
         pipe.execute()
 
-    def build(pipe: redis.client.Pipeline, sha: str) -> None:
-        pipe.evalsha(sha, len(push_keys), *push_keys, *args)
-
     deadline = time.monotonic() + backpressure_timeout_s
     delay = 0.002
     while True:
         try:
-            entry = execute_with_script(client, "push", build)[-1]
+            entry = execute_with_script(client, call.SCRIPT, call.queue)[-1]
             return entry.decode() if isinstance(entry, bytes) else str(entry)
         except redis.ResponseError as exc:
             err = _translate(str(exc))
@@ -210,15 +138,15 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
 
 
 def _blob_keys(keys: JobKeys, token: str, shards: Sequence[int], groups: int) -> list[tuple[str, int]]:
-    """(blob key, shard) of an update's gradients: shard i's blob lives in group i % groups's slot."""
-    return [(keys.group(i % groups).update_blob(token, i), i) for i in shards]
+    """(blob key, shard) of an update's gradients: each in the slot of the group that owns its shard."""
+    return [(keys.group(group_of(i, groups)).update_blob(token, i), i) for i in shards]
 
 
 def _by_group(blobs: Sequence[tuple[str, int]], groups: int) -> list[list[tuple[str, int]]]:
     """``blobs`` split by group (one list per group that has any)."""
     split: dict[int, list[tuple[str, int]]] = {}
     for key, i in blobs:
-        split.setdefault(i % groups, []).append((key, i))
+        split.setdefault(group_of(i, groups), []).append((key, i))
     return [split[g] for g in sorted(split)]
 
 
@@ -285,41 +213,17 @@ def _translate(message: str) -> ParameterPlaneError:
     return ParameterPlaneError(message)
 
 
-def parse_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Update:
-    """Rebuild an :class:`Update` from an update-log entry, without its gradients
-    (``shards`` names them; see :func:`load_gradients`).
-
-    Raises:
-        PayloadError: the header is missing or malformed.
-    """
-    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    raw = fields.get(b"h")
-    if raw is None:
-        raise PayloadError(f"update {eid}: header field 'h' missing")
-    h = unpack(raw, max_bytes=_HEADER_LIMIT, what=f"update {eid} header")
-    try:
-        upd = Update(member_id=h["m"], generation=h["g"], clock=h["c"], gradients={}, codec=h["codec"],
-                     offsets={int(p): (int(f), int(n)) for p, f, n in h["off"]},
-                     samples=tuple((str(a), int(b), int(c)) for a, b, c in h["s"]),
-                     batch_size=h["b"], produced_ts_ms=h["ts"], log_id=eid, token=str(h["t"]),
-                     shards=tuple(int(i) for i in h["shards"]), wire_bytes=int(h.get("wb", 0)))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PayloadError(f"update {eid}: malformed header: {exc!r}") from None
-    upd.validate_header()
-    return upd
-
-
 def blob_keys(job: str, update: Update, *, groups: int, group: int | None = None) -> list[str]:
     """Keys of the gradient blobs of a parsed update (of ``group``'s shards only, when given)."""
     return [key for key, i in _blob_keys(JobKeys(job), update.token, update.shards, groups)
-            if group is None or i % groups == group]
+            if group is None or group_of(i, groups) == group]
 
 
 def load_gradients(client: redis.Redis, job: str, updates: Sequence[Update], *, groups: int,
                    group: int) -> list[Update | PayloadError]:
     """Each of ``updates`` with the gradient bytes of ``group``'s shards read from the group's slot
     (one MGET for all of them), or, for an update whose blobs are missing, a PayloadError naming them."""
-    mine = [[i for i in u.shards if i % groups == group] for u in updates]
+    mine = [[i for i in u.shards if group_of(i, groups) == group] for u in updates]
     keys = JobKeys(job).group(group)
     names = [keys.update_blob(u.token, i) for u, shards in zip(updates, mine, strict=True) for i in shards]
     blobs = iter(client.mget(names) if names else [])

@@ -2,10 +2,11 @@
 
 Reads the training topic from the beginning up to the offsets committed in
 Redis, the dead-letter topic, and the parameter plane's ``applied_samples``
-stream, and checks that every record is applied exactly once or sits in the
-dead-letter topic. Records are named by (producer id, sequence number); those
-written by other clients in the single-record formats by
-(``"<topic>/<partition>"``, offset), as the consumer names them.
+stream (:class:`services.protocol.AccountingRecord` entries), and checks that
+every record is applied exactly once or sits in the dead-letter topic. Records
+are named by (producer id, sequence number); those written by other clients in
+the single-record formats by (``"<topic>/<partition>"``, offset), as the
+consumer names them.
 
 The parameter servers trim ``applied_samples`` entries older than their audit
 horizon and, in the same atomic step, raise the partition's *audit floor*
@@ -17,7 +18,6 @@ past its partition's floor, and counts the ones below it
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -27,6 +27,7 @@ from datastream import DecodeError, decode_record, dlq_topic, parse_dlq_headers
 
 from common.keys import JobKeys
 from common.redis_client import connect
+from services.protocol import AccountingRecord, Status
 
 Sample = tuple[str, int]
 
@@ -143,10 +144,11 @@ def audit(bootstrap: str, topic: str, redis_url: str, job: str) -> AuditReport:
     applied: Counter[Sample] = Counter()
     rejected = 0
     for _, fields in entries:
-        if fields.get(b"status", b"applied") != b"applied":
+        record = AccountingRecord.from_fields(fields)
+        if record.status is not Status.APPLIED:
             rejected += 1
             continue
-        for producer, first, count in json.loads(fields[b"samples"]):
+        for producer, first, count in record.samples:
             applied.update((producer, first + i) for i in range(count))
 
     once = {s for s, n in applied.items() if n == 1}

@@ -21,7 +21,7 @@ from services import (
     Update, get_codec, push_update, unapplied_updates,
 )
 from services.apply import finish_accounting
-from services.updates import parse_entry
+from services.protocol import Update
 from streamtrain.launcher import wait_until
 
 KEYS = JobKeys(JOB)
@@ -47,7 +47,7 @@ def slot_of(key: bytes) -> bytes:
 def push_token(redis: redis_lib.Redis) -> str:
     """The blob token of the last logged update."""
     (eid, fields), = redis.xrevrange(KEYS.update_log, count=1)
-    return parse_entry(eid, fields).token
+    return Update.from_fields(eid, fields).token
 
 
 def samples(redis: redis_lib.Redis) -> list[dict[bytes, bytes]]:

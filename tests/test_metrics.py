@@ -38,7 +38,7 @@ from datastream.records import DecodeError, decode_record
 from services import OptimizerConfig, ParameterServer, Pusher, ServerSettings
 from services.apply import Outcome
 from services.metrics import MetricsServer, ServerMetrics
-from services.updates import Update
+from services.protocol import Update
 from common.keys import JobKeys
 from streamtrain.launcher import wait_until
 from trainers.evaluate import EvalResult

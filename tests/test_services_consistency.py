@@ -14,6 +14,7 @@ from services import (
     starting_clock, wait_for_clock,
 )
 from services.consistency import required_clock
+from services.protocol import group_of
 from common.keys import JobKeys
 from streamtrain.launcher import wait_until
 
@@ -145,7 +146,7 @@ def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redi
         flat = {name: t.reshape(-1) for name, t in snap.tensors.items()}
         u: list[float | None] = [None] * groups
         for s in layout.shards:
-            g = s.index % groups
+            g = group_of(s.index, groups)
             seg = flat[s.name][s.start:s.start + s.numel]
             if u[g] is None:
                 u[g] = -float(seg[0])
@@ -187,11 +188,11 @@ def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redi
     assert len({s.version for s in snaps}) > 3  # the pulls saw the model move
     assert any(0 < len(s.fetched) for s in snaps)
     # every update writes all 6 shards: each is at its group's version
-    assert all(s.versions == tuple(s.group_versions[i % groups] for i in range(6)) for s in snaps)
+    assert all(s.versions == tuple(s.group_versions[group_of(i, groups)] for i in range(6)) for s in snaps)
     assert all(s.version == sum(s.group_versions) for s in snaps)
-    keys = [JobKeys(JOB).group(i % groups) for i in range(6)]  # shard i's group
+    keys = [JobKeys(JOB).group(group_of(i, groups)) for i in range(6)]  # shard i's group
     bases = [int(redis.hget(keys[i].bases, str(i))) for i in range(6)]
-    at = [snap.group_versions[i % groups] for i in range(6)]
+    at = [snap.group_versions[group_of(i, groups)] for i in range(6)]
     if codec == "topk":  # deltas were published, and shards compacted now and then
         assert all(redis.xlen(keys[i].deltas(i)) > 0 for i in range(6)) and all(0 < b <= v for b, v in zip(bases, at))
     else:  # every apply rewrote every shard: no deltas

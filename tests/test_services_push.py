@@ -13,7 +13,7 @@ from services import (
     PayloadError, Pusher, UnknownCodecError, Update, decode_gradient, get_codec, push_update,
     was_committed,
 )
-from services.updates import parse_entry
+from services.protocol import Update
 from services.wire import pack
 from common.keys import JobKeys
 
@@ -43,7 +43,7 @@ def state(redis: redis_lib.Redis) -> tuple:
 def pusher_token(redis: redis_lib.Redis) -> str:
     """The blob token of the last logged update."""
     (eid, fields), = redis.xrevrange(JobKeys(JOB).update_log, count=1)
-    return parse_entry(eid, fields).token
+    return Update.from_fields(eid, fields).token
 
 
 def test_init_model_is_idempotent_and_checks_layout(redis: redis_lib.Redis, store: ParameterStore) -> None:

@@ -9,7 +9,9 @@ from collections.abc import Mapping
 import redis as redis_lib
 import torch
 
+from common.fence import fence_token
 from common.keys import JobKeys
+from services.protocol import group_of
 
 
 def set_membership(client: redis_lib.Redis, job: str, owners: Mapping[str, list[int]], generation: int,
@@ -22,7 +24,7 @@ def set_membership(client: redis_lib.Redis, job: str, owners: Mapping[str, list[
     for member, parts in owners.items():
         pipe.hset(keys.members, member, json.dumps({"member_id": member, "heartbeat_ms": 0}))
         for p in parts:
-            pipe.hset(keys.assignment, str(p), f"{member}|{generation}")
+            pipe.hset(keys.assignment, str(p), fence_token(member, generation))
     for member in departed:
         pipe.hdel(keys.members, member)
     pipe.execute()
@@ -68,7 +70,7 @@ def optimizer_state(client: redis_lib.Redis, job: str, shards: int, slots: int) 
     """Every persisted optimizer state value of ``job`` (shard by shard, slot by slot), each read from
     its shard's group."""
     keys, groups = JobKeys(job), stored_groups(client, job)
-    return [client.get(keys.group(i % groups).optimizer_state(i, s)) for i in range(shards) for s in range(slots)]
+    return [client.get(keys.group(group_of(i, groups)).optimizer_state(i, s)) for i in range(shards) for s in range(slots)]
 
 
 def accounting_left(client: redis_lib.Redis, job: str) -> list[bytes]:

@@ -1,0 +1,47 @@
+"""The fence token: which member owns a partition, at which membership generation.
+
+The coordinator writes one per partition into ``JobKeys.assignment`` on every
+generation bump; the parameter plane's push script (``services/lua/push.lua``)
+and the coordinator's own check (``coordinator.state.check_fence``) compare a
+writer's token with it, so a trainer that holds a stale generation, or a
+partition it no longer owns, cannot commit. Both are given the token built
+here as a script argument: Lua never spells it.
+
+It lives on the floor, not in ``services``: the coordinator writes it and must
+not import the parameter plane (which imports torch).
+"""
+
+from __future__ import annotations
+
+__all__ = ["SEPARATOR", "fence_token", "parse_fence_token"]
+
+SEPARATOR = "|"
+"""Between the member id and the generation; never part of a member id."""
+
+
+def fence_token(member_id: str, generation: int) -> str:
+    """``"<member id>|<generation>"``, the value of ``JobKeys.assignment`` for a partition that
+    ``member_id`` owns at ``generation``.
+
+    Raises:
+        ValueError: an empty member id or one holding the separator, or a generation that is
+            not an int >= 0.
+    """
+    if not isinstance(member_id, str) or not member_id or SEPARATOR in member_id:
+        raise ValueError(f"member id must be a non-empty string without {SEPARATOR!r}, got {member_id!r}")
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+        raise ValueError(f"generation must be an int >= 0, got {generation!r}")
+    return f"{member_id}{SEPARATOR}{generation}"
+
+
+def parse_fence_token(token: str | bytes) -> tuple[str, int]:
+    """(member id, generation) of a token :func:`fence_token` wrote.
+
+    Raises:
+        ValueError: ``token`` is not of that form (the message names it).
+    """
+    text = token.decode() if isinstance(token, bytes) else token
+    member_id, sep, generation = text.rpartition(SEPARATOR)
+    if not sep or not member_id or not (generation.isascii() and generation.isdigit()):
+        raise ValueError(f"not a fence token (\"<member id>{SEPARATOR}<generation>\"): {text!r}")
+    return member_id, int(generation)
