@@ -67,6 +67,7 @@ from rich.table import Table  # noqa: E402
 from bench.peers import ddp_throughput, local_throughput, local_time_to_accuracy, one_pass  # noqa: E402
 from datastream import load_source, produce  # noqa: E402
 from services import LayoutError, ParameterStore, Snapshot, connect  # noqa: E402
+from services.protocol import AccountingRecord  # noqa: E402
 from coordinator.settings import CoordinatorSettings  # noqa: E402
 from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster  # noqa: E402
 from common.keys import JobKeys  # noqa: E402
@@ -89,10 +90,11 @@ TARGET = 0.7
 _PHASES = re.compile(re.escape(PHASE_LOG) + r" (.*)$")
 
 
-def applied_entries(cluster: LocalCluster) -> list[dict[bytes, bytes]]:
+def applied_entries(cluster: LocalCluster) -> list[AccountingRecord]:
     client = redis_lib.Redis.from_url(cluster.redis_url)
     try:
-        return [fields for _, fields in client.xrange(JobKeys(cluster.spec.job).applied_samples)]
+        return [AccountingRecord.from_fields(fields)
+                for _, fields in client.xrange(JobKeys(cluster.spec.job).applied_samples)]
     finally:
         client.close()
 
@@ -132,9 +134,9 @@ def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Pat
         cluster.wait_consumed(timeout_s=900)
         wall = time.monotonic() - t0
         cluster.quiesce()
-        entries = [e for e in applied_entries(cluster) if int(e[b"batch_size"]) > 0]
+        entries = [e for e in applied_entries(cluster) if e.batch_size > 0]
         phases = step_phases(cluster)
-    samples = sum(int(e[b"batch_size"]) for e in entries)
+    samples = sum(e.batch_size for e in entries)
     span = (int(entries[-1][b"applied_ms"]) - int(entries[0][b"applied_ms"])) / 1000
     assert samples == report.records, f"applied {samples} samples of {report.records} produced"
     return {"samples": samples, "samples_per_s": samples / span, "span_s": span,
@@ -174,7 +176,7 @@ def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float
             snaps.append((time.monotonic() - t0, store.pull(snap)))
         finally:
             client.close()
-        entries = [e for e in applied_entries(cluster) if int(e[b"batch_size"]) > 0]
+        entries = [e for e in applied_entries(cluster) if e.batch_size > 0]
     x, y = load_source(one_pass(source), split="test").read(limit=2000)
     x, y = torch.from_numpy(x).float(), torch.from_numpy(y).long()
     net = build_model(spec.trainer.model)
@@ -186,7 +188,7 @@ def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float
     hit = next(((sec, v) for sec, v, acc in curve if acc >= target), None)
     return {"reached": hit is not None, "seconds": hit[0] if hit else curve[-1][0],
             "version": hit[1] if hit else curve[-1][1], "final_accuracy": curve[-1][2], "curve": curve,
-            "updates": len(entries), "grad_bytes_per_update": sum(int(e[b"grad_bytes"]) for e in entries) / len(entries)}
+            "updates": len(entries), "grad_bytes_per_update": sum(e.grad_bytes for e in entries) / len(entries)}
 
 
 def recovery_and_freshness(threads: int, workdir: Path, rate: float, kills: int = 5) -> dict[str, object]:
@@ -220,8 +222,8 @@ def recovery_and_freshness(threads: int, workdir: Path, rate: float, kills: int 
         frozen_s = moved_at - t_freeze
         cluster.thaw(frozen)
         time.sleep(3)  # and after recovery
-        entries = [e for e in applied_entries(cluster) if int(e[b"batch_size"]) > 0]
-    steady = freshness_quantiles([e for e in entries if int(e[b"applied_ms"]) < kill_ms])
+        entries = [e for e in applied_entries(cluster) if e.batch_size > 0]
+    steady = freshness_quantiles([e for e in entries if e.applied_ms < kill_ms])
     whole = freshness_quantiles(entries)
     return {"recovery_s": recoveries, "recovery_median_s": statistics.median(recoveries),
             "frozen_replaced_s": frozen_s, "lease_s": spec.coordinator.lease_ms / 1000, "rate_records_per_s": rate,
@@ -235,12 +237,12 @@ def _two_trainers_own_partitions(s: dict) -> bool:
             and all(p["owner"] for p in s["partitions"]))
 
 
-def freshness_quantiles(selected: list[dict[bytes, bytes]]) -> tuple[float, float, int]:
+def freshness_quantiles(selected: list[AccountingRecord]) -> tuple[float, float, int]:
     """(p50, p99, count) of seconds from a batch's produce timestamp to its applied version, over
     ``applied_samples`` entries."""
     if not selected:
         raise ValueError("no applied batches to measure freshness on")
-    fresh = sorted((int(e[b"applied_ms"]) - int(e[b"produced_ts_ms"])) / 1000 for e in selected)
+    fresh = sorted((e.applied_ms - e.produced_ts_ms) / 1000 for e in selected)
     return statistics.median(fresh), fresh[min(len(fresh) - 1, int(0.99 * len(fresh)))], len(fresh)
 
 
@@ -258,10 +260,10 @@ def freshness_at(rate: float, threads: int, workdir: Path, seconds: float = 30.0
         start_ms = time.time() * 1000
         time.sleep(seconds)
         end_ms = time.time() * 1000
-        entries = [e for e in applied_entries(cluster) if int(e[b"batch_size"]) > 0
-                   and start_ms <= int(e[b"applied_ms"]) < end_ms]
+        entries = [e for e in applied_entries(cluster) if e.batch_size > 0
+                   and start_ms <= e.applied_ms < end_ms]
     p50, p99, batches = freshness_quantiles(entries)
-    applied = sum(int(e[b"batch_size"]) for e in entries)
+    applied = sum(e.batch_size for e in entries)
     return {"rate_records_per_s": rate, "seconds": seconds, "freshness_p50_s": p50, "freshness_p99_s": p99,
             "freshness_batches": batches, "applied_records_per_s": applied / ((end_ms - start_ms) / 1000)}
 

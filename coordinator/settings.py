@@ -10,8 +10,8 @@ CONSISTENCY_MODELS = ("bsp", "ssp", "asp")
 """Consistency models a job may run under (bulk-synchronous, stale-synchronous, asynchronous)."""
 
 OPTIMIZERS = ("sgd", "adam", "lazyadam", "dgc")
-"""Optimizers a job may use (``services.optim.OPTIMIZERS``; the coordinator does not import the
-parameter plane)."""
+"""Optimizers a job may use: ``services.optim.OPTIMIZERS``, repeated because the coordinator does not
+import the parameter plane (nor torch); ``tests/test_protocol.py`` checks the two agree."""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ local K_UPDATE_LOG = 9
 local K_GROUP_PERSISTED = 10
 local K_APPLIED_BY = 11
 local A_PLAN = 1
+-- the fields of each plan update, by position (PlanUpdate)
 local U_UPDATE_ID = 1
 local U_MEMBER_ID = 2
 local U_CLOCK = 3

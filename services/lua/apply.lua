@@ -46,6 +46,7 @@ local K_RENAMES = 9
 local A_PLAN = 1
 local A_ACCOUNTING = 2
 local A_DELTAS = 3  -- (the plan names each delta by its ARGV index)
+-- the fields of each plan.shards entry, by position (ShardPlan)
 local S_INDEX = 1
 local S_VERSION_READ = 2
 local S_DELTA = 3
