@@ -93,9 +93,10 @@ def zipf_ranks(rng: np.random.Generator, n: np.ndarray | int, exponent: float, s
     def h_integral_inverse(u: np.ndarray) -> np.ndarray:
         if q == 0:
             return np.exp(u)
-        t = u * q
+        t = u * q  # x = (1 + u q)^(1/q)
         np.maximum(t, -1.0, out=t)  # rounding may push it just past the pole
-        np.log1p(t, out=t)
+        t += 1.0
+        np.log(t, out=t)  # not log1p: 2-3x faster, and x is only rounded to the nearest rank
         t *= 1.0 / q
         return np.exp(t, out=t)
 
@@ -198,9 +199,9 @@ class ClickStream:
             col = ids[name]
             a, b = self._id_weights(name, col.values)
             if name == TAGS:  # the mean over the record's tags, 0 without any
-                per = np.maximum(col.lengths, 1)
-                a = np.bincount(col.row_ids(), a, minlength=n) / per
-                b = np.bincount(col.row_ids(), b, minlength=n) / per
+                rows, per = col.row_ids(), np.maximum(col.lengths, 1)
+                a = np.bincount(rows, a, minlength=n) / per
+                b = np.bincount(rows, b, minlength=n) / per
             sum_a += a
             sum_b += b
         scale = CATEGORICAL_STD / math.sqrt(len(self.names)) if self.names else 0.0

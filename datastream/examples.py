@@ -55,6 +55,11 @@ class Examples:
 
     def take(self, rows: np.ndarray) -> Examples:
         """The examples ``rows`` (integer indices or a boolean mask), in that order."""
+        rows = np.asarray(rows)
+        if rows.dtype == np.bool_ and self.ids:  # to indices once, not once per feature
+            if rows.shape != (len(self),):
+                raise ValueError(f"a mask must have {len(self)} entries, got shape {rows.shape}")
+            rows = np.flatnonzero(rows)
         return Examples(self.x[rows], self.y[rows], take_features(self.ids, rows))
 
     @staticmethod
