@@ -180,11 +180,15 @@ def _join(values: list[np.ndarray], offsets: list[np.ndarray]) -> Jagged:
     """
     if not offsets:
         return Jagged.empty(0)
-    ends = np.cumsum(np.fromiter((len(o) for o in offsets), np.int64, count=len(offsets)))
-    lengths = np.delete(np.diff(np.concatenate(offsets)), ends[:-1] - 1)
-    joined = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=joined[1:])
-    return Jagged(np.concatenate(values) if values else np.empty(0, np.int64), joined)
+    flat = np.concatenate(values) if values else np.empty(0, np.int64)
+    if len(offsets) == 1:
+        return Jagged(flat, offsets[0].copy())
+    steps = np.diff(np.concatenate(offsets))
+    keep = np.ones(len(steps), bool)
+    keep[np.cumsum(np.fromiter((len(o) for o in offsets[:-1]), np.int64, count=len(offsets) - 1)) - 1] = False
+    joined = np.zeros(len(steps) - len(offsets) + 2, np.int64)
+    np.cumsum(steps[keep], out=joined[1:])
+    return Jagged(flat, joined)
 
 
 def take_features(ids: Mapping[str, Jagged], rows: np.ndarray) -> dict[str, Jagged]:

@@ -115,10 +115,10 @@ def iter_shards(source: Source, shard_size: int, limit: int | None = None) -> It
 
 def _join(parts: list[Examples], source: Source, y_dtype: object) -> Examples:
     try:
-        joined = Examples.concat(parts)
+        joined = parts[0] if len(parts) == 1 else Examples.concat(parts)  # one part stays a view
     except ValueError as exc:
         raise SourceError(f"source {source.name}: blocks disagree ({exc})") from None
-    return replace(joined, y=joined.y.astype(y_dtype, copy=False))
+    return joined if joined.y.dtype == y_dtype else replace(joined, y=joined.y.astype(y_dtype))
 
 
 class _Acks:
