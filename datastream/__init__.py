@@ -13,19 +13,23 @@ A trainer's loop::
             batch = consumer.poll(1.0)          # Batch | None; decoded in the background
             if batch is None:
                 continue
-            ...                                  # train on batch.x / batch.y (may be 0 rows)
+            ...                                  # train on batch.x / batch.y / batch.ids (may be 0 rows)
             ...                                  # push with batch.offsets, batch.samples
             consumer.commit(batch.next_offsets)  # optional: lag in kafka-consumer-groups
 
 On reassignment call ``assign`` again with the new ``partition -> start offset``.
 """
 
+from .clicks import ClickStream
 from .consumer import Batch, ConsumerClosedError, ConsumerStats, ShardConsumer
 from .dlq import DeadLetterError, DeadLetterWriter, DlqEntry, parse_dlq_headers
+from .examples import Examples
+from .jagged import Jagged, concat_features
 from .producer import ProduceReport, default_producer_id, iter_shards, produce
 from .records import (
-    DEFAULT_MAX_RECORD_BYTES, LABEL_KINDS, REASONS, SHARD_VERSION, DecodeError, Records, decode_record,
-    encode_json_record, encode_msgpack_record, encode_shard,
+    DEFAULT_MAX_RECORD_BYTES, DENSE_SHARD_VERSION, LABEL_KINDS, MAX_ID_FEATURES, MAX_IDS_PER_FEATURE, REASONS,
+    SHARD_VERSION, DecodeError, Records, decode_record, encode_json_record, encode_msgpack_record, encode_shard,
+    hash_id,
 )
 from .sources import SPLITS, TEST_EVERY, Source, SourceError, load_source, split_mask
 from .topics import dlq_topic, ensure_topic, reliable_producer, topic_replication
@@ -36,10 +40,13 @@ __all__ = [
     # producer
     "ProduceReport", "default_producer_id", "iter_shards", "produce",
     # record formats
-    "DEFAULT_MAX_RECORD_BYTES", "LABEL_KINDS", "REASONS", "SHARD_VERSION", "DecodeError", "Records",
-    "decode_record", "encode_json_record", "encode_msgpack_record", "encode_shard",
+    "DEFAULT_MAX_RECORD_BYTES", "DENSE_SHARD_VERSION", "LABEL_KINDS", "MAX_IDS_PER_FEATURE", "MAX_ID_FEATURES",
+    "REASONS", "SHARD_VERSION", "DecodeError", "Records", "decode_record", "encode_json_record",
+    "encode_msgpack_record", "encode_shard", "hash_id",
+    # categorical IDs and examples
+    "Examples", "Jagged", "concat_features",
     # sources
-    "SPLITS", "TEST_EVERY", "Source", "SourceError", "load_source", "split_mask",
+    "SPLITS", "TEST_EVERY", "ClickStream", "Source", "SourceError", "load_source", "split_mask",
     # dead letters and topics
     "DeadLetterError", "DeadLetterWriter", "DlqEntry", "dlq_topic", "ensure_topic", "parse_dlq_headers",
     "reliable_producer", "topic_replication",

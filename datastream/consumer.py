@@ -38,6 +38,7 @@ from kafka.structs import OffsetAndMetadata
 from common.outage import DEFAULT_LIMIT_S, DependencyUnavailable, Outage
 
 from .dlq import DeadLetterWriter
+from .jagged import Jagged, concat_features
 from .records import DEFAULT_MAX_RECORD_BYTES, LABEL_KINDS, DecodeError, Records, decode_record, label_kind_of
 from .topics import MAX_MESSAGE_BYTES, broker_reachable
 
@@ -51,7 +52,8 @@ class Batch:
     """Records for one training step, with the exact Kafka offsets they came from."""
 
     x: torch.Tensor
-    """Features, float32 ``[n, d]`` (n may be 0 when every message was rejected)."""
+    """Dense features, float32 ``[n, d]`` (n may be 0 when every message was rejected; d is 0 on a
+    stream whose records carry only IDs)."""
     y: torch.Tensor
     """Labels ``[n]``: int64 for classification, float32 for regression."""
     offsets: dict[int, tuple[int, int]]
@@ -63,6 +65,10 @@ class Batch:
     """Oldest produce timestamp (ms since the epoch) of the messages in the batch."""
     rejected: int
     """Records sent to the dead-letter topic from this offset range."""
+    ids: dict[str, Jagged] = field(default_factory=dict)
+    """Categorical features (numpy, fresh arrays), in order of first appearance: every feature named by any
+    message of the batch, each with ``n`` records; a record whose message lacks a feature has
+    zero IDs for it. Empty when no record carries IDs."""
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -102,6 +108,8 @@ class _Builder:
     def __init__(self) -> None:
         self.xs: list[np.ndarray] = []
         self.ys: list[np.ndarray] = []
+        self.ids: list[tuple[int, dict[str, Jagged]]] = []  # (records, ids) per message
+        self.has_ids = False
         self.rows = 0
         self.offsets: dict[int, tuple[int, int]] = {}
         self.samples: list[tuple[str, int, int]] = []
@@ -124,6 +132,8 @@ class _Builder:
     def add(self, rec: Records, producer: str, seq: int) -> None:
         self.xs.append(rec.x)
         self.ys.append(rec.y)
+        self.ids.append((rec.count, rec.ids))
+        self.has_ids = self.has_ids or bool(rec.ids)
         self.rows += rec.count
         last = self.samples[-1] if self.samples else None
         if last is not None and last[0] == producer and last[1] + last[2] == seq:
@@ -140,8 +150,10 @@ class _Builder:
             x[row:row + len(xa)] = xa
             y[row:row + len(ya)] = ya
             row += len(xa)
+        ids = concat_features(self.ids) if self.has_ids else {}
         return Batch(x=torch.from_numpy(x), y=torch.from_numpy(y), offsets=dict(self.offsets),
-                     samples=list(self.samples), produced_ts_ms=int(self.ts_ms or 0), rejected=self.rejected)
+                     samples=list(self.samples), produced_ts_ms=int(self.ts_ms or 0), rejected=self.rejected,
+                     ids=ids)
 
 
 class ShardConsumer:
@@ -153,7 +165,8 @@ class ShardConsumer:
     Args:
         bootstrap: Kafka ``host:port`` list.
         topic: the training topic.
-        feature_dim: features per record; learned from the first valid record when ``None``.
+        feature_dim: dense features per record (0 for records of IDs only); learned from the first
+            valid record when ``None``. Categorical features (``ids``) may vary from record to record.
         label_kind: ``"classification"`` or ``"regression"``; learned likewise when ``None``.
         max_records_per_batch: records per batch (a larger single shard makes its own batch).
         prefetch: batches decoded ahead of the trainer.
@@ -172,8 +185,8 @@ class ShardConsumer:
                  fetch_max_bytes: int = 64 << 20, max_partition_fetch_bytes: int = MAX_MESSAGE_BYTES,
                  fetch_min_bytes: int = 1, fetch_max_wait_ms: int = 100,
                  client_id: str = "streamtrain-consumer", outage_limit_s: float = DEFAULT_LIMIT_S) -> None:
-        if feature_dim is not None and feature_dim < 1:
-            raise ValueError(f"feature_dim must be >= 1, got {feature_dim}")
+        if feature_dim is not None and feature_dim < 0:
+            raise ValueError(f"feature_dim must be >= 0, got {feature_dim}")
         if label_kind is not None and label_kind not in LABEL_KINDS:
             raise ValueError(f"label_kind must be one of {', '.join(LABEL_KINDS)}, got {label_kind!r}")
         for name, value in (("max_records_per_batch", max_records_per_batch), ("prefetch", prefetch),

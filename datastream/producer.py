@@ -1,7 +1,8 @@
 """Produce a source to a training topic as shards, counting only acknowledged records.
 
 :func:`produce` packs the source's records into shards of ``shard_size``
-records (see :mod:`datastream.records`), spreads them round-robin over the
+records (see :mod:`datastream.records`; version 2 when the records carry
+categorical IDs, version 1 otherwise), spreads them round-robin over the
 topic's partitions and sends them with an idempotent ``acks=all`` producer. The
 counts in its :class:`ProduceReport` come from the send callbacks, so they are
 exact: a record is counted when, and only when, the broker acknowledged it.
@@ -23,15 +24,15 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-import numpy as np
 from rich.console import Console
 from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from common.outage import DEFAULT_LIMIT_S, Outage
 
+from .examples import Examples
 from .records import encode_shard
 from .sources import Source, SourceError, load_source
 from .topics import broker_reachable, ensure_topic, reliable_producer
@@ -77,43 +78,47 @@ def default_producer_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def iter_shards(source: Source, shard_size: int, limit: int | None = None
-                ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Re-chunk the source's blocks into ``(x, y)`` of ``shard_size`` records (the last may be short).
+def iter_shards(source: Source, shard_size: int, limit: int | None = None) -> Iterator[Examples]:
+    """Re-chunk the source's blocks into :class:`Examples` of ``shard_size`` records (the last may be
+    short), IDs included; dense ones unpack as ``x, y``.
 
     Stops after ``limit`` records when given. Labels keep the first block's kind.
     """
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
-    xs: list[np.ndarray] = []
-    ys: list[np.ndarray] = []
+    parts: list[Examples] = []
     pending = total = 0
     y_dtype = None
-    for x, y in source:
-        if limit is not None and total + len(x) > limit:
-            x, y = x[:limit - total], y[:limit - total]
+    for block in source:
+        if limit is not None and total + len(block) > limit:
+            block = block.slice(0, limit - total)
+        y = block.y
         if y_dtype is None:
             y_dtype = y.dtype
         elif y_dtype.kind != y.dtype.kind and (y_dtype.kind in "iu") != (y.dtype.kind in "iu"):
             raise SourceError(f"source {source.name}: labels changed from {y_dtype} to {y.dtype} mid-stream")
-        total += len(x)
-        while len(x):
-            take = min(shard_size - pending, len(x))
-            xs.append(x[:take])
-            ys.append(y[:take])
-            x, y = x[take:], y[take:]
+        total += len(block)
+        done = 0
+        while done < len(block):
+            take = min(shard_size - pending, len(block) - done)
+            parts.append(block.slice(done, done + take))
+            done += take
             pending += take
             if pending == shard_size:
-                yield _join(xs), _join(ys).astype(y_dtype, copy=False)
-                xs, ys, pending = [], [], 0
+                yield _join(parts, source, y_dtype)
+                parts, pending = [], 0
         if limit is not None and total >= limit:
             break
     if pending:
-        yield _join(xs), _join(ys).astype(y_dtype, copy=False)
+        yield _join(parts, source, y_dtype)
 
 
-def _join(parts: list[np.ndarray]) -> np.ndarray:
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+def _join(parts: list[Examples], source: Source, y_dtype: object) -> Examples:
+    try:
+        joined = parts[0] if len(parts) == 1 else Examples.concat(parts)  # one part stays a view
+    except ValueError as exc:
+        raise SourceError(f"source {source.name}: blocks disagree ({exc})") from None
+    return joined if joined.y.dtype == y_dtype else replace(joined, y=joined.y.astype(y_dtype))
 
 
 class _Acks:
@@ -218,7 +223,7 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
         bar, task = _progress(stack, progress, console, topic)
         interrupted = False
         try:
-            for i, (x, y) in enumerate(shards):
+            for i, shard in enumerate(shards):
                 while not acks.slots.acquire(timeout=0.1):  # backpressure: wait for acknowledgements
                     if stop.is_set():
                         break
@@ -234,10 +239,10 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
                         acks.slots.release()
                     else:
                         sending.set()
-                        ok, failed = acks.sent(len(x))
-                        value = encode_shard(x, y, producer_id=pid, first_seq=seq)
+                        value = encode_shard(shard.x, shard.y, ids=shard.ids, producer_id=pid, first_seq=seq)
+                        ok, failed = acks.sent(len(shard))
                         producer.send(topic, value, partition=i % count).add_callback(ok).add_errback(failed)
-                        seq += len(x)
+                        seq += len(shard)
                         sending.clear()
                         if bar is not None and i % 16 == 0:
                             bar.update(task, completed=acks.records)

@@ -2,12 +2,18 @@
 
 Three formats share one topic (see ``docs/records.md``):
 
-* **shard** (version 1): a msgpack map holding a mini-batch — features ``x``
-  and labels ``y`` as ``{"dtype", "shape", "data"}`` with the raw little-endian
-  bytes, the producer's id, the sequence number of its first record, the
-  record count and the produce timestamp. Written by our producer.
-* **JSON record**: ``{"x": [numbers], "y": number}`` as UTF-8 JSON, so any
-  Kafka client (kcat, a Java or Go service) can feed training data.
+* **shard**: a msgpack map holding a mini-batch — features ``x`` and labels
+  ``y`` as ``{"dtype", "shape", "data"}`` with the raw little-endian bytes, the
+  producer's id, the sequence number of its first record, the record count and
+  the produce timestamp. Version 1 is dense only; version 2 adds ``ids``, the
+  categorical features as ragged columns laid out like TorchRec's
+  ``KeyedJaggedTensor`` (``keys``, all IDs in one int64 ``values``,
+  ``lengths [features, n]``).
+  Written by our producer, as version 1 whenever there are no IDs.
+* **JSON record**: ``{"x": [numbers], "y": number, "ids": {name: id | [ids]}}``
+  as UTF-8 JSON (``x`` or ``ids`` may be left out, not both), so any Kafka
+  client (kcat, a Java or Go service) can feed training data. String IDs are
+  hashed to 64-bit IDs by :func:`hash_id`.
 * **msgpack record**: the same map, msgpack-encoded.
 
 :func:`decode_record` turns any of them into :class:`Records` (numpy views on
@@ -17,29 +23,54 @@ or raises :class:`DecodeError` whose ``reason`` is one of :data:`REASONS`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from .jagged import Jagged
+
 __all__ = [
-    "DEFAULT_MAX_RECORD_BYTES", "DTYPES", "DecodeError", "LABEL_KINDS", "MAX_FEATURES",
-    "REASONS", "Records", "SHARD_VERSION", "decode_record", "encode_json_record",
-    "encode_msgpack_record", "encode_shard", "label_kind_of",
+    "DEFAULT_MAX_RECORD_BYTES", "DENSE_SHARD_VERSION", "DTYPES", "DecodeError", "FEATURE_NAME",
+    "LABEL_KINDS", "MAX_FEATURES", "MAX_IDS_PER_FEATURE", "MAX_ID_FEATURES", "REASONS", "Records",
+    "SHARD_VERSION", "decode_record", "encode_json_record", "encode_msgpack_record", "encode_shard",
+    "hash_id", "label_kind_of", "parse_ids",
 ]
 
-SHARD_VERSION = 1
-"""Version written into every shard; a shard with any other version is rejected."""
+SHARD_VERSION = 2
+"""Newest shard version: shards whose records carry categorical IDs (``ids``)."""
+
+DENSE_SHARD_VERSION = 1
+"""Version of shards without IDs; still written for them, so readers that predate IDs read them.
+A reader of version 1 rejects a version-2 shard as ``unknown_version`` instead of dropping its IDs."""
+
+SHARD_VERSIONS = (DENSE_SHARD_VERSION, SHARD_VERSION)
+"""Shard versions this reader decodes; any other is rejected as ``unknown_version``."""
 
 DEFAULT_MAX_RECORD_BYTES = 8 * 1024 * 1024
 """Largest Kafka message value accepted by default (bytes)."""
 
 MAX_FEATURES = 1 << 20
 """Largest feature dimension accepted in any record."""
+
+MAX_ID_FEATURES = 64
+"""Most categorical features one record may name (in a shard, every feature of the shard counts)."""
+
+MAX_IDS_PER_FEATURE = 1024
+"""Most IDs one record may carry for one feature."""
+
+FEATURE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+"""What a categorical feature's name must fully match: 1-64 letters, digits, ``_``, ``.``, ``-``."""
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_MAX_MAP_LEN = 2 * MAX_ID_FEATURES  # so one feature too many is "too_many_ids", not "bad_msgpack"
 
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<") for name in (
@@ -50,7 +81,7 @@ LABEL_KINDS = ("classification", "regression")
 """Label kinds: integer class ids (int64) or real targets (float32)."""
 
 REASONS = ("too_large", "truncated", "bad_msgpack", "bad_json", "unknown_version",
-           "bad_schema", "wrong_shape", "wrong_dtype", "non_finite")
+           "bad_schema", "wrong_shape", "wrong_dtype", "non_finite", "bad_ids", "too_many_ids")
 """Why a record was rejected (the ``reason`` of :class:`DecodeError` and the DLQ header)."""
 
 
@@ -79,7 +110,8 @@ class Records:
     """The records of one Kafka message, decoded."""
 
     x: np.ndarray
-    """Features ``[n, d]``, any dtype of :data:`DTYPES` (often a read-only view on the message)."""
+    """Dense features ``[n, d]``, any dtype of :data:`DTYPES` (often a read-only view on the
+    message); ``d`` is 0 for records that carry only IDs."""
     y: np.ndarray
     """Labels ``[n]``: an integer dtype for classification, a float dtype for regression."""
     producer_id: str | None
@@ -90,11 +122,73 @@ class Records:
     """Produce timestamp written in the shard (ms since the epoch); ``None`` for single records."""
     kind: str
     """``"shard"``, ``"json"`` or ``"msgpack"``."""
+    ids: dict[str, Jagged] = field(default_factory=dict)
+    """Categorical features: name -> the IDs of the ``n`` records (``values`` a read-only view on
+    a shard's bytes); empty when the records carry none. Only the features the message names."""
 
     @property
     def count(self) -> int:
         """Number of records."""
         return int(self.x.shape[0])
+
+
+def hash_id(s: str) -> int:
+    """The 64-bit ID of a string ID, the same in every process, on every machine and in every version.
+
+    It is the 8-byte BLAKE2b digest (``digest_size=8``, no key, salt or person) of the string's
+    UTF-8 bytes, read as a little-endian signed integer. ``hash_id("paris") ==
+    1657316678316814225``.
+
+    Raises:
+        UnicodeEncodeError: the string holds a lone surrogate (it has no UTF-8 bytes).
+    """
+    digest = hashlib.blake2b(s.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _one_id(feature: str, item: Any) -> int:
+    if type(item) is int:
+        if not _INT64_MIN <= item <= _INT64_MAX:
+            raise DecodeError("bad_ids", f"ID {item} of feature {feature!r} does not fit a signed 64-bit integer")
+        return item
+    if type(item) is str:
+        try:
+            return hash_id(item)
+        except UnicodeEncodeError:
+            raise DecodeError("bad_ids", f"a string ID of feature {feature!r} is not valid Unicode") from None
+    raise DecodeError("bad_ids", f"IDs of feature {feature!r} must be integers or strings, "
+                                 f"got {type(item).__name__}")
+
+
+def _check_name(name: Any, ctx: Mapping[str, Any]) -> None:
+    if not isinstance(name, str) or not FEATURE_NAME.fullmatch(name):
+        raise DecodeError("bad_ids", f"feature name {name!r} is not 1-64 letters, digits, '_', '.' or '-'",
+                          **ctx)
+
+
+def parse_ids(obj: Any) -> dict[str, list[int]]:
+    """The ``ids`` map of one single record: feature name -> its IDs (a single ID becomes a list of one).
+
+    IDs are integers that fit a signed 64-bit integer, or strings (hashed by :func:`hash_id`);
+    booleans, floats and anything else are refused. An empty list is a feature with no IDs.
+
+    Raises:
+        DecodeError: ``bad_ids`` (not a map, a bad name or ID) or ``too_many_ids``
+            (over :data:`MAX_ID_FEATURES` features or :data:`MAX_IDS_PER_FEATURE` IDs of one).
+    """
+    if not isinstance(obj, dict):
+        raise DecodeError("bad_ids", f"ids must be a map of feature name to IDs, got {type(obj).__name__}")
+    if len(obj) > MAX_ID_FEATURES:
+        raise DecodeError("too_many_ids", f"{len(obj)} features; at most {MAX_ID_FEATURES} per record")
+    out: dict[str, list[int]] = {}
+    for name, value in obj.items():
+        _check_name(name, {})
+        items = value if isinstance(value, list) else [value]
+        if len(items) > MAX_IDS_PER_FEATURE:
+            raise DecodeError("too_many_ids", f"feature {name!r} has {len(items)} IDs; "
+                                              f"at most {MAX_IDS_PER_FEATURE} per record")
+        out[name] = [_one_id(name, item) for item in items]
+    return out
 
 
 def label_kind_of(y: np.ndarray) -> str:
@@ -110,37 +204,73 @@ def _array_field(arr: np.ndarray) -> dict[str, Any]:
     return {"dtype": name, "shape": list(arr.shape), "data": data.tobytes()}
 
 
+def _ids_field(ids: Mapping[str, Jagged], n: int) -> dict[str, Any]:
+    """``ids`` of a version-2 shard: the keys, and all features' values and lengths in two arrays."""
+    if len(ids) > MAX_ID_FEATURES:
+        raise ValueError(f"{len(ids)} ID features; a shard holds at most {MAX_ID_FEATURES}")
+    for name, col in ids.items():
+        if not isinstance(name, str) or not FEATURE_NAME.fullmatch(name):
+            raise ValueError(f"feature name {name!r} is not 1-64 letters, digits, '_', '.' or '-'")
+        if not isinstance(col, Jagged) or col.n != n:
+            raise ValueError(f"feature {name!r} must be a Jagged of {n} records, got {col!r:.80}")
+    cols = list(ids.values())
+    lengths = np.diff(np.stack([col.offsets for col in cols]), axis=1)  # [features, n]
+    if lengths.size and int(lengths.max()) > MAX_IDS_PER_FEATURE:
+        raise ValueError(f"a record has {int(lengths.max())} IDs of one feature; at most {MAX_IDS_PER_FEATURE}")
+    return {"keys": list(ids), "values": _array_field(np.concatenate([col.values for col in cols])),
+            "lengths": _array_field(lengths.astype(np.int32))}
+
+
 def encode_shard(x: np.ndarray, y: np.ndarray, *, producer_id: str, first_seq: int,
-                 ts_ms: int | None = None) -> bytes:
-    """Pack a mini-batch ``x [n, d]``, ``y [n]`` into a version-1 shard.
+                 ts_ms: int | None = None, ids: Mapping[str, Jagged] | None = None) -> bytes:
+    """Pack a mini-batch ``x [n, d]``, ``y [n]`` and its categorical ``ids`` into a shard.
+
+    Without IDs (``ids`` ``None`` or empty) the shard is version :data:`DENSE_SHARD_VERSION`,
+    byte for byte what readers that predate IDs read; with IDs it is :data:`SHARD_VERSION`.
+    ``d`` may be 0 when the records carry only IDs.
 
     Raises:
-        ValueError: shapes disagree, the batch is empty, or a dtype is not in :data:`DTYPES`.
+        ValueError: shapes disagree, the batch is empty, a dtype is not in :data:`DTYPES`, or the
+            IDs break a limit (:data:`MAX_ID_FEATURES`, :data:`MAX_IDS_PER_FEATURE`, names).
     """
     if x.ndim != 2 or y.ndim != 1 or x.shape[0] != y.shape[0] or x.shape[0] == 0:
         raise ValueError(f"a shard needs x [n, d] and y [n] with n > 0; got x {x.shape}, y {y.shape}")
     if first_seq < 0:
         raise ValueError(f"first_seq must be >= 0, got {first_seq}")
-    return msgpack.packb({
-        "v": SHARD_VERSION, "producer": producer_id, "seq": int(first_seq), "n": int(x.shape[0]),
-        "ts": int(time.time() * 1000) if ts_ms is None else int(ts_ms),
-        "x": _array_field(x), "y": _array_field(y)})
+    n = int(x.shape[0])
+    shard = {"v": SHARD_VERSION if ids else DENSE_SHARD_VERSION, "producer": producer_id,
+             "seq": int(first_seq), "n": n, "ts": int(time.time() * 1000) if ts_ms is None else int(ts_ms),
+             "x": _array_field(x), "y": _array_field(y)}
+    if ids:
+        shard["ids"] = _ids_field(ids, n)
+    return msgpack.packb(shard)
 
 
-def encode_json_record(x: list[float] | np.ndarray, y: float | int) -> bytes:
-    """One record in the single-record JSON format."""
-    return json.dumps({"x": [float(v) for v in x], "y": y}).encode()
+def _single(x: Sequence[float] | np.ndarray | None, y: float | int,
+            ids: Mapping[str, int | str | Sequence[int | str]] | None) -> dict[str, Any]:
+    record: dict[str, Any] = {} if x is None else {"x": [float(v) for v in x]}
+    record["y"] = y
+    if ids is not None:
+        record["ids"] = {name: v if isinstance(v, int | str) else list(v) for name, v in ids.items()}
+    return record
 
 
-def encode_msgpack_record(x: list[float] | np.ndarray, y: float | int) -> bytes:
-    """One record in the single-record msgpack format."""
-    return msgpack.packb({"x": [float(v) for v in x], "y": y})
+def encode_json_record(x: Sequence[float] | np.ndarray | None, y: float | int, *,
+                       ids: Mapping[str, int | str | Sequence[int | str]] | None = None) -> bytes:
+    """One record in the single-record JSON format (``x=None`` leaves the dense features out)."""
+    return json.dumps(_single(x, y, ids)).encode()
+
+
+def encode_msgpack_record(x: Sequence[float] | np.ndarray | None, y: float | int, *,
+                          ids: Mapping[str, int | str | Sequence[int | str]] | None = None) -> bytes:
+    """One record in the single-record msgpack format (``x=None`` leaves the dense features out)."""
+    return msgpack.packb(_single(x, y, ids))
 
 
 def _unpacker(value: bytes, max_bytes: int) -> msgpack.Unpacker:
     unpacker = msgpack.Unpacker(
         raw=False, max_buffer_size=max(len(value), 1), max_bin_len=max_bytes,
-        max_str_len=64 * 1024, max_array_len=MAX_FEATURES, max_map_len=64, max_ext_len=0,
+        max_str_len=64 * 1024, max_array_len=MAX_FEATURES, max_map_len=_MAX_MAP_LEN, max_ext_len=0,
         strict_map_key=True)
     unpacker.feed(value)
     return unpacker
@@ -152,7 +282,7 @@ def _salvage(value: bytes, max_bytes: int) -> dict[str, Any]:
     try:
         for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
-            if key in ("x", "y"):
+            if key in ("x", "y", "ids"):
                 break
             found[key] = unpacker.unpack()
     except (msgpack.UnpackException, ValueError, TypeError):  # truncated or damaged: keep what was read
@@ -198,13 +328,60 @@ def _shard_array(field: str, spec: Any, ctx: dict[str, Any]) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
+def _shard_ids(spec: Any, n: int, ctx: dict[str, Any]) -> dict[str, Jagged]:
+    """The ``ids`` of a version-2 shard, checked for all features at once: each feature's ``values``
+    is a view on the message, its ``offsets`` a slice of one ``cumsum`` of all lengths."""
+    if not isinstance(spec, dict) or set(spec) != {"keys", "values", "lengths"}:
+        raise DecodeError("bad_ids", "shard ids must be a map of keys, values and lengths", **ctx)
+    keys = spec["keys"]
+    if not isinstance(keys, list):
+        raise DecodeError("bad_ids", f"shard ids keys must be a list of names, got {type(keys).__name__}", **ctx)
+    if len(keys) > MAX_ID_FEATURES:
+        raise DecodeError("too_many_ids", f"shard names {len(keys)} ID features; "
+                                          f"at most {MAX_ID_FEATURES} per record", **ctx)
+    for name in keys:
+        _check_name(name, ctx)
+    if len(set(keys)) != len(keys):
+        raise DecodeError("bad_ids", f"shard ids keys repeat a name: {keys}", **ctx)
+    values = _shard_array("ids.values", spec["values"], ctx)
+    lengths = _shard_array("ids.lengths", spec["lengths"], ctx)
+    f = len(keys)
+    if values.dtype != np.int64 or values.ndim != 1:
+        raise DecodeError("bad_ids", f"ids values must be int64 [nnz], got {values.dtype} {list(values.shape)}",
+                          **ctx)
+    if lengths.dtype.kind not in "iu" or lengths.shape != (f, n):
+        raise DecodeError("bad_ids", f"ids lengths must be integers [{f}, {n}] (features, records), "
+                                     f"got {lengths.dtype} {list(lengths.shape)}", **ctx)
+    if lengths.size and int(lengths.min()) < 0:
+        raise DecodeError("bad_ids", "ids lengths must be >= 0", **ctx)
+    if lengths.size and int(lengths.max()) > MAX_IDS_PER_FEATURE:
+        worst = int(np.argmax(lengths.max(axis=1)))
+        raise DecodeError("too_many_ids", f"ID feature {keys[worst]!r} has a record of {int(lengths.max())} "
+                                          f"IDs; at most {MAX_IDS_PER_FEATURE}", **ctx)
+    offsets = np.zeros(f * n + 1, np.int64)
+    np.cumsum(lengths.reshape(-1), dtype=np.int64, out=offsets[1:])
+    if offsets[-1] != len(values):
+        raise DecodeError("bad_ids", f"ids lengths add up to {int(offsets[-1])}, values hold {len(values)}", **ctx)
+    out: dict[str, Jagged] = {}
+    for i, name in enumerate(keys):
+        lo, hi = int(offsets[i * n]), int(offsets[(i + 1) * n])
+        own = offsets[i * n:(i + 1) * n + 1]
+        out[name] = Jagged(values[lo:hi], own - lo if lo else own)
+    return out
+
+
 def _decode_shard(obj: dict[str, Any]) -> Records:
     version = obj.get("v")
-    if version != SHARD_VERSION:
-        raise DecodeError("unknown_version", f"shard version {version!r}; this reader knows {SHARD_VERSION}")
-    missing = {"producer", "seq", "n", "ts", "x", "y"} - set(obj)
+    if type(version) is not int or version not in SHARD_VERSIONS:
+        raise DecodeError("unknown_version", f"shard version {version!r}; this reader knows "
+                                             f"{', '.join(map(str, SHARD_VERSIONS))}")
+    required = {"producer", "seq", "n", "ts", "x", "y"} | ({"ids"} if version >= 2 else set())
+    missing = required - set(obj)
     if missing:
         raise DecodeError("bad_schema", f"shard lacks {', '.join(sorted(missing))}")
+    if version == DENSE_SHARD_VERSION and "ids" in obj:
+        raise DecodeError("bad_schema", f"a version-{DENSE_SHARD_VERSION} shard cannot carry ids; "
+                                        f"IDs need version {SHARD_VERSION}")
     producer, seq, n, ts = obj["producer"], obj["seq"], obj["n"], obj["ts"]
     if not isinstance(producer, str) or type(seq) is not int or type(n) is not int or type(ts) is not int \
             or seq < 0 or n <= 0:
@@ -215,16 +392,38 @@ def _decode_shard(obj: dict[str, Any]) -> Records:
     if x.ndim != 2 or y.ndim != 1 or x.shape[0] != n or y.shape[0] != n:
         raise DecodeError("wrong_shape", f"shard of {n} records has x {list(x.shape)}, y {list(y.shape)}; "
                           f"expected [{n}, d] and [{n}]", **ctx)
-    return Records(x=x, y=y, producer_id=producer, first_seq=seq, ts_ms=ts, kind="shard")
+    ids = _shard_ids(obj["ids"], n, ctx) if version >= 2 else {}
+    return Records(x=x, y=y, producer_id=producer, first_seq=seq, ts_ms=ts, kind="shard", ids=ids)
+
+
+_ONE_RECORD: dict[int, np.ndarray] = {}  # k -> read-only offsets [0, k] of one record of k IDs
+
+
+def _single_ids(ids: dict[str, list[int]]) -> dict[str, Jagged]:
+    """One record's columns: views on one array of all its IDs, with shared offsets."""
+    values = np.fromiter((v for vs in ids.values() for v in vs), np.int64)
+    out, lo = {}, 0
+    for name, vs in ids.items():
+        k = len(vs)
+        offsets = _ONE_RECORD.get(k)
+        if offsets is None:
+            offsets = _ONE_RECORD[k] = np.array([0, k], np.int64)
+            offsets.flags.writeable = False
+        out[name] = Jagged(values[lo:lo + k], offsets)
+        lo += k
+    return out
 
 
 def _decode_single(obj: Any, kind: str) -> Records:
-    if not isinstance(obj, dict) or set(obj) != {"x", "y"}:
-        keys = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-        raise DecodeError("bad_schema", f"a single record is a map with exactly x and y; got {keys}")
-    x, y = obj["x"], obj["y"]
-    if not isinstance(x, list) or not x or len(x) > MAX_FEATURES:
-        raise DecodeError("wrong_shape", f"x must be a non-empty list of at most {MAX_FEATURES} numbers")
+    keys = set(obj) if isinstance(obj, dict) else set()
+    if not isinstance(obj, dict) or "y" not in keys or not keys & {"x", "ids"} or keys - {"x", "y", "ids"}:
+        shown = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
+        raise DecodeError("bad_schema", f"a single record is a map of y and x, ids or both; got {shown}")
+    ids = _single_ids(parse_ids(obj["ids"])) if "ids" in obj else {}
+    x, y = obj.get("x", []), obj["y"]
+    if not isinstance(x, list) or len(x) > MAX_FEATURES or not (x or ids):
+        raise DecodeError("wrong_shape", f"x must be a list of at most {MAX_FEATURES} numbers, "
+                                         "non-empty unless the record has ids")
     if not all(type(v) in (int, float) for v in x):
         raise DecodeError("wrong_dtype", "x must hold only numbers")
     if type(y) is int:
@@ -233,8 +432,8 @@ def _decode_single(obj: Any, kind: str) -> Records:
         y_arr = np.array([y], dtype=np.float64)
     else:
         raise DecodeError("wrong_dtype", f"y must be a number, got {type(y).__name__}")
-    return Records(x=np.array([x], dtype=np.float64), y=y_arr, producer_id=None, first_seq=None,
-                   ts_ms=None, kind=kind)
+    return Records(x=np.array([x], dtype=np.float64).reshape(1, len(x)), y=y_arr, producer_id=None,
+                   first_seq=None, ts_ms=None, kind=kind, ids=ids)
 
 
 def _check(rec: Records, feature_dim: int | None, label_kind: str | None,
@@ -246,8 +445,7 @@ def _check(rec: Records, feature_dim: int | None, label_kind: str | None,
     if label_kind == "classification" and y.dtype.kind == "f":
         if not (np.isfinite(y).all() and (y == np.round(y)).all()):
             raise DecodeError("wrong_dtype", "classification labels must be integers", **ctx)
-        rec = Records(x=rec.x, y=y.astype(np.int64), producer_id=rec.producer_id,
-                      first_seq=rec.first_seq, ts_ms=rec.ts_ms, kind=rec.kind)
+        rec = replace(rec, y=y.astype(np.int64))
     if rec.x.dtype.kind == "f" and not np.isfinite(rec.x).all():
         raise DecodeError("non_finite", "features contain NaN or infinity", **ctx)
     if rec.y.dtype.kind == "f" and not np.isfinite(rec.y).all():
@@ -258,6 +456,9 @@ def _check(rec: Records, feature_dim: int | None, label_kind: str | None,
 def decode_record(value: bytes | None, *, feature_dim: int | None = None, label_kind: str | None = None,
                   max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Records:
     """Decode one Kafka message value in any of the three formats.
+
+    IDs are checked against :data:`MAX_ID_FEATURES` and :data:`MAX_IDS_PER_FEATURE` in every
+    record; a shard's ``values`` stay views on ``value``.
 
     Args:
         value: the message value.

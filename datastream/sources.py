@@ -9,13 +9,22 @@ A spec is ``NAME[:ARG][?key=value&...]``:
 ``synthetic``              seeded generator, unbounded unless ``limit=N``; options
                            ``task=classification|regression``, ``features=16``,
                            ``classes=4``, ``seed=0``, ``noise=0.1``
+``clicks``                 a click stream shaped like Criteo (:mod:`datastream.clicks`):
+                           ``features=26`` categorical features ``c1..`` with Zipf
+                           (``zipf=1.1``) IDs from ``vocab=10000000`` IDs in all,
+                           ``dense=13``, ``multi=0`` (K > 0 adds ``tags``, 0..K IDs),
+                           ``drift=0.1`` (radians per million records), ``seed=0``;
+                           labels 0/1 from a hidden logistic truth; unbounded unless
+                           ``limit=N``
 ``csv:PATH``               numbers, one record per row; ``label=last|first|<column>``;
                            a header row is detected
 ``npz:PATH``               arrays ``x`` [n, d] and ``y`` [n] (``x=``/``y=`` rename them)
-``jsonl:PATH``             one ``{"x": [...], "y": ...}`` per line
+``jsonl:PATH``             one ``{"x": [...], "y": ..., "ids": {...}}`` per line (``ids``
+                           optional, ``x`` optional with ``ids``; as in the JSON record)
 ``stdin``                  JSON lines (or ``?format=csv``) from standard input, streamed
-``package.module:callable`` ``callable(**options)`` returns an iterable of ``(x, y)``
-                           records (x 1-D) or blocks (x 2-D), or a :class:`Source`
+``package.module:callable`` ``callable(**options)`` returns an iterable of ``(x, y)`` or
+                           ``(x, y, ids)`` records (x 1-D; ids as in the JSON record) or
+                           blocks (x 2-D; ids a ``dict[str, Jagged]``), or a :class:`Source`
 =========================  ============================================================
 
 A path ending in ``.csv``, ``.npz`` or ``.jsonl`` may be given without the prefix.
@@ -25,6 +34,13 @@ in its own order (a repeated data set restarts the numbering on each pass);
 record *i* belongs to the ``test`` split when ``i % 5 == 4`` and to ``train``
 otherwise, so 20 % is held out, deterministically, and the same records every
 time. ``split="all"`` keeps everything.
+
+A source yields :class:`~datastream.examples.Examples` (``x``, ``y`` and the
+categorical ``ids``) block by block, and :meth:`Source.read` returns them all
+at once — the one way to read held-out examples with their IDs::
+
+    test = load_source("clicks?limit=100000", split="test").read()   # test.x, test.y, test.ids
+    x, y = load_source("digits", split="test").read()                # dense sources also unpack
 """
 
 from __future__ import annotations
@@ -35,14 +51,19 @@ import itertools
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import parse_qsl
 
 import numpy as np
 
-__all__ = ["SPLITS", "Source", "SourceError", "TEST_EVERY", "load_source", "split_mask"]
+from .clicks import ClickStream
+from .examples import Examples
+from .jagged import Jagged
+from .records import DecodeError, parse_ids
+
+__all__ = ["SPLITS", "Block", "Source", "SourceError", "TEST_EVERY", "load_source", "split_mask"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +74,8 @@ TEST_EVERY = 5
 """Record *i* of a source is in the test split when ``i % TEST_EVERY == TEST_EVERY - 1``."""
 
 _BLOCK = 1024
-Block = tuple[int, np.ndarray, np.ndarray]
-"""(index of the first record in the source's numbering, x [n, d], y [n])."""
+Block = tuple[int, Examples]
+"""(index of the first record in the source's numbering, its examples: x [n, d], y [n], ids)."""
 
 
 class SourceError(ValueError):
@@ -80,20 +101,23 @@ def _labels(y: np.ndarray, where: str) -> np.ndarray:
     return y.astype(np.float32)
 
 
-def _features(x: Any, where: str) -> np.ndarray:
+def _features(x: Any, where: str, *, with_ids: bool = False) -> np.ndarray:
+    """float32 ``[n, d]``; ``d`` may be 0 only for records that carry IDs."""
     try:
         arr = np.asarray(x, dtype=np.float32)
     except (TypeError, ValueError) as exc:
         raise SourceError(f"{where}: features must be numbers ({exc})") from None
-    if arr.ndim != 2 or arr.shape[1] == 0:
-        raise SourceError(f"{where}: features must be [n, d] with d > 0, got shape {arr.shape}")
+    if arr.ndim != 2 or (arr.shape[1] == 0 and not with_ids):
+        raise SourceError(f"{where}: features must be [n, d] with d > 0 (or records with ids), "
+                          f"got shape {arr.shape}")
     return arr
 
 
 class Source:
-    """An iterable of record blocks ``(x float32 [n, d], y [n])`` restricted to one split.
+    """An iterable of :class:`~datastream.examples.Examples` blocks restricted to one split.
 
-    Labels are int64 (classification) or float32 (regression).
+    Features are float32 ``[n, d]``; labels int64 (classification) or float32 (regression);
+    ``ids`` the categorical features, empty for dense sources.
     """
 
     def __init__(self, name: str, blocks: Callable[[], Iterator[Block]], split: str = "all") -> None:
@@ -106,28 +130,33 @@ class Source:
     def __repr__(self) -> str:
         return f"Source({self.name!r}, split={self.split!r})"
 
-    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for start, x, y in self._blocks():
-            mask = split_mask(start, len(x), self.split)
+    def __iter__(self) -> Iterator[Examples]:
+        for start, block in self._blocks():
+            mask = split_mask(start, len(block), self.split)
             if mask is not None:
-                x, y = x[mask], y[mask]
-            if len(x):
-                yield x, y
+                block = block.take(mask)
+            if len(block):
+                yield block
 
-    def read(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """All records (at most ``limit``) as two arrays; needs a bounded source or a limit."""
-        xs, ys, n = [], [], 0
-        for x, y in self:
-            if limit is not None and n + len(x) > limit:
-                x, y = x[:limit - n], y[:limit - n]
-            xs.append(x)
-            ys.append(y)
-            n += len(x)
+    def read(self, limit: int | None = None) -> Examples:
+        """All examples of the split (at most ``limit``) at once; needs a bounded source or a limit.
+
+        Dense-only examples unpack as ``x, y = source.read()``; see :class:`Examples`.
+        """
+        parts, n = [], 0
+        for block in self:
+            if limit is not None and n + len(block) > limit:
+                block = block.slice(0, limit - n)
+            parts.append(block)
+            n += len(block)
             if limit is not None and n >= limit:
                 break
-        if not xs:
+        if not parts:
             raise SourceError(f"source {self.name} has no records in split {self.split!r}")
-        return np.concatenate(xs), np.concatenate(ys)
+        try:
+            return Examples.concat(parts)
+        except ValueError as exc:
+            raise SourceError(f"source {self.name}: blocks disagree ({exc})") from None
 
 
 def _int(opts: dict[str, str], key: str, default: int | None, lo: int = 0) -> int | None:
@@ -152,7 +181,7 @@ def _digits(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
 
     def blocks() -> Iterator[Block]:
         for _ in (itertools.count() if repeat == 0 else range(repeat)):
-            yield 0, x, y
+            yield 0, Examples(x, y)
     return blocks
 
 
@@ -178,9 +207,31 @@ def _synthetic(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
             x = rng.standard_normal((n, d), dtype=np.float32)
             out = x @ teacher + noise * rng.standard_normal((n, teacher.shape[1]), dtype=np.float32)
             y = out.argmax(axis=1).astype(np.int64) if task == "classification" else out[:, 0]
-            yield start, x, y
+            yield start, Examples(x, y)
             start += n
     return blocks
+
+
+def _float(opts: dict[str, str], key: str, default: float) -> float:
+    raw = opts.pop(key, None)
+    try:
+        return default if raw is None else float(raw)
+    except ValueError:
+        raise SourceError(f"option {key}={raw!r} is not a number") from None
+
+
+def _clicks(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
+    defaults = ClickStream()
+    try:
+        stream = ClickStream(
+            features=_int(opts, "features", defaults.features), dense=_int(opts, "dense", defaults.dense),
+            vocab=_int(opts, "vocab", defaults.vocab, lo=1), zipf=_float(opts, "zipf", defaults.zipf),
+            multi=_int(opts, "multi", defaults.multi), drift=_float(opts, "drift", defaults.drift),
+            seed=_int(opts, "seed", defaults.seed))
+    except ValueError as exc:
+        raise SourceError(f"clicks: {exc}") from None
+    limit = _int(opts, "limit", None)
+    return lambda: stream.blocks(limit)
 
 
 def _table(rows: list[list[str]], label: str, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -214,7 +265,7 @@ def _csv_file(path: Path, opts: dict[str, str]) -> Callable[[], Iterator[Block]]
         with path.open(newline="") as fh:
             rows = [r for r in csv.reader(fh) if r]
         x, y = _table(rows, label, str(path))
-        yield 0, x, y
+        yield 0, Examples(x, y)
     return blocks
 
 
@@ -228,26 +279,39 @@ def _npz_file(path: Path, opts: dict[str, str]) -> Callable[[], Iterator[Block]]
             x, y = _features(data[xkey], str(path)), _labels(data[ykey], str(path))
         if y.shape != (x.shape[0],):
             raise SourceError(f"{path}: y must be [{x.shape[0]}], got {y.shape}")
-        yield 0, x, y
+        yield 0, Examples(x, y)
     return blocks
 
 
+def _examples(xs: list[Any], ys: list[Any], ids: list[dict[str, list[int]]], where: str) -> Examples:
+    """A block of JSON-lines records; a record without one of the block's ID features has none of it."""
+    names = sorted({name for rec in ids for name in rec})
+    columns = {name: Jagged.from_lists([rec.get(name, []) for rec in ids]) for name in names}
+    return Examples(_features(xs, where, with_ids=bool(names)), _labels(np.array(ys), where), columns)
+
+
 def _json_lines(lines: Iterable[str], where: str, block: int) -> Iterator[Block]:
-    start, xs, ys = 0, [], []
+    start, xs, ys, ids = 0, [], [], []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-            xs.append(obj["x"])
+            if "ids" not in obj and "x" not in obj:
+                raise KeyError("x")
             ys.append(obj["y"])
+            ids.append(parse_ids(obj["ids"]) if "ids" in obj else {})
+            xs.append(obj.get("x", []))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise SourceError(f"{where} line {lineno}: expected {{\"x\": [...], \"y\": ...}} ({exc})") from None
+            raise SourceError(f"{where} line {lineno}: expected {{\"x\": [...], \"y\": ..., \"ids\": {{...}}}} "
+                              f"({exc})") from None
+        except DecodeError as exc:
+            raise SourceError(f"{where} line {lineno}: {exc}") from None
         if len(xs) >= block:
-            yield start, _features(xs, where), _labels(np.array(ys), where)
-            start, xs, ys = start + len(xs), [], []
+            yield start, _examples(xs, ys, ids, where)
+            start, xs, ys, ids = start + len(xs), [], [], []
     if xs:
-        yield start, _features(xs, where), _labels(np.array(ys), where)
+        yield start, _examples(xs, ys, ids, where)
 
 
 def _jsonl_file(path: Path, opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
@@ -279,7 +343,7 @@ def _stdin(opts: dict[str, str], stream: TextIO | None = None) -> Callable[[], I
                 except ValueError:
                     continue
             x, y = _table([row], label, "stdin")
-            yield start, x, y
+            yield start, Examples(x, y)
             start += 1
     return blocks
 
@@ -296,22 +360,39 @@ def _plugin(target: str, opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
     def blocks() -> Iterator[Block]:
         made = fn(**kwargs)
         if isinstance(made, Source):  # already blocks; its own split applies first
-            made = iter(made)
+            start = 0
+            for block in made:
+                yield start, block
+                start += len(block)
+            return
         start = 0
         for item in made:
-            try:
-                x, y = item
-            except (TypeError, ValueError):
-                raise SourceError(f"source {target!r} must yield (x, y) pairs, got {type(item).__name__}") from None
-            x = np.asarray(x)
-            if x.ndim == 1:
-                x, y = x[None, :], np.asarray([y])
-            xb, yb = _features(x, target), _labels(np.asarray(y), target)
-            if yb.shape != (xb.shape[0],):
-                raise SourceError(f"source {target!r}: y must have one label per row")
-            yield start, xb, yb
-            start += len(xb)
+            block = _plugin_block(target, item)
+            yield start, block
+            start += len(block)
     return blocks
+
+
+def _plugin_block(target: str, item: Any) -> Examples:
+    """One ``(x, y)`` or ``(x, y, ids)`` item of a plug-in as examples."""
+    if not isinstance(item, tuple | list) or len(item) not in (2, 3):
+        raise SourceError(f"source {target!r} must yield (x, y) pairs or (x, y, ids) triples, "
+                          f"got {type(item).__name__}")
+    x, y, ids = np.asarray(item[0]), item[1], item[2] if len(item) == 3 else {}
+    if not isinstance(ids, Mapping):
+        raise SourceError(f"source {target!r}: ids must be a map of feature name to IDs")
+    if x.ndim == 1:  # one record; its ids as in the JSON record
+        x, y = x[None, :], np.asarray([y])
+        try:
+            ids = {name: Jagged.from_lists([v]) for name, v in parse_ids(dict(ids)).items()}
+        except DecodeError as exc:
+            raise SourceError(f"source {target!r}: {exc}") from None
+    elif not all(isinstance(col, Jagged) for col in ids.values()):
+        raise SourceError(f"source {target!r}: the ids of a block must be Jagged columns")
+    xb, yb = _features(x, target, with_ids=bool(ids)), _labels(np.asarray(y), target)
+    if yb.shape != (xb.shape[0],) or any(col.n != len(xb) for col in ids.values()):
+        raise SourceError(f"source {target!r}: y and every ID feature must have one entry per row of x")
+    return Examples(xb, yb, dict(ids))
 
 
 _FILES = {"csv": _csv_file, "npz": _npz_file, "jsonl": _jsonl_file}
@@ -322,6 +403,7 @@ def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -
 
     Args:
         spec: e.g. ``"digits"``, ``"synthetic?task=regression&features=8&limit=10000"``,
+            ``"clicks?multi=8&limit=1000000"``,
             ``"csv:data.csv?label=target"``, ``"mypkg.data:records"``.
         split: ``"train"``, ``"test"`` or ``"all"``.
         stdin: the text stream for ``stdin`` (default ``sys.stdin``).
@@ -338,6 +420,8 @@ def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -
         blocks = _digits(opts)
     elif base == "synthetic":
         blocks = _synthetic(opts)
+    elif base == "clicks":
+        blocks = _clicks(opts)
     elif base == "stdin":
         blocks = _stdin(opts, stdin)
     elif colon and prefix in _FILES or not colon and Path(base).suffix[1:] in _FILES:
@@ -348,8 +432,8 @@ def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -
     elif colon and arg:
         blocks = _plugin(base, opts)
     else:
-        raise SourceError(f"unknown source {spec!r}: use digits, synthetic, stdin, csv:PATH, npz:PATH, "
-                          "jsonl:PATH or module:callable")
+        raise SourceError(f"unknown source {spec!r}: use digits, synthetic, clicks, stdin, csv:PATH, "
+                          "npz:PATH, jsonl:PATH or module:callable")
     if opts:
         raise SourceError(f"source {spec!r}: unknown option(s) {', '.join(sorted(opts))}")
     return Source(spec, blocks, split)

@@ -18,8 +18,8 @@ import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from datastream import (
-    Batch, ShardConsumer, decode_record, dlq_topic, encode_json_record, encode_msgpack_record, encode_shard,
-    load_source, parse_dlq_headers, produce,
+    MAX_IDS_PER_FEATURE, Batch, Jagged, ShardConsumer, decode_record, dlq_topic, encode_json_record,
+    encode_msgpack_record, encode_shard, hash_id, load_source, parse_dlq_headers, produce,
 )
 from streamtrain.launcher import wait_until
 
@@ -357,3 +357,110 @@ def test_an_empty_assignment_idles_until_partitions_come(kafka) -> None:
         assert consumer.poll(0.3) is None and consumer.assignment() == {}
         consumer.assign({1: 0})
         assert drain(consumer, {1: 1})[0].offsets == {1: (0, 1)}
+
+
+def _dlq_entries(kafka, topic: str, want: int) -> dict[tuple[int, int], object]:
+    entries = {}
+    reader = KafkaConsumer(bootstrap_servers=kafka.bootstrap, auto_offset_reset="earliest",
+                           enable_auto_commit=False)
+    try:
+        reader.assign([TopicPartition(dlq_topic(topic), 0)])
+        deadline = time.monotonic() + 30
+        while len(entries) < want and time.monotonic() < deadline:
+            for msgs in reader.poll(timeout_ms=500).values():
+                for m in msgs:
+                    entry = parse_dlq_headers(m.headers)
+                    entries[(entry.partition, entry.offset)] = entry
+    finally:
+        reader.close()
+    return entries
+
+
+def test_records_with_ids_mixed_with_dense_and_bad_ones(kafka) -> None:
+    """``streamtrain produce --source clicks?...`` (version-2 shards) and a plain client's version-1
+    shards, JSON and msgpack records with and without ids, and bad ones, in one stream."""
+    topic = f"clicks-{time.monotonic_ns()}"
+    spec = "clicks?dense=2&features=3&vocab=3000&multi=4&limit=700"
+    done = subprocess.run(
+        [sys.executable, "-m", "streamtrain.cli", "produce", "--source", spec, "--topic", topic,
+         "--bootstrap", kafka.bootstrap, "--partitions", "2", "--shard-size", "100", "--producer-id", "clk",
+         "--no-progress"], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr
+    assert "produced 700 records in 7 shards" in done.stdout
+    clicks = load_source(spec).read()
+    dense_x = np.array([[0.5, 1.5], [2.5, 3.5], [4.5, 5.5]], np.float32)
+    good_ids = {"user": 42, "genres": [3, 7], "city": "paris"}
+    too_many = {"u": list(range(MAX_IDS_PER_FEATURE + 1))}
+    bad_lengths = msgpack.unpackb(encode_shard(
+        dense_x, np.zeros(3, np.int64), ids={"user": Jagged.from_lists([[1], [2], [3]])},
+        producer_id="bad", first_seq=0))
+    bad_lengths["ids"]["lengths"]["data"] = np.array([1, 1, 2], np.int32).tobytes()
+    messages = [  # partition 0, after the 4 shards of the producer (offsets 0..3)
+        encode_shard(dense_x, np.array([0, 1, 0]), producer_id="old", first_seq=0),  # 4: version 1
+        encode_json_record([1.0, 2.0], 1, ids=good_ids),  # 5
+        encode_msgpack_record([3.0, 4.0], 0, ids={"user": "bob", "c1": [5, 6]}),  # 6
+        encode_json_record([5.0, 6.0], 1),  # 7: no ids at all
+        json.dumps({"y": 1, "ids": {"user": 1.5}}).encode(),  # 8: bad_ids
+        encode_msgpack_record([1.0, 2.0], 0, ids=too_many),  # 9: too_many_ids
+        msgpack.packb(bad_lengths),  # 10: bad_ids in a shard, which names its 3 records
+        msgpack.packb({**bad_lengths, "v": 3}),  # 11: unknown_version
+        encode_json_record([1.0, 2.0, 3.0], 1, ids=good_ids),  # 12: wrong_shape (the stream's width is 2)
+        encode_shard(dense_x[:2], np.array([1, 1]), producer_id="old", first_seq=3,
+                     ids={"genres": Jagged.from_lists([[], [8, 9, 10]])}),  # 13: version 2 of a plain client
+    ]
+    producer = plain_producer(kafka)
+    try:
+        for value in messages:
+            producer.send(topic, value, partition=0)
+        producer.flush()
+    finally:
+        producer.close()
+    ends = {0: 14, 1: 3}
+    with ShardConsumer(kafka.bootstrap, topic, max_records_per_batch=1000, max_record_bytes=64 * 1024) as consumer:
+        assert consumer.end_offsets() == ends
+        consumer.assign({0: 0, 1: 0})
+        batches = drain(consumer, ends)
+        stats = consumer.stats()
+    check_chains(batches, {0: 0, 1: 0}, ends)
+    assert stats.rejected_by_reason == {"bad_ids": 2, "too_many_ids": 1, "unknown_version": 1, "wrong_shape": 1}
+    # the bad shard names its 3 records; one of an unknown version is not read further and counts as 1
+    assert sum(b.rejected for b in batches) == stats.rejected_records == 1 + 1 + 3 + 1 + 1
+    # every accepted record exactly once, in the samples
+    assert seqs(batches) == Counter({**{("clk", s): 1 for s in range(700)}, **{("old", s): 1 for s in range(5)},
+                                     **{(f"{topic}/0", o): 1 for o in (5, 6, 7)}})
+    rows = {}
+    for b in batches:
+        assert all(col.n == len(b) for col in b.ids.values())
+        assert b.x.shape[1] == 2 and b.y.dtype == torch.int64
+        row = 0
+        for producer_id, first, count in b.samples:
+            for k in range(count):
+                rows[(producer_id, first + k)] = (b.x[row].tolist(), int(b.y[row]),
+                                                  {name: col.to_lists()[row] for name, col in b.ids.items()})
+                row += 1
+        for name, col in b.ids.items():  # offsets start at 0 and end at the values
+            assert col.offsets[0] == 0 and col.offsets[-1] == col.nnz and col.values.dtype == np.int64
+    for s in range(700):  # the producer's records carry the source's IDs, row for row
+        x, y, ids = rows[("clk", s)]
+        assert y == clicks.y[s] and x == clicks.x[s].tolist()
+        for name, col in clicks.ids.items():
+            assert ids[name] == col.to_lists()[s], (s, name)
+        assert set(ids) - set(clicks.ids) <= {"user", "genres", "city"}  # others' features: zero rows here
+        assert all(ids[name] == [] for name in set(ids) - set(clicks.ids))
+    def named(key: tuple[str, int]) -> dict[str, list[int]]:  # the features a record has IDs of
+        return {name: v for name, v in rows[key][2].items() if v}
+
+    assert named((f"{topic}/0", 5)) == {"user": [42], "genres": [3, 7], "city": [hash_id("paris")]}
+    assert named((f"{topic}/0", 6)) == {"user": [hash_id("bob")], "c1": [5, 6]}
+    assert rows[(f"{topic}/0", 6)][0] == [3.0, 4.0]
+    assert all(v == [] for v in rows[(f"{topic}/0", 7)][2].values())  # no ids: zero rows of every feature
+    assert [rows[("old", s)][1] for s in range(5)] == [0, 1, 0, 1, 1]
+    assert all(v == [] for s in range(3) for v in rows[("old", s)][2].values())  # version 1: no ids
+    assert rows[("old", 4)][2]["genres"] == [8, 9, 10] and rows[("old", 3)][2]["genres"] == []
+
+    entries = _dlq_entries(kafka, topic, 5)
+    assert {o: e.reason for (p, o), e in entries.items()} == {
+        8: "bad_ids", 9: "too_many_ids", 10: "bad_ids", 11: "unknown_version", 12: "wrong_shape"}
+    assert (entries[(0, 10)].producer_id, entries[(0, 10)].first_seq, entries[(0, 10)].count) == ("bad", 0, 3)
+    assert "lengths add up to 4, values hold 3" in entries[(0, 10)].error
+    assert str(MAX_IDS_PER_FEATURE) in entries[(0, 9)].error

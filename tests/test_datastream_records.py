@@ -94,6 +94,10 @@ BAD = {
                    encode_shard(np.array([[1.0], [np.inf]], np.float32), np.zeros(2, np.int64),
                                 producer_id="p", first_seq=0),
                    b'{"x": [1], "y": NaN}'],
+    "bad_ids": [b'{"x": [1], "y": 1, "ids": {"u": 1.5}}', b'{"y": 1, "ids": {"no space": 1}}',
+                msgpack.packb({"x": [1.0], "y": 1, "ids": {"u": 1 << 63}})],
+    "too_many_ids": [json.dumps({"y": 1, "ids": {"u": list(range(2000))}}).encode(),
+                     msgpack.packb({"y": 1, "ids": {f"f{i}": 1 for i in range(100)}})],
 }
 
 

@@ -11,6 +11,7 @@ import types
 import numpy as np
 import pytest
 
+from datastream.examples import Examples
 from datastream.producer import iter_shards
 from datastream.sources import TEST_EVERY, Source, SourceError, load_source, split_mask
 
@@ -34,16 +35,16 @@ def test_digits_and_the_split_convention() -> None:
 def test_synthetic_is_seeded_unbounded_and_both_tasks() -> None:
     a = load_source("synthetic?seed=3&features=5&classes=3").read(limit=3000)
     b = load_source("synthetic?seed=3&features=5&classes=3").read(limit=3000)
-    np.testing.assert_array_equal(a[0], b[0])
-    assert a[0].shape == (3000, 5) and set(np.unique(a[1])) == {0, 1, 2}
+    np.testing.assert_array_equal(a.x, b.x)
+    assert a.x.shape == (3000, 5) and set(np.unique(a.y)) == {0, 1, 2}
     c = load_source("synthetic?seed=4&features=5&classes=3").read(limit=10)
-    assert not np.array_equal(a[0][:10], c[0])
+    assert not np.array_equal(a.x[:10], c.x)
     xr, yr = load_source("synthetic?task=regression&features=2&limit=50").read()
     assert xr.shape == (50, 2) and yr.dtype == np.float32
     unbounded = iter(load_source("synthetic"))
     assert sum(len(x) for x, _ in itertools.islice(unbounded, 20)) == 20 * 1024
     test_only, _ = load_source("synthetic?seed=3&features=5&classes=3&limit=3000", split="test").read()
-    np.testing.assert_array_equal(test_only, a[0][TEST_EVERY - 1::TEST_EVERY])
+    np.testing.assert_array_equal(test_only, a.x[TEST_EVERY - 1::TEST_EVERY])
 
 
 def test_files(tmp_path) -> None:
@@ -94,8 +95,8 @@ def test_plugin_sources(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "my_plugin_source", mod)
     x, y = load_source("my_plugin_source:records?n=6").read()
     assert x.shape == (6, 2) and y.tolist() == [0, 1, 0, 1, 0, 1]
-    assert load_source("my_plugin_source:blocks").read()[0].shape == (4, 2)
-    assert len(load_source("my_plugin_source:made").read()[0]) == 1797 - 1797 // 5
+    assert load_source("my_plugin_source:blocks").read().x.shape == (4, 2)
+    assert len(load_source("my_plugin_source:made").read()) == 1797 - 1797 // 5
     with pytest.raises(SourceError, match=r"\(x, y\) pairs"):
         load_source("my_plugin_source:broken").read()
     with pytest.raises(SourceError, match="cannot load 'nope'"):
@@ -123,14 +124,14 @@ def test_iter_shards_rechunks_exactly() -> None:
     src = load_source("synthetic?features=3&limit=2500")
     shards = list(iter_shards(src, 1000))
     assert [len(x) for x, _ in shards] == [1000, 1000, 500]
-    np.testing.assert_array_equal(np.concatenate([x for x, _ in shards]), src.read()[0])
+    np.testing.assert_array_equal(np.concatenate([x for x, _ in shards]), src.read().x)
     assert [len(x) for x, _ in iter_shards(src, 300, limit=700)] == [300, 300, 100]
     with pytest.raises(ValueError, match="shard_size"):
         next(iter_shards(src, 0))
 
 
 def test_labels_may_not_change_kind_mid_stream() -> None:
-    blocks = [(0, np.zeros((2, 1), np.float32), np.array([0, 1])),
-              (2, np.zeros((2, 1), np.float32), np.array([0.5, 1.5], np.float32))]
+    blocks = [(0, Examples(np.zeros((2, 1), np.float32), np.array([0, 1]))),
+              (2, Examples(np.zeros((2, 1), np.float32), np.array([0.5, 1.5], np.float32)))]
     with pytest.raises(SourceError, match="labels changed from int64 to float32"):
         list(iter_shards(Source("mixed", lambda: iter(blocks)), 10))
