@@ -18,7 +18,8 @@ from .errors import (
 )
 from .layout import Layout, ShardSpec, TensorSpec
 from .optim import OPTIMIZERS, OptimizerConfig
-from .server import ParameterServer, ServerSettings, ServerStatus
+from .server import ParameterServer, ServerStatus
+from .settings import ServerSettings
 from .store import ModelMeta, ParameterStore, Snapshot, connect
 from .updates import Update, committed_offsets, push_update, unapplied_updates, was_committed
 
