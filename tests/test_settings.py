@@ -142,3 +142,10 @@ def test_the_parameter_plane_doc_lists_every_ps_setting() -> None:
     missing = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(ServerSettings)
                if f"`--{f.name.replace('_', '-')}`" not in section and f"`--{f.name.replace('_', '-')}/" not in section]
     assert not missing, f"docs/parameter-plane.md's ps settings omit {missing}"
+
+
+def test_the_coordinators_optimizers_are_the_parameter_planes() -> None:
+    from coordinator.settings import OPTIMIZERS
+    from services.optim import OPTIMIZERS as SERVED
+
+    assert OPTIMIZERS == SERVED
