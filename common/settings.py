@@ -8,6 +8,9 @@ precedence *flag > environment > default*, validating every value with a
 inverse: the command line that gives a service exactly these settings (what
 ``streamtrain.cluster`` runs its child processes with).
 
+A field declared ``hidden=True`` (a switch only the tests use, e.g. the ps's
+fault injection) keeps its flag and its variable but is left out of ``--help``.
+
 Example::
 
     @dataclass(frozen=True)
@@ -37,11 +40,15 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 def setting(default: Any, *, env: str | None, help: str, min: float | None = None,  # noqa: A002
-            max: float | None = None, choices: Sequence[Any] | None = None) -> Any:
-    """Declare a settings field with its environment variable, bounds and help."""
+            max: float | None = None, choices: Sequence[Any] | None = None, hidden: bool = False) -> Any:
+    """Declare a settings field with its environment variable, bounds and help.
+
+    ``hidden``: a switch for the tests, not the user: its flag and variable work as any other's,
+    but ``--help`` does not list it.
+    """
     return dataclasses.field(default=default, metadata={
         "env": env, "help": help, "min": min, "max": max,
-        "choices": tuple(choices) if choices is not None else None})
+        "choices": tuple(choices) if choices is not None else None, "hidden": hidden})
 
 
 def _flag(name: str) -> str:
@@ -85,14 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = meta.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         suffix = f" [env {env}; default {default!r}]" if env else f" [default {default!r}]"
+        help_text = argparse.SUPPRESS if meta.get("hidden") else help_text + suffix
         kind = kinds[f.name]
         if kind is bool:
             parser.add_argument(_flag(f.name), dest=f.name, default=None,
-                                action=argparse.BooleanOptionalAction, help=help_text + suffix)
+                                action=argparse.BooleanOptionalAction, help=help_text)
         else:
             parser.add_argument(_flag(f.name), dest=f.name, default=None,
                                 choices=meta.get("choices"), type=str if kind is str else None,
-                                metavar=f.name.upper(), help=help_text + suffix)
+                                metavar=f.name.upper(), help=help_text)
 
 
 def from_args(cls: type[T], args: argparse.Namespace | Mapping[str, Any] | None = None,

@@ -10,6 +10,10 @@ closed socket never shows: a frozen process or a lost network.
 The coordinator also writes on every channel, ``{"generation": g}``, whenever
 the membership moves to a new generation, so the other trainers fetch their
 new assignment (a heartbeat) without waiting for their next period.
+
+A request that is not a WebSocket handshake (``Upgrade: websocket``,
+``Connection: Upgrade``, ``Sec-WebSocket-Version`` and ``Sec-WebSocket-Key``)
+is refused with 400 ``not_a_websocket`` before the member is looked up.
 """
 
 from __future__ import annotations
@@ -33,13 +37,17 @@ async def channel(request: web.Request) -> web.StreamResponse:
     """The presence channel of one live member (see the module docstring)."""
     rt: Runtime = request.app[RUNTIME]
     authenticate(request, rt.settings.job_token, "job")
+    # no pings: a closed socket is the signal; a busy trainer slow to pong must not read as dead
+    # (frozen processes and lost networks are the lease's)
+    ws = web.WebSocketResponse()
+    if not ws.can_prepare(request).ok:
+        raise ApiError(400, "not_a_websocket", f"{request.path} is a WebSocket: open it with a WebSocket "
+                                               "handshake (Upgrade: websocket, Connection: Upgrade, "
+                                               "Sec-WebSocket-Version: 13, Sec-WebSocket-Key)")
     member_id = request.match_info["member_id"]
     state = await rt.store.load()
     if member_id not in state.members:
         raise ApiError(404, "unknown_member", f"member {member_id!r} is not a live member")
-    # no pings: a closed socket is the signal; a busy trainer slow to pong must not read as dead
-    # (frozen processes and lost networks are the lease's)
-    ws = web.WebSocketResponse()
     await ws.prepare(request)
     previous = rt.channels.get(member_id)
     rt.channels[member_id] = ws

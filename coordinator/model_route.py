@@ -13,8 +13,11 @@ the group's version, and the tensors named by parameter, so
 - ``?version=V`` returns version V while Redis can still rebuild it (every
   shard's base at most its group's version in V); an older one is 410
   ``version_gone`` naming the oldest available, a newer one 404
-  ``version_not_found``, one of another form (not one integer per group) 400
-  ``invalid_query`` naming the form. The JSON's ``current`` and ``oldest`` are
+  ``version_not_found``. A version name with another number of parts than the
+  job has groups (``12.7`` of a one-group job) names no version of it: 404
+  ``version_not_found`` too, the message naming the job's form. Anything else
+  (not integers of at most 18 digits joined by '.', the OpenAPI file's
+  pattern) is 400 ``invalid_query``. The JSON's ``current`` and ``oldest`` are
   integers with one group, version names (strings) with several.
 - Job token or admin token (the model is the job's product, not a public view).
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,8 +55,12 @@ T = TypeVar("T")
 __all__ = ["setup_model_route", "get_model", "etag", "MODEL_EXPORT", "ModelExport"]
 
 _PARAMS = frozenset({"version"})
-_MAX_VERSION_CHARS = 20 * 1024
-"""Longest ``?version=`` looked at (1024 groups of 18 digits and the dots)."""
+_MAX_VERSION_CHARS = 8000
+"""Longest ``?version=`` looked at (the OpenAPI file's ``maxLength``): it fits the HTTP server's
+8190-byte request line, which refuses a longer one before any handler (400, text/plain). 421 groups
+of 18-digit versions, 800 of 9 digits."""
+_VERSION_NAME = re.compile(r"[0-9]{1,18}(?:\.[0-9]{1,18})*")
+"""A version name of a job with any number of groups (the OpenAPI file's ``pattern``)."""
 
 
 @dataclass
@@ -150,9 +158,15 @@ def _translate(fn: Callable[..., T]) -> Callable[..., T]:
 def _resolve(client: redis.Redis, job: str, requested: str | None) -> tuple[tuple[int, ...] | None, str]:
     """The version ``requested`` names, parsed (None: the current one), and the name of the version
     it resolves to now; cheap: no shards."""
-    from services.export import parse_version, resolve_version, retained, version_name
+    from services.export import BadVersionError, parse_version, resolve_version, retained, version_name
     kept = retained(client, job)
-    want = None if requested is None else parse_version(requested, len(kept.current), job=job)
+    try:
+        want = None if requested is None else parse_version(requested, len(kept.current), job=job)
+    except BadVersionError as exc:
+        if _VERSION_NAME.fullmatch(requested or ""):  # a version name, of a job with another number of groups
+            raise _VersionError(404, "version_not_found", f"job {job} has no version {requested!r}: {exc}",
+                                current=_json_version(kept.current)) from None
+        raise
     return want, version_name(resolve_version(job, want, kept))
 
 

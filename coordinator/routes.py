@@ -326,11 +326,11 @@ async def history(request: web.Request) -> web.Response:
     raw = request.query.get("since_ms")
     since = None
     if raw is not None:
-        try:
-            since = int(raw)
-        except ValueError:
-            raise ApiError(400, "bad_request",
-                           f"since_ms: expected integer milliseconds since the epoch, got {raw!r}") from None
+        # as the OpenAPI file says: 0 .. 2**63-1 in digits (int() would also take " 1_000" or "+1")
+        if not re.fullmatch(r"[0-9]{1,19}", raw) or int(raw) >= 1 << 63:
+            raise ApiError(400, "bad_request", f"since_ms: expected integer milliseconds since the epoch "
+                                               f"(0 .. 2**63-1), got {raw!r}")
+        since = int(raw)
     return web.json_response(request.app[SAMPLER].history.columns(since_ms=since))
 
 

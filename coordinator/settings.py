@@ -10,8 +10,9 @@ CONSISTENCY_MODELS = ("bsp", "ssp", "asp")
 """Consistency models a job may run under (bulk-synchronous, stale-synchronous, asynchronous)."""
 
 OPTIMIZERS = ("sgd", "adam", "lazyadam", "dgc")
-"""Optimizers a job may use: ``services.optim.OPTIMIZERS``, repeated because the coordinator does not
-import the parameter plane (nor torch); ``tests/test_protocol.py`` checks the two agree."""
+"""Optimizers a job may use: the names of ``services.optim.OPTIMIZERS`` (``tests/test_protocol.py``
+checks they agree), spelt out here because the coordinator imports the parameter plane (and torch)
+only once ``GET /v1/model`` is first asked for (:mod:`coordinator.model_route`), not to start."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,11 @@
 A schema maps each allowed field to a :class:`Field`; :func:`validate` returns
 the checked dict or raises :class:`InvalidBody` naming the first problem with
 its JSON path (``capabilities.threads``).
+
+Types are JSON Schema's, as ``coordinator/openapi.yaml`` declares them: an
+integer is any number with no fractional part, so ``229.0`` (what a client that
+keeps every number a float sends) is the integer 229 and is returned as an
+``int``; ``229.5`` is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ class Field:
     """One allowed field of a JSON object."""
 
     kind: str
-    """"str", "int", "number", "bool", "object" (nested schema) or "numbers" (list of numbers)."""
+    """"str", "int" (an integral number: ``3`` or ``3.0``), "number", "bool", "object" (nested
+    schema) or "numbers" (list of numbers)."""
     required: bool = False
     choices: Sequence[Any] | None = None
     min: float | None = None
@@ -45,8 +51,11 @@ def _check(path: str, spec: Field, value: Any) -> Any:
         if len(value) > spec.max_len:
             raise InvalidBody(f"{path}: longer than {spec.max_len} characters")
     elif kind == "int":
+        if isinstance(value, float) and value.is_integer():  # JSON Schema: 229.0 is an integer
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidBody(f"{path}: expected an integer, got {type(value).__name__}")
+            what = repr(value) if isinstance(value, float) else type(value).__name__
+            raise InvalidBody(f"{path}: expected an integer, got {what}")
     elif kind == "number":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidBody(f"{path}: expected a number, got {type(value).__name__}")

@@ -19,7 +19,8 @@ from .errors import (
 )
 from .layout import Layout, ShardSpec, TensorSpec
 from .optim import OPTIMIZERS, OptimizerConfig
-from .server import ParameterServer, ServerSettings, ServerStatus
+from .server import ParameterServer, ServerStatus
+from .settings import ServerSettings
 from .store import ModelMeta, ParameterStore, Snapshot, connect
 from .protocol import Update
 from .updates import committed_offsets, push_update, unapplied_updates, was_committed

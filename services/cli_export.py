@@ -3,44 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from dataclasses import dataclass
 
 import redis
 
-from common.keys import validate_job
 from common.outage import REDIS_DOWN, redis_name
 from common.settings import add_arguments as add_settings
-from common.settings import from_args, setting
+from common.settings import from_args
 
 from .errors import ParameterPlaneError
 from .export import export_model, version_name
+from .settings import ExportSettings
 from .store import connect
-
-_VERSION_RE = re.compile(r"[0-9]{1,18}(?:\.[0-9]{1,18})*")
-
-
-@dataclass(frozen=True)
-class ExportSettings:
-    """Settings of ``streamtrain export``."""
-
-    redis_url: str = setting("redis://127.0.0.1:6379/0", env="STREAMTRAIN_REDIS_URL",
-                             help="Redis holding the job's model")
-    job: str = setting("default", env="STREAMTRAIN_JOB", help="job whose model to export")
-    out: str = setting("", env=None, help="file to write (required; safetensors, replaced atomically)")
-    version: str | None = setting(None, env=None,
-                                  help="model version to export (default: the current one): an integer, or "
-                                       "with several shard groups each group's version joined by '.' "
-                                       "(e.g. 12.7); it must still be retained in Redis")
-
-    def __post_init__(self) -> None:
-        validate_job(self.job)
-        if not self.out:
-            raise ValueError("--out FILE is required (where to write the .safetensors file)")
-        if self.version is not None and not _VERSION_RE.fullmatch(self.version):
-            raise ValueError(f"--version must be a model version: a non-negative integer, or with several "
-                             f"shard groups one per group joined by '.' (e.g. 12.7), got {self.version!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,8 @@ from common.settings import add_arguments as add_settings
 from common.settings import from_args
 
 from .metrics import MetricsServer
-from .server import ParameterServer, ServerSettings, ServerStatus
+from .server import ParameterServer, ServerStatus
+from .settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -21,13 +22,11 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of :class:`ServerSettings`."""
     add_settings(parser, ServerSettings)
-    parser.add_argument("--start-timeout-s", type=float, default=300.0,
-                        help="how long to wait for the job's model to exist [default 300]")
 
 
 def run(args: argparse.Namespace) -> int:
     """Start the server, apply updates until a signal, stop cleanly."""
-    settings = from_args(ServerSettings, {k: v for k, v in vars(args).items() if k != "start_timeout_s"})
+    settings = from_args(ServerSettings, args)
     torch.set_num_threads(settings.torch_threads)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     server = ParameterServer(settings)
     http = MetricsServer(server.metrics.registry, settings.metrics_port) if settings.metrics_port else None
     try:
-        server.start(timeout_s=args.start_timeout_s)
+        server.start(timeout_s=settings.start_timeout_s)
         while not stop.wait(0.2):
             if server.status is ServerStatus.FAILED:
                 return 1

@@ -1,10 +1,11 @@
-"""Versioned deltas: the coordinates one model version changed in one shard, and their new values.
+"""Versioned deltas: the coordinates one group version changed in one shard, and their new values.
 
 A parameter server publishes one delta per shard it changed in an apply
-(``JobKeys.deltas(i)``, entry id ``<model version>-0``); trainers rebuild a
-shard at version V from its full bytes at its base version plus the deltas
-after the base, or move their replica from version S to V with the deltas in
-(S, V]. A delta carries *new values*, not increments, so applying one twice,
+(``GroupKeys.deltas(i)`` in the slot of the shard's group, entry id
+``<group version>-0``: the version the apply gave the shard's group); trainers
+rebuild a shard at group version V from its full bytes at its base version
+plus the deltas after the base, or move their replica from group version S to
+V with the deltas in (S, V]. A delta carries *new values*, not increments, so applying one twice,
 or applying a delta the replica already holds, changes nothing.
 
 Wire form: msgpack ``{"i": indices, "v": values}``; indices sorted, delta +
@@ -49,7 +50,7 @@ def decode_delta(blob: bytes, numel: int, what: str = "delta") -> tuple[np.ndarr
 
 
 def delta_version(entry_id: bytes | str) -> int:
-    """The model version of a delta stream entry (its id is ``<version>-0``)."""
+    """The group version of a delta stream entry (its id is ``<group version>-0``)."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(text.partition("-")[0])
 

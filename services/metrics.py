@@ -40,7 +40,7 @@ APPLY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 
 
 class MeteredSettings(Protocol):
-    """The settings :class:`ServerMetrics` reads (``services.server.ServerSettings`` has them)."""
+    """The settings :class:`ServerMetrics` reads (``services.settings.ServerSettings`` has them)."""
 
     @property
     def redis_url(self) -> str:

@@ -13,9 +13,11 @@ holds:
 * ``version`` — the group's version, bumped by every atomic apply that changes its shards.
 
 **Versions.** Each group has its own version; a model version is the vector
-of them (:attr:`Snapshot.group_versions`), and its scalar name is their sum
-(:attr:`Snapshot.version`: it grows with every apply of any group, so a
-reader's successive snapshots have growing versions). Shard ``i`` at group
+of them (:attr:`Snapshot.group_versions`, named ``12.7`` by
+:func:`services.export.version_name`). Their sum (:attr:`Snapshot.version`)
+grows with every apply of any group, so it orders a reader's successive
+snapshots, but it names no model: ``12.7`` and ``11.8`` have the same sum
+(``docs/serving.md``). Shard ``i`` at group
 version V is ``shard:<i>`` plus its deltas in (base, V]. Invariant 3 holds per
 group: every shard of group g in a snapshot is at the snapshot's version of g,
 because each group's apply bumps its version in the same atomic step that
@@ -113,10 +115,11 @@ class ModelMeta:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A consistent view of the model: every tensor as it was at model version ``version``."""
+    """A consistent view of the model: every tensor as it was at the model version :attr:`group_versions`."""
 
     version: int
-    """The model version it names: the sum of :attr:`group_versions`."""
+    """The sum of :attr:`group_versions`: it grows with every apply of any group (a reader's
+    successive snapshots are ordered by it), but it names no model; the vector does."""
     versions: tuple[int, ...]
     """Version of each shard (the version of its group that last changed it)."""
     tensors: dict[str, torch.Tensor]
@@ -248,7 +251,7 @@ class ParameterStore:
         return tuple(int(v or 0) for v in pipe.execute())
 
     def version(self) -> int:
-        """The current model version (the sum of the groups' versions)."""
+        """The sum of the groups' current versions (:attr:`Snapshot.version`: an order, not a name)."""
         return sum(self.group_versions())
 
     # -- pull ----------------------------------------------------------------

@@ -37,8 +37,8 @@ from typing import Any, NamedTuple, TypeVar
 from common.outage import REDIS_DOWN
 from common.settings import from_args, to_flags
 from coordinator.settings import CoordinatorSettings
-from datastream.cli import ProduceSettings
-from services.server import ServerSettings
+from datastream.settings import ProduceSettings
+from services.settings import ServerSettings
 from trainers.settings import TrainerSettings
 
 from .launcher import KafkaCluster, RedisCluster, RedisServer, ServiceProcess, free_port, wait_until

@@ -17,11 +17,12 @@ import pytest
 
 from common import settings as cfg
 from coordinator.settings import CoordinatorSettings
-from datastream.cli import ProduceSettings
-from services.server import ServerSettings
+from datastream.settings import ProduceSettings
+from services.settings import ServerSettings
 from streamtrain.cli import build_parser
 from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, Endpoints, commands, service_settings
-from streamtrain.up import UpSettings, cluster_spec
+from streamtrain.settings import UpSettings
+from streamtrain.up import cluster_spec
 from trainers.settings import TrainerSettings
 
 AT = Endpoints(redis_url="redis://:redis-password@127.0.0.1:6390/0", bootstrap="127.0.0.1:9099",

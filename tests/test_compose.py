@@ -34,7 +34,7 @@ from coordinator.routes import routes as coordinator_routes
 from coordinator.settings import CoordinatorSettings
 from datastream.consumer import ConsumerStats
 from services.metrics import ServerMetrics
-from services.server import ServerSettings
+from services.settings import ServerSettings
 from streamtrain.cli import COMMANDS, build_parser
 from common.redis_client import is_cluster_url, parse_cluster_url
 from common.settings import from_args

@@ -10,6 +10,7 @@ from dataclasses import replace
 from importlib import resources
 from typing import Any
 
+import aiohttp
 import pytest
 import redis as redis_lib
 import redis.asyncio as aioredis
@@ -571,8 +572,11 @@ async def test_a_closed_presence_channel_removes_the_member_at_once_and_others_h
         assert resp.status == 200
         await ws_b.close()
         assert int(redis.get(KEYS.generation)) == generation + 2
-        # a channel for nobody, or without the token, is refused
-        resp = await client.get(url.format("nobody"), headers=JOB_AUTH)
-        assert resp.status == 404
+        # a channel for nobody, or without the token, or a plain GET (no handshake) is refused
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await client.ws_connect(url.format("nobody"), headers=JOB_AUTH)
+        assert refused.value.status == 404
         resp = await client.get(url.format(a["member_id"]))
         assert resp.status == 401
+        resp = await client.get(url.format("nobody"), headers=JOB_AUTH)
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "not_a_websocket"

@@ -215,6 +215,20 @@ def test_register_body_errors_name_the_problem(raw: bytes, message: str) -> None
     assert message in str(info.value)
 
 
+def test_an_integer_field_takes_an_integral_number_as_json_schema_does() -> None:
+    # 229.0 is an integer to JSON Schema (and to the OpenAPI file): accepted, and stored as an int
+    body = parse_json(b'{"stats": {"staleness": 229.0, "clock": 3}}', HEARTBEAT)
+    assert body == {"stats": {"staleness": 229, "clock": 3}} and type(body["stats"]["staleness"]) is int
+    registered = parse_json(b'{"capabilities": {"device": "cpu", "memory_mb": 531887735.0}}', REGISTER)
+    assert type(registered["capabilities"]["memory_mb"]) is int
+    with pytest.raises(InvalidBody, match=r"stats.staleness: expected an integer, got 229.5"):
+        parse_json(b'{"stats": {"staleness": 229.5}}', HEARTBEAT)
+    with pytest.raises(InvalidBody, match=r"capabilities.threads: must be <= 4096, got 5000"):
+        parse_json(b'{"capabilities": {"device": "cpu", "threads": 5e3}}', REGISTER)  # bounds after the cast
+    with pytest.raises(InvalidBody, match="stats.clock: expected an integer, got inf"):
+        parse_json(b'{"stats": {"clock": Infinity}}', HEARTBEAT)
+
+
 def test_heartbeat_body_checks_stats() -> None:
     assert parse_json(b"", HEARTBEAT, allow_empty=True) == {}
     assert parse_json(b'{"stats": {"loss": 0.1, "freshness_s": [0.5, 1]}}', HEARTBEAT) == {

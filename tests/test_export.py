@@ -309,11 +309,15 @@ async def test_the_route_refuses_bad_versions_naming_what_is_available(
         ahead = await error(f"?version={UPDATES + 1}", 404)
         assert ahead["code"] == "version_not_found" and ahead["current"] == UPDATES
         assert f"no model version {UPDATES + 1} yet" in ahead["message"]
-        for query, shown in (("?version=abc", "'abc'"), ("?version=-1", "'-1'"), ("?version=1.5", "'1.5'"),
+        for query, shown in (("?version=abc", "'abc'"), ("?version=-1", "'-1'"), ("?version=1.x", "'1.x'"),
                              ("?version=", "''"), ("?version=" + "9" * 19, "'" + "9" * 19 + "'")):
             bad = await error(query, 400)
             assert bad["code"] == "invalid_query" and f"non-negative integer (a model version), got {shown}" \
                 in bad["message"], bad
+        # a version name with two parts names no version of a one-group job (the OpenAPI pattern allows it)
+        other = await error("?version=1.5", 404)
+        assert other["code"] == "version_not_found" and other["current"] == UPDATES
+        assert "no version '1.5': version must be one non-negative integer" in other["message"], other
         twice = await error("?version=1&version=2", 400)
         assert twice["code"] == "invalid_query" and "version must be given once" in twice["message"]
         unknown = await error("?v=3", 400)
@@ -438,7 +442,9 @@ async def test_the_route_names_a_two_group_version_by_its_vector(
             assert resp.status == status, (query, resp.status, await resp.text())
             return (await resp.json())["error"]
 
-        bad = await error(f"?version={UPDATES}", 400)
+        other = await error(f"?version={UPDATES}", 404)
+        assert other["code"] == "version_not_found" and "2 non-negative integers joined by '.'" in other["message"]
+        bad = await error(f"?version={UPDATES}.x", 400)
         assert bad["code"] == "invalid_query" and "2 non-negative integers joined by '.'" in bad["message"]
         ahead = await error(f"?version={UPDATES + 1}.0", 404)
         assert ahead["code"] == "version_not_found" and ahead["current"] == name

@@ -26,7 +26,8 @@ from services import unapplied_updates
 from streamtrain.accounting import audit
 from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster
 from streamtrain.launcher import KafkaCluster, LaunchError, ServerState, replication_config, wait_until
-from streamtrain.up import UpSettings, cluster_spec
+from streamtrain.settings import UpSettings
+from streamtrain.up import cluster_spec
 
 DIGITS_TRAIN = 1438
 """Records in one pass of the digits train split."""

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from common import settings as cfg
 from streamtrain.cli import COMMANDS, build_parser
+from streamtrain.settings import UpSettings
+from streamtrain.up import Outcome, exit_code
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -78,3 +81,16 @@ def test_every_script_and_file_an_example_runs_exists() -> None:
             if re.fullmatch(r"(scripts|bench|compose|docs)/[\w./-]+", word) and not (ROOT / word).exists():
                 missing.append(word)
     assert not missing, f"the README runs files that do not exist: {missing}"
+
+
+def test_the_readme_names_every_exit_code_of_up() -> None:
+    codes = {exit_code(outcome, cfg.from_args(UpSettings, {"forever": forever, "max_records": records}, environ={}),
+                       classification=classification)
+             for outcome in Outcome for forever in (False, True) for records in (0, 5)
+             for classification in (False, True)}
+    text = " ".join(README.split())
+    start = text.find("`up` exits ")
+    assert start >= 0, "the README says nothing of up's exit codes"
+    sentence = text[start:text.index(". ", start)]
+    said = {int(n) for n in re.findall(r"(?:^`up` exits |, (?:and )?)(\d+) when\b", sentence)}
+    assert said == codes, f"the README names exit codes {sorted(said)}, up returns {sorted(codes)}: {sentence}"

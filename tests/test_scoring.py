@@ -12,7 +12,8 @@ from torch import nn
 
 from common import settings as cfg
 from streamtrain.overload import LagSample, assess
-from streamtrain.up import FOREVER_RATE, Outcome, UpSettings, _view, cluster_spec, exit_code, reached_target
+from streamtrain.settings import FOREVER_RATE, UpSettings
+from streamtrain.up import Outcome, _view, cluster_spec, exit_code, reached_target
 from trainers import build_model, evaluate
 
 
