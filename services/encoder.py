@@ -29,6 +29,8 @@ import numpy as np
 import redis
 import torch
 
+from common.outage import REDIS_DOWN
+
 from .codecs import Sent, get_codec
 from .errors import BadGradientError
 from .store import ParameterStore
@@ -186,7 +188,7 @@ class Pusher:
         try:
             update_id = push_update(self.client, self.job, update, max_pending=self.max_pending,
                                     backpressure_timeout_s=backpressure_timeout_s, groups=self.groups)
-        except (redis.ConnectionError, redis.TimeoutError):
+        except REDIS_DOWN:
             self._unsettled = (residuals, momenta)  # the reply may be lost: settle() decides
             raise
         self.residuals.update(residuals)

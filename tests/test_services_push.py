@@ -16,6 +16,7 @@ from services import (
 from services.updates import parse_entry
 from services.wire import pack
 from common.keys import JobKeys
+from common.outage import REDIS_DOWN
 
 JOB = "pushjob"
 
@@ -251,3 +252,45 @@ def test_values_a_codec_cannot_carry_are_refused_before_anything_is_written(redi
         pusher.push(g, generation=3, clock=2, offsets={0: (5, 6)})
     assert state(redis) == before
     assert all(torch.equal(pusher.residuals[i], r) for i, r in kept.items())
+
+
+class _LosesPushReply(redis_lib.Redis):
+    """A client of the real Redis whose push transaction (the MULTI/EXEC with the push script's
+    EVALSHA) runs, and is committed, and then raises ``error`` as if the reply were lost on the way
+    back (a dropped connection, a timeout, a Redis Cluster that answers CLUSTERDOWN)."""
+
+    def __init__(self, error: type[Exception], **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.error = error
+
+    def pipeline(self, transaction: bool = True, shard_hint: object = None) -> redis_lib.client.Pipeline:
+        client = self
+
+        class LosesReply(redis_lib.client.Pipeline):
+            def execute(self, raise_on_error: bool = True) -> list:
+                pushing = any(args[0] == "EVALSHA" for args, _ in self.command_stack)
+                replies = super().execute(raise_on_error)
+                if pushing:
+                    raise client.error(f"reply of the push lost ({client.error.__name__})")
+                return replies
+
+        return LosesReply(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+
+@pytest.mark.parametrize("error", REDIS_DOWN, ids=lambda e: e.__name__)
+def test_a_committed_push_whose_reply_is_lost_keeps_its_residual(redis: redis_lib.Redis, store: ParameterStore,
+                                                                 error: type[Exception]) -> None:
+    """Every error the trainer rides out as an outage (``common.outage.REDIS_DOWN``, CLUSTERDOWN
+    included) leaves the push unsettled: once ``was_committed`` says it went through, its
+    error-feedback residual is the one kept (else the unsent part of its gradient is lost, and what
+    it sent is sent again)."""
+    want = Pusher(redis, JOB, "a", codec="topk", codec_options={"density": 0.1}).encode(grads(0.5))[1]
+    pusher = Pusher(_LosesPushReply(error, connection_pool=redis.connection_pool), JOB, "a", codec="topk",
+                    codec_options={"density": 0.1})
+    with pytest.raises(error, match="reply of the push lost"):
+        pusher.push(grads(0.5), generation=3, clock=1, offsets={0: (0, 5)})
+    assert was_committed(redis, JOB, "a", 1)
+    assert len(gradient_blobs(redis, JOB)) == 6  # the committed update's blobs are not dropped
+    pusher.settle(committed=True)
+    assert want and sorted(pusher.residuals) == sorted(want)
+    assert all(torch.equal(pusher.residuals[i], r) for i, r in want.items())
