@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kafka import KafkaProducer
 from torch import nn
 
+from datastream import ShardConsumer, encode_json_record
 from services import ParameterStore
+from streamtrain.launcher import await_until
 from streamtrain.cli import main
 from common.settings import SettingsError, from_args
 from trainers import TrainerSettings, build_model, builtin_specs, evaluate, plan_device
+from trainers.service import next_batch
 from trainers.step import Replica
 
 
@@ -120,3 +124,28 @@ def test_cuda_step_with_bf16_autocast_matches_cpu() -> None:
     for name, grad in want.grads.items():
         assert got.grads[name].device.type == "cpu" and got.grads[name].dtype == torch.float32
         torch.testing.assert_close(got.grads[name], grad, rtol=0.1, atol=0.02)
+
+
+async def test_a_batch_of_poison_records_only_is_handed_to_the_step_not_dropped(kafka) -> None:  # type: ignore[no-untyped-def]
+    """A batch whose records all went to the dead-letter topic has no rows but covers their offsets:
+    the trainer must step on it (an offsets-only push), or its next push starts after a gap the
+    parameter plane refuses, and the trainer resynchronises for nothing."""
+    topic = kafka.create_topic()
+    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all")
+    try:
+        with ShardConsumer(kafka.bootstrap, topic, feature_dim=2, max_records_per_batch=8) as consumer:
+            consumer.assign({0: 0})
+            for value in (b'{"x": [1, 2], "y": 1,}', b'{"x": [NaN, 2], "y": 1}'):  # offsets 0, 1: poison
+                producer.send(topic, value, partition=0)
+            producer.flush()
+            await await_until(lambda: consumer.stats().batches == 1, 60, what="the poison-only batch")
+            for i in range(2):  # offsets 2, 3: good
+                producer.send(topic, encode_json_record([i, i], 0), partition=0)
+            producer.flush()
+            await await_until(lambda: consumer.stats().batches == 2, 60, what="the batch of good records")
+            first, second = await next_batch(consumer), await next_batch(consumer)
+    finally:
+        producer.close()
+    assert first is not None and second is not None
+    assert (len(first), first.rejected, first.offsets) == (0, 2, {0: (0, 2)})
+    assert (len(second), second.offsets) == (2, {0: (2, 4)})

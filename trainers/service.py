@@ -70,6 +70,19 @@ POLL_S = 0.2
 """Longest wait for a batch before the loop turns again."""
 
 
+async def next_batch(consumer: ShardConsumer, timeout_s: float = POLL_S) -> Batch | None:
+    """The consumer's next batch: one decoded already at once, else the first within ``timeout_s``
+    (waited for on a worker thread); None when none came.
+
+    A batch of dead-lettered records only has no rows (``len`` 0) but covers their offsets: it is a
+    batch like any other, pushed as an offsets-only update (dropping it would leave a gap before
+    the next push's offsets, which the parameter plane refuses)."""
+    batch = consumer.poll(0)
+    if batch is None:
+        batch = await asyncio.to_thread(consumer.poll, timeout_s)
+    return batch
+
+
 class PushRefused(Exception):
     """The parameter plane refused a push (fenced, or offsets out of line): resynchronise."""
 
@@ -376,7 +389,7 @@ class Trainer:
             await asyncio.sleep(IDLE_S)
             return
         assert self.consumer is not None
-        batch = self.consumer.poll(0) or await asyncio.to_thread(self.consumer.poll, POLL_S)
+        batch = await next_batch(self.consumer)
         if batch is None:
             await self._tick_if_others_wait()
         else:
