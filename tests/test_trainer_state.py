@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator import Assignment
-from coordinator.state import JobConfig
-from services.consistency import ClockWait
+from coordinator.assignment import Assignment, JobConfig
+from services.clocks import ClockWait
 from trainers.progress import LOSS_EMA_WEIGHT, PHASE_REPORT_STEPS, Progress
 from trainers.state import Move, StateError, TrainerState, needs_pull
 

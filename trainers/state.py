@@ -43,8 +43,8 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from coordinator import Assignment
-from services.consistency import ClockWait
+from coordinator.assignment import Assignment
+from services.clocks import ClockWait
 
 
 class Move(enum.Enum):
