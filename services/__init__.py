@@ -30,6 +30,8 @@ __all__ = [
     "unapplied_updates",
     "committed_offsets",
     "Pusher",
+    "Prepared",
+    "Feedback",
     "PushResult",
     # consistency
     "Consistency",
@@ -69,7 +71,7 @@ lazy_exports(__name__, __all__, {
     ".codecs": ("CodecChain", "Sent", "decode_gradient", "decode_sent", "get_codec"),
     ".clocks": ("ClockWait", "JobClocks"),
     ".consistency": ("Consistency", "StalenessTimeout", "read_job_clocks", "starting_clock", "wait_for_clock"),
-    ".encoder": ("Pusher", "PushResult"),
+    ".encoder": ("Feedback", "Prepared", "Pusher", "PushResult"),
     ".errors": ("BackpressureError", "BadGradientError", "FencedError", "LayoutError", "OffsetConflictError",
                 "ParameterPlaneError", "PayloadError", "UnknownCodecError"),
     ".layout": ("Layout", "ShardSpec", "TensorSpec"),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import gradient_blobs, set_membership, small_model
+from test_services_util import LosesPushReply, gradient_blobs, set_membership, small_model
 
 from services import (
     BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterStore,
@@ -254,43 +254,22 @@ def test_values_a_codec_cannot_carry_are_refused_before_anything_is_written(redi
     assert all(torch.equal(pusher.residuals[i], r) for i, r in kept.items())
 
 
-class _LosesPushReply(redis_lib.Redis):
-    """A client of the real Redis whose push transaction (the MULTI/EXEC with the push script's
-    EVALSHA) runs, and is committed, and then raises ``error`` as if the reply were lost on the way
-    back (a dropped connection, a timeout, a Redis Cluster that answers CLUSTERDOWN)."""
-
-    def __init__(self, error: type[Exception], **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.error = error
-
-    def pipeline(self, transaction: bool = True, shard_hint: object = None) -> redis_lib.client.Pipeline:
-        client = self
-
-        class LosesReply(redis_lib.client.Pipeline):
-            def execute(self, raise_on_error: bool = True) -> list:
-                pushing = any(args[0] == "EVALSHA" for args, _ in self.command_stack)
-                replies = super().execute(raise_on_error)
-                if pushing:
-                    raise client.error(f"reply of the push lost ({client.error.__name__})")
-                return replies
-
-        return LosesReply(self.connection_pool, self.response_callbacks, transaction, shard_hint)
-
-
 @pytest.mark.parametrize("error", REDIS_DOWN, ids=lambda e: e.__name__)
-def test_a_committed_push_whose_reply_is_lost_keeps_its_residual(redis: redis_lib.Redis, store: ParameterStore,
-                                                                 error: type[Exception]) -> None:
+def test_a_push_whose_reply_is_lost_keeps_its_blobs_and_the_residual_waits_for_the_caller(
+        redis: redis_lib.Redis, store: ParameterStore, error: type[Exception]) -> None:
     """Every error the trainer rides out as an outage (``common.outage.REDIS_DOWN``, CLUSTERDOWN
-    included) leaves the push unsettled: once ``was_committed`` says it went through, its
-    error-feedback residual is the one kept (else the unsent part of its gradient is lost, and what
-    it sent is sent again)."""
+    included) reaches the caller as it is, after a push that went through: the update's blobs stay
+    (not dropped as after a refusal), ``was_committed`` says it is committed, and the residual moves
+    on only when the caller adopts the push's feedback (the Pusher decides nothing on its own)."""
     want = Pusher(redis, JOB, "a", codec="topk", codec_options={"density": 0.1}).encode(grads(0.5))[1]
-    pusher = Pusher(_LosesPushReply(error, connection_pool=redis.connection_pool), JOB, "a", codec="topk",
+    pusher = Pusher(LosesPushReply(error, connection_pool=redis.connection_pool), JOB, "a", codec="topk",
                     codec_options={"density": 0.1})
+    prepared = pusher.prepare(grads(0.5), generation=3, clock=1, offsets={0: (0, 5)})
     with pytest.raises(error, match="reply of the push lost"):
-        pusher.push(grads(0.5), generation=3, clock=1, offsets={0: (0, 5)})
+        pusher.send(prepared)
     assert was_committed(redis, JOB, "a", 1)
     assert len(gradient_blobs(redis, JOB)) == 6  # the committed update's blobs are not dropped
-    pusher.settle(committed=True)
+    assert pusher.residuals == {}
+    pusher.adopt(prepared.feedback)
     assert want and sorted(pusher.residuals) == sorted(want)
     assert all(torch.equal(pusher.residuals[i], r) for i, r in want.items())
