@@ -1,12 +1,11 @@
-"""Control plane: membership, leases, partition assignment and status endpoints of a job."""
+"""Control plane: membership, leases, partition assignment and status endpoints of a job.
 
-from .assign import assign, capability_weight, quotas
-from .client import Assignment, CoordinatorClient, Registration
-from .errors import (AuthError, BadRequestError, ConflictError, CoordinatorError,
-                     CoordinatorUnavailableError, FencedError, MemberGoneError, UnknownMemberError)
-from .membership import Member, Membership, MemberState
-from .settings import CoordinatorSettings
-from .state import JobConfig, Store, check_fence
+Each public name is imported from its module on first use (:func:`common.exports.lazy_exports`):
+importing a light module (``coordinator.assignment``, ``coordinator.membership``) does not
+import aiohttp or redis.
+"""
+
+from common.exports import lazy_exports
 
 __all__ = [
     # assignment
@@ -35,3 +34,14 @@ __all__ = [
     "MemberGoneError",
     "UnknownMemberError",
 ]
+
+lazy_exports(__name__, __all__, {
+    ".assign": ("assign", "capability_weight", "quotas"),
+    ".assignment": ("Assignment", "JobConfig", "Registration"),
+    ".client": ("CoordinatorClient",),
+    ".errors": ("AuthError", "BadRequestError", "ConflictError", "CoordinatorError",
+                "CoordinatorUnavailableError", "FencedError", "MemberGoneError", "UnknownMemberError"),
+    ".membership": ("Member", "Membership", "MemberState"),
+    ".settings": ("CoordinatorSettings",),
+    ".state": ("Store", "check_fence"),
+})

@@ -19,65 +19,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import aiohttp
 
+from .assignment import Assignment, Registration
 from .errors import (AuthError, BadRequestError, CoordinatorError, CoordinatorUnavailableError,
                      MemberGoneError, UnknownMemberError)
-from .state import JobConfig
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """The coordinator's answer to a heartbeat (and part of a registration)."""
-
-    member_id: str
-    """This trainer's id."""
-    generation: int
-    """Membership generation: the fencing token every push carries."""
-    partitions: tuple[int, ...]
-    """Partitions this trainer owns now (sorted)."""
-    state: str
-    """``active`` (train), ``draining`` (commit and leave) or ``paused`` (stop consuming)."""
-    config: JobConfig
-    """The job configuration now."""
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> Assignment:
-        """Parse a register or heartbeat reply."""
-        return cls(member_id=d["member_id"], generation=int(d["generation"]),
-                   partitions=tuple(int(p) for p in d["partitions"]), state=d["state"],
-                   config=JobConfig(**d["config"]))
-
-
-@dataclass(frozen=True)
-class Registration:
-    """The coordinator's answer to a registration."""
-
-    assignment: Assignment
-    """Id, generation, partitions, state and config at registration."""
-    lease_ms: int
-    """The lease; heartbeat well within it."""
-    heartbeat_interval_ms: int
-    """How often to heartbeat."""
-
-    @property
-    def member_id(self) -> str:
-        """This trainer's id."""
-        return self.assignment.member_id
-
-    @property
-    def generation(self) -> int:
-        """Generation at registration."""
-        return self.assignment.generation
-
-    @property
-    def partitions(self) -> tuple[int, ...]:
-        """Partitions owned at registration."""
-        return self.assignment.partitions
 
 
 _ERRORS: dict[int, type[CoordinatorError]] = {400: BadRequestError, 401: AuthError,

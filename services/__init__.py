@@ -5,25 +5,13 @@ Trainers use :class:`ParameterStore` (``init_model``, ``pull``),
 :class:`Update`); ``streamtrain ps`` runs :class:`ParameterServer`. See
 ``docs/parameter-plane.md`` for the Redis data model and the protocol, and
 :mod:`services.protocol` and :mod:`services.scripts` for its wire contract.
+
+Each public name is imported from its module on first use (:func:`common.exports.lazy_exports`):
+importing a light module (``services.clocks``, ``services.errors``) does not import redis, torch
+or prometheus-client.
 """
 
-from .checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
-from .codecs import CodecChain, Sent, decode_gradient, decode_sent, get_codec
-from .consistency import (
-    ClockWait, Consistency, JobClocks, StalenessTimeout, read_job_clocks, starting_clock, wait_for_clock,
-)
-from .encoder import Pusher, PushResult
-from .errors import (
-    BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError,
-    ParameterPlaneError, PayloadError, UnknownCodecError,
-)
-from .layout import Layout, ShardSpec, TensorSpec
-from .optim import OPTIMIZERS, OptimizerConfig
-from .server import ParameterServer, ServerStatus
-from .settings import ServerSettings
-from .store import ModelMeta, ParameterStore, Snapshot, connect
-from .protocol import Update
-from .updates import committed_offsets, push_update, unapplied_updates, was_committed
+from common.exports import lazy_exports
 
 __all__ = [
     # store and snapshots
@@ -43,6 +31,8 @@ __all__ = [
     "unapplied_updates",
     "committed_offsets",
     "Pusher",
+    "Prepared",
+    "Feedback",
     "PushResult",
     # consistency
     "Consistency",
@@ -76,3 +66,20 @@ __all__ = [
     "StalenessTimeout",
     "CheckpointError",
 ]
+
+lazy_exports(__name__, __all__, {
+    ".checkpoint": ("CheckpointError", "restore_checkpoint", "save_checkpoint"),
+    ".codecs": ("CodecChain", "Sent", "decode_gradient", "decode_sent", "get_codec"),
+    ".clocks": ("ClockWait", "JobClocks"),
+    ".consistency": ("Consistency", "StalenessTimeout", "read_job_clocks", "starting_clock", "wait_for_clock"),
+    ".encoder": ("Feedback", "Prepared", "Pusher", "PushResult"),
+    ".errors": ("BackpressureError", "BadGradientError", "FencedError", "LayoutError", "OffsetConflictError",
+                "ParameterPlaneError", "PayloadError", "UnknownCodecError"),
+    ".layout": ("Layout", "ShardSpec", "TensorSpec"),
+    ".optim": ("OPTIMIZERS", "OptimizerConfig"),
+    ".server": ("ParameterServer", "ServerStatus"),
+    ".settings": ("ServerSettings",),
+    ".store": ("ModelMeta", "ParameterStore", "Snapshot", "connect"),
+    ".protocol": ("Update",),
+    ".updates": ("committed_offsets", "push_update", "unapplied_updates", "was_committed"),
+})

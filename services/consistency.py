@@ -19,6 +19,7 @@ from prometheus_client import Histogram
 
 from common.keys import JobKeys
 
+from .clocks import ClockView, ClockWait, JobClocks
 from .errors import ParameterPlaneError
 
 logger = logging.getLogger(__name__)
@@ -60,81 +61,12 @@ class Consistency:
         return cls(mode=(mode or b"ssp").decode(), staleness=int(s or 2))
 
 
-@dataclass(frozen=True)
-class ClockWait:
-    """What one wait observed."""
-
-    clock: int
-    """The clock about to be computed."""
-    required: int | None
-    """Applied clock every participating member needed (None under ASP)."""
-    min_applied: int | None
-    """Lowest applied clock among participating live members (None when there are none)."""
-    staleness: int
-    """Measured staleness: ``clock - 1 - min_applied`` (0 when nobody participates)."""
-    waited_s: float
-    """Seconds spent waiting."""
-    own_applied: int = 0
-    """The waiting member's own applied clock (its updates applied up to it)."""
-    pushed: int = 0
-    """The waiting member's own last pushed clock when the clocks were read."""
-    complete: bool = False
-    """Every live member had pushed when the clocks were read."""
-
-
 def required_clock(cons: Consistency, clock: int) -> int | None:
     """Applied clock every live member needs before a step at ``clock``; None under ASP."""
     if cons.mode == "asp":
         return None
     s = 0 if cons.mode == "bsp" else cons.staleness
     return clock - s - 1
-
-
-@dataclass(frozen=True)
-class ClockView:
-    """One read of the job's clocks, as one member sees them."""
-
-    low: int | None
-    """Lowest applied clock among participating live members (None when none participates)."""
-    slowest: str | None
-    """The member at ``low``."""
-    own_applied: int
-    """The member's own applied clock."""
-    own_pushed: int
-    """The member's own last pushed clock."""
-    complete: bool
-    """Every live member participates (has pushed)."""
-
-
-@dataclass(frozen=True)
-class JobClocks:
-    """One consistent read (one MULTI) of the live members and their pushed and applied clocks."""
-
-    live: frozenset[str]
-    """Member ids of the live membership (``JobKeys.members``)."""
-    pushed: dict[str, int]
-    """Member id -> last clock it pushed (``JobKeys.clocks``; departed members may linger)."""
-    applied: dict[str, int]
-    """Member id -> last clock of its applied by the servers (``JobKeys.applied_clocks``)."""
-
-    def view(self, member_id: str = "") -> ClockView:
-        """The clocks as ``member_id`` sees them: a live member takes part from its first push, and
-        one whose updates are not applied yet counts as applied clock 0."""
-        low: tuple[int | None, str | None] = (None, None)
-        for m in sorted(self.live):
-            if m not in self.pushed:
-                continue
-            value = self.applied.get(m, 0)
-            if low[0] is None or value < low[0]:
-                low = (value, m)
-        return ClockView(low[0], low[1], self.applied.get(member_id, 0), self.pushed.get(member_id, 0),
-                         all(m in self.pushed for m in self.live))
-
-    def starting_clock(self, member_id: str) -> int:
-        """The clock a (re)joining ``member_id`` should push first: one past its own last pushed
-        clock, and not behind the highest clock of the live members."""
-        live = [self.pushed[m] for m in self.live if m in self.pushed]
-        return max([self.pushed.get(member_id, 0), *live]) + 1
 
 
 def read_job_clocks(client: redis.Redis, job: str) -> JobClocks:

@@ -2,8 +2,15 @@
 
 :class:`Pusher` holds one error-feedback residual per shard for lossy codecs:
 it encodes ``g + residual`` and keeps what was not sent as the next residual,
-so nothing of the gradient is lost, only delayed. The residual is committed
-only when the push succeeds; a refused push leaves it as it was.
+so nothing of the gradient is lost, only delayed. The residual moves on only
+when the push is known committed: :meth:`Pusher.prepare` encodes and returns the
+:class:`Feedback` the push leaves behind, :meth:`Pusher.send` pushes and changes
+nothing here, and :meth:`Pusher.adopt` makes the feedback current. Which pushes
+are committed is the caller's to say, never the Pusher's: :meth:`Pusher.push`
+adopts when the push succeeds; a caller that rides out outages (the trainer)
+settles a push whose reply was lost with :func:`services.updates.was_committed`
+and adopts only if it went through. A push not adopted leaves the residual as
+it was.
 
 With ``momentum`` (the ``dgc`` optimizer) the trainer also keeps a momentum
 buffer per shard, as in Deep Gradient Compression (Lin et al., 2018):
@@ -37,7 +44,7 @@ from .updates import DEFAULT_MAX_PENDING, push_update
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Pusher", "PushResult"]
+__all__ = ["Feedback", "Prepared", "Pusher", "PushResult"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,29 @@ class PushResult:
     """Update-log entry id."""
     wire_bytes: int
     """Encoded gradient bytes sent (all shards)."""
+    raw_bytes: int
+    """The same gradients as float32."""
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """The error-feedback state one push leaves behind (:meth:`Pusher.adopt` makes it current once
+    the push is known committed)."""
+
+    residuals: Mapping[int, torch.Tensor]
+    """Shard index -> its next residual (lossy codecs)."""
+    momenta: Mapping[int, torch.Tensor]
+    """Shard index -> its next momentum (with ``momentum`` only)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A push encoded and ready to send (:meth:`Pusher.prepare`)."""
+
+    update: Update
+    """What :meth:`Pusher.send` pushes."""
+    feedback: Feedback
+    """The error-feedback state it leaves behind, to adopt once it is known committed."""
     raw_bytes: int
     """The same gradients as float32."""
 
@@ -92,7 +122,6 @@ class Pusher:
         self.groups = meta.groups
         self.residuals: dict[int, torch.Tensor] = {}
         self.momenta: dict[int, torch.Tensor] = {}
-        self._unsettled: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None
 
     def encode(self, grads: Mapping[str, torch.Tensor]) -> tuple[dict[int, bytes], dict[int, torch.Tensor],
                                                                  dict[int, torch.Tensor], int]:
@@ -169,38 +198,61 @@ class Pusher:
             return f"gradient of {name!r}: {bad} NaN or infinite value(s)"
         return f"gradient of {name!r}: finite, but it overflows float32 once its error-feedback residual is added"
 
-    def push(self, grads: Mapping[str, torch.Tensor] | None, *, generation: int, clock: int,
-             offsets: Mapping[int, tuple[int, int]] | None = None,
-             samples: Sequence[tuple[str, int, int]] = (), batch_size: int = 0,
-             produced_ts_ms: int = 0, backpressure_timeout_s: float = 30.0) -> PushResult:
-        """Encode ``grads`` (None or empty: an offsets-only update) and push them atomically.
+    def prepare(self, grads: Mapping[str, torch.Tensor] | None, *, generation: int, clock: int,
+                offsets: Mapping[int, tuple[int, int]] | None = None,
+                samples: Sequence[tuple[str, int, int]] = (), batch_size: int = 0,
+                produced_ts_ms: int = 0) -> Prepared:
+        """Encode ``grads`` (None or empty: an offsets-only update) into the update to send, with the
+        error-feedback state it leaves behind. No I/O, and nothing changes here.
 
         Raises:
-            BadGradientError: see :meth:`encode` (nothing is pushed).
-            FencedError, OffsetConflictError, BackpressureError, PayloadError: see
-                :func:`services.updates.push_update` (residuals are kept as they were).
+            BadGradientError: see :meth:`encode`.
         """
         blobs, residuals, momenta, raw = self.encode(grads or {})
         update = Update(member_id=self.member_id, generation=generation, clock=clock, gradients=blobs,
                         codec=self.codec.name, offsets=dict(offsets or {}), samples=tuple(samples),
                         batch_size=batch_size, produced_ts_ms=produced_ts_ms)
-        try:
-            update_id = push_update(self.client, self.job, update, max_pending=self.max_pending,
-                                    backpressure_timeout_s=backpressure_timeout_s, groups=self.groups)
-        except (redis.ConnectionError, redis.TimeoutError):
-            self._unsettled = (residuals, momenta)  # the reply may be lost: settle() decides
-            raise
-        self.residuals.update(residuals)
-        self.momenta.update(momenta)
-        return PushResult(update_id, sum(len(b) for b in blobs.values()), raw)
+        return Prepared(update, Feedback(residuals, momenta), raw)
 
-    def settle(self, committed: bool) -> None:
-        """After a push that failed with a connection error: keep its error-feedback state
-        when it went through after all (``services.updates.was_committed``), drop it when not."""
-        if self._unsettled is not None and committed:
-            self.residuals.update(self._unsettled[0])
-            self.momenta.update(self._unsettled[1])
-        self._unsettled = None
+    def send(self, prepared: Prepared, *, backpressure_timeout_s: float = 30.0) -> PushResult:
+        """Push ``prepared`` atomically with its offsets. The error-feedback state stays as it is
+        whatever happens: :meth:`adopt` ``prepared.feedback`` once the push is known committed.
+
+        Raises:
+            FencedError, OffsetConflictError, BackpressureError, PayloadError, and the
+                ``common.outage.REDIS_DOWN`` errors (the push may have been committed:
+                ``was_committed``): see :func:`services.updates.push_update`.
+        """
+        update_id = push_update(self.client, self.job, prepared.update, max_pending=self.max_pending,
+                                backpressure_timeout_s=backpressure_timeout_s, groups=self.groups)
+        wire = sum(len(b) for b in prepared.update.gradients.values())
+        return PushResult(update_id, wire, prepared.raw_bytes)
+
+    def adopt(self, feedback: Feedback) -> None:
+        """The push that left ``feedback`` behind is committed: its residuals (and momenta) are
+        the current ones now."""
+        self.residuals.update(feedback.residuals)
+        self.momenta.update(feedback.momenta)
+
+    def push(self, grads: Mapping[str, torch.Tensor] | None, *, generation: int, clock: int,
+             offsets: Mapping[int, tuple[int, int]] | None = None,
+             samples: Sequence[tuple[str, int, int]] = (), batch_size: int = 0,
+             produced_ts_ms: int = 0, backpressure_timeout_s: float = 30.0) -> PushResult:
+        """:meth:`prepare`, :meth:`send`, and :meth:`adopt` when the push succeeds. On any error the
+        residuals stay as they were, even when the push went through after all (a connection lost
+        after the commit): a caller that rides out outages settles such a push with
+        ``was_committed`` and adopts itself (prepare, send, adopt), as the trainer does.
+
+        Raises:
+            BadGradientError: see :meth:`encode` (nothing is pushed).
+            FencedError, OffsetConflictError, BackpressureError, PayloadError, REDIS_DOWN errors:
+                see :meth:`send`.
+        """
+        prepared = self.prepare(grads, generation=generation, clock=clock, offsets=offsets, samples=samples,
+                                batch_size=batch_size, produced_ts_ms=produced_ts_ms)
+        result = self.send(prepared, backpressure_timeout_s=backpressure_timeout_s)
+        self.adopt(prepared.feedback)
+        return result
 
     def residual_norm(self) -> float:
         """L2 norm of all error-feedback residuals (0 when there are none)."""

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import redis
 
 from common.keys import JobKeys
+from common.outage import REDIS_DOWN
 
 from .codecs import Sent, decode_sent
 from .errors import (
@@ -102,6 +103,9 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
             offset, or the clock does not advance.
         BackpressureError: the log stayed full until the timeout.
         BadGradientError, UnknownCodecError, PayloadError: a refused gradient or header.
+        redis.ConnectionError and the other ``common.outage.REDIS_DOWN`` errors (a Redis Cluster's
+            CLUSTERDOWN too): the reply may be lost, the push may have been committed
+            (:func:`was_committed` says); its blobs are left in place.
     """
     update.validate_header()
     if layout is not None:
@@ -128,6 +132,8 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
         try:
             entry = execute_with_script(client, call.SCRIPT, call.queue)[-1]
             return entry.decode() if isinstance(entry, bytes) else str(entry)
+        except REDIS_DOWN:  # CLUSTERDOWN is a ResponseError, but no refusal: the push may have gone
+            raise           # through, so its blobs stay and the caller settles it with was_committed
         except redis.ResponseError as exc:
             err = _translate(str(exc))
             if not isinstance(err, BackpressureError) or time.monotonic() >= deadline:

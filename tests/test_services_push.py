@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import gradient_blobs, set_membership, small_model
+from test_services_util import LosesPushReply, gradient_blobs, set_membership, small_model
 
 from services import (
     BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterStore,
@@ -16,6 +16,7 @@ from services import (
 from services.protocol import Update
 from services.wire import pack
 from common.keys import JobKeys
+from common.outage import REDIS_DOWN
 
 JOB = "pushjob"
 
@@ -251,3 +252,24 @@ def test_values_a_codec_cannot_carry_are_refused_before_anything_is_written(redi
         pusher.push(g, generation=3, clock=2, offsets={0: (5, 6)})
     assert state(redis) == before
     assert all(torch.equal(pusher.residuals[i], r) for i, r in kept.items())
+
+
+@pytest.mark.parametrize("error", REDIS_DOWN, ids=lambda e: e.__name__)
+def test_a_push_whose_reply_is_lost_keeps_its_blobs_and_the_residual_waits_for_the_caller(
+        redis: redis_lib.Redis, store: ParameterStore, error: type[Exception]) -> None:
+    """Every error the trainer rides out as an outage (``common.outage.REDIS_DOWN``, CLUSTERDOWN
+    included) reaches the caller as it is, after a push that went through: the update's blobs stay
+    (not dropped as after a refusal), ``was_committed`` says it is committed, and the residual moves
+    on only when the caller adopts the push's feedback (the Pusher decides nothing on its own)."""
+    want = Pusher(redis, JOB, "a", codec="topk", codec_options={"density": 0.1}).encode(grads(0.5))[1]
+    pusher = Pusher(LosesPushReply(error, connection_pool=redis.connection_pool), JOB, "a", codec="topk",
+                    codec_options={"density": 0.1})
+    prepared = pusher.prepare(grads(0.5), generation=3, clock=1, offsets={0: (0, 5)})
+    with pytest.raises(error, match="reply of the push lost"):
+        pusher.send(prepared)
+    assert was_committed(redis, JOB, "a", 1)
+    assert len(gradient_blobs(redis, JOB)) == 6  # the committed update's blobs are not dropped
+    assert pusher.residuals == {}
+    pusher.adopt(prepared.feedback)
+    assert want and sorted(pusher.residuals) == sorted(want)
+    assert all(torch.equal(pusher.residuals[i], r) for i, r in want.items())

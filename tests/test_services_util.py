@@ -76,3 +76,26 @@ def optimizer_state(client: redis_lib.Redis, job: str, shards: int, slots: int) 
 def accounting_left(client: redis_lib.Redis, job: str) -> list[bytes]:
     """The ``applied_by`` hashes still open (an update some group has not reported yet)."""
     return sorted(client.keys(JobKeys(job).applied_by("*")))
+
+
+class LosesPushReply(redis_lib.Redis):
+    """A client of the real Redis whose push transaction (the MULTI/EXEC with the push script's
+    EVALSHA) runs, and is committed, and then raises ``error`` as if the reply were lost on the way
+    back (a dropped connection, a timeout, a Redis Cluster that answers CLUSTERDOWN)."""
+
+    def __init__(self, error: type[Exception], **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.error = error
+
+    def pipeline(self, transaction: bool = True, shard_hint: object = None) -> redis_lib.client.Pipeline:
+        client = self
+
+        class LosesReply(redis_lib.client.Pipeline):
+            def execute(self, raise_on_error: bool = True) -> list:
+                pushing = any(args[0] == "EVALSHA" for args, _ in self.command_stack)
+                replies = super().execute(raise_on_error)
+                if pushing:
+                    raise client.error(f"reply of the push lost ({client.error.__name__})")
+                return replies
+
+        return LosesReply(self.connection_pool, self.response_callbacks, transaction, shard_hint)

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import importlib
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -79,3 +83,29 @@ def test_no_module_imports_itself_in_a_circle() -> None:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as exc:
         pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
+
+
+HEAVY = ("redis", "aiohttp", "prometheus_client", "torch", "kafka")
+"""What a pure module must not import: clients of the servers, the metrics library, the tensor library."""
+
+
+@pytest.mark.parametrize("module", ["trainers.state", "coordinator.membership", "coordinator.assignment",
+                                    "services.clocks"])
+def test_pure_modules_import_no_io(module: str) -> None:
+    """A pure core imports its rules and their data types, nothing that does I/O (checked in a fresh
+    interpreter: a package ``__init__`` re-exporting a heavy module would drag it in)."""
+    probe = (f"import sys, {module}; "
+             f"print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))))")
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                           cwd=ROOT).stdout.split()
+    assert not found, f"importing {module} imports {', '.join(found)}"
+
+
+@pytest.mark.parametrize("package", ["common", "datastream", "services", "coordinator", "trainers", "streamtrain"])
+def test_every_public_name_of_a_package_resolves(package: str) -> None:
+    """Every name in a package's ``__all__`` can be read (those imported on first use included), and
+    a name exported from a submodule of the same name stays the export once the submodule is bound."""
+    pkg = importlib.import_module(package)
+    for name in getattr(pkg, "__all__", ()):
+        value = getattr(pkg, name)
+        assert not (isinstance(value, types.ModuleType) and value.__name__ == f"{package}.{name}"), name

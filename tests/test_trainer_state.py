@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator import Assignment
-from coordinator.state import JobConfig
-from services.consistency import ClockWait
+from coordinator.assignment import Assignment, JobConfig
+from services.clocks import ClockWait
 from trainers.progress import LOSS_EMA_WEIGHT, PHASE_REPORT_STEPS, Progress
-from trainers.state import Move, StateError, TrainerState, needs_pull
+from trainers.state import Adopt, Move, Outcome, Push, Resync, StateError, TrainerState, needs_pull
 
 
 def assignment(partitions: tuple[int, ...] = (0, 1), generation: int = 1, state: str = "active",
@@ -94,37 +93,50 @@ def test_a_lost_lease_keeps_the_current_assignment_until_a_new_one_is_heard() ->
 
 # -- the clock and the push in flight -----------------------------------------------------------------
 
+FEEDBACK = object()
+"""The error-feedback state a push leaves behind: opaque to the state, handed back in Adopt."""
+
+
 def test_a_push_takes_the_clock_and_the_next_step_moves_on() -> None:
     s = joined(start=5)
     assert s.pushing() == 5
-    assert (s.clock, s.inflight) == (6, 5)
+    assert s.clock == 6 and s.in_flight == Push(5, "m1") and s.unsettled is None
     with pytest.raises(StateError, match="still in flight"):
         s.pushing()
-    s.push_settled(committed=True)
-    assert (s.inflight, s.last_pushed) == (None, 5)
+    assert s.push_ended(Outcome.COMMITTED, FEEDBACK) == [Adopt(FEEDBACK)]
+    assert (s.pending, s.last_pushed) == (None, 5)
 
 
-def test_a_refused_push_leaves_last_pushed_and_resync_resumes_after_it() -> None:
+def test_a_refused_push_drops_its_feedback_and_resync_resumes_after_the_last_committed() -> None:
     s = joined(start=5)
     s.pushing()
-    s.push_settled(committed=True)   # clock 5 committed
+    s.push_ended(Outcome.COMMITTED, FEEDBACK)                        # clock 5 committed
     s.pushing()
-    s.push_settled(committed=False)  # clock 6 refused (fenced)
-    s.clock = 9                      # steps 7 and 8 were computed but never pushed
+    assert s.push_ended(Outcome.REFUSED, FEEDBACK) == [Resync(6)]   # clock 6 refused (fenced): no Adopt
+    assert (s.pending, s.last_pushed) == (None, 5)
+    s.clock = 9                                                     # steps 7 and 8 were computed, never pushed
     s.resync()
     assert (s.clock, s.last_pushed, s.last_wait) == (6, 5, None)
 
 
-def test_resync_with_a_push_in_flight_is_a_bug() -> None:
+def test_resync_with_a_push_in_flight_or_unsettled_is_a_bug() -> None:
     s = joined()
     s.pushing()
-    with pytest.raises(StateError, match="settle"):
+    with pytest.raises(StateError, match="settle the push at clock 5 \\(in flight\\)"):
+        s.resync()
+    s.push_ended(Outcome.UNREACHABLE, FEEDBACK)
+    with pytest.raises(StateError, match="settle the push at clock 5 \\(unsettled\\)"):
         s.resync()
 
 
-def test_settling_without_a_push_in_flight_is_a_bug() -> None:
+def test_ending_a_push_without_one_in_flight_is_a_bug() -> None:
     with pytest.raises(StateError, match="no push in flight"):
-        joined().push_settled(committed=True)
+        joined().push_ended(Outcome.COMMITTED, FEEDBACK)
+    s = joined()
+    s.pushing()
+    s.push_ended(Outcome.UNREACHABLE, FEEDBACK)
+    with pytest.raises(StateError, match="no push in flight"):  # an unsettled push is not in flight
+        s.push_ended(Outcome.COMMITTED, FEEDBACK)
 
 
 def test_a_push_before_joining_is_a_bug() -> None:
@@ -132,28 +144,32 @@ def test_a_push_before_joining_is_a_bug() -> None:
         TrainerState().pushing()
 
 
-def test_a_push_made_under_an_earlier_id_does_not_move_the_new_ids_clocks() -> None:
+@pytest.mark.parametrize("outcome", list(Outcome))
+def test_a_push_made_under_an_earlier_id_is_moot_whatever_its_outcome(outcome: Outcome) -> None:
+    """The lease was lost and the trainer registered anew while the push was in flight: the old id's
+    clocks are gone, its feedback belongs to the old Pusher, and there is nothing to resync or ask."""
     s = joined(start=5)
-    s.pushing()                              # clock 5 as m1
+    s.pushing()                                 # clock 5 as m1
     s.joined("m2", 3, assignment(member="m2"))  # lease lost, registered anew while it was in flight
-    s.push_settled(committed=True)
-    assert s.last_pushed == 2
-    s.pushing()
-    s.push_unsettled()
-    assert s.unsettled == 3
+    assert s.push_ended(outcome, FEEDBACK) == []
+    assert (s.pending, s.last_pushed, s.clock) == (None, 2, 3)
+    assert s.pushing() == 3 and s.in_flight == Push(3, "m2")
 
 
 # -- outages -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("committed, last_pushed", [(True, 5), (False, 4)])
-def test_an_unsettled_push_counts_only_when_was_committed_says_so(committed: bool, last_pushed: int) -> None:
+@pytest.mark.parametrize("committed, last_pushed, adopted", [(True, 5, [Adopt(FEEDBACK)]), (False, 4, [])])
+def test_an_unsettled_push_counts_and_keeps_its_feedback_only_when_was_committed_says_so(
+        committed: bool, last_pushed: int, adopted: list[Adopt]) -> None:
     s = joined(start=5)
     s.pulled(wait(required=3, min_applied=4))
     s.pushing()
-    s.push_unsettled()
-    assert (s.unsettled, s.inflight) == (5, None)
-    s.outage_settled(committed)
-    assert (s.unsettled, s.last_pushed) == (None, last_pushed)
+    assert s.push_ended(Outcome.UNREACHABLE, FEEDBACK) == []  # nothing to do until Redis answers
+    assert s.unsettled == Push(5, "m1", unsettled=True, feedback=FEEDBACK) and s.in_flight is None
+    with pytest.raises(StateError, match="unsettled"):
+        s.pushing()
+    assert s.outage_settled(committed) == adopted
+    assert (s.pending, s.last_pushed) == (None, last_pushed)
     assert s.covers is None  # the replica is not trusted after an outage: the next step pulls in full
     s.resync()
     assert s.clock == last_pushed + 1
@@ -162,8 +178,31 @@ def test_an_unsettled_push_counts_only_when_was_committed_says_so(committed: boo
 def test_an_outage_with_nothing_unsettled_only_drops_the_replica() -> None:
     s = joined(start=5)
     s.pulled(wait(required=3, min_applied=4))
-    s.outage_settled(None)
+    assert s.outage_settled(None) == []
     assert (s.covers, s.last_pushed, s.last_wait) == (None, 4, None)
+
+
+def test_an_unsettled_push_must_be_asked_about_and_one_in_flight_settled_first() -> None:
+    s = joined(start=5)
+    s.pushing()
+    with pytest.raises(StateError, match="settle the push at clock 5 before the outage"):
+        s.outage_settled(None)
+    s.push_ended(Outcome.UNREACHABLE, FEEDBACK)
+    with pytest.raises(StateError, match="ask was_committed about the unsettled push at clock 5"):
+        s.outage_settled(None)
+
+
+def test_an_unsettled_push_of_an_id_lost_during_the_outage_is_moot_even_if_committed() -> None:
+    """The heartbeat task registered anew while the outage was ridden out: was_committed is asked
+    about the old id's push (its member id is recorded with it), and the answer moves nothing."""
+    s = joined(start=5)
+    s.pushing()
+    s.push_ended(Outcome.UNREACHABLE, FEEDBACK)
+    asked = s.unsettled
+    s.joined("m2", 8, assignment(member="m2"))
+    assert asked is not None and (asked.member_id, asked.clock) == ("m1", 5)
+    assert s.outage_settled(True) == []
+    assert (s.pending, s.last_pushed, s.clock) == (None, 7, 8)
 
 
 # -- pulls ----------------------------------------------------------------------------------------------

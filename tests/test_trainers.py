@@ -1,16 +1,26 @@
 """Trainer pieces: model specs, devices, the step (on parameters pulled from the real Redis), evaluation,
-settings."""
+settings, polling (on the real broker), and how the push thread files a push's outcome for the state (on the
+real Redis)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from kafka import KafkaProducer
+from test_services_util import LosesPushReply, set_membership, small_model
 from torch import nn
 
-from services import ParameterStore
-from streamtrain.cli import main
+from common.outage import REDIS_DOWN
 from common.settings import SettingsError, from_args
+from coordinator.assignment import Assignment, JobConfig
+from datastream import Batch, ShardConsumer, encode_shard
+from services import FencedError, ParameterStore, Pusher, was_committed
+from streamtrain.cli import main
+from streamtrain.launcher import await_until
 from trainers import TrainerSettings, build_model, builtin_specs, evaluate, plan_device
+from trainers.service import next_batch, send_push
+from trainers.state import Adopt, Outcome, Resync, TrainerState
 from trainers.step import Replica
 
 
@@ -120,3 +130,81 @@ def test_cuda_step_with_bf16_autocast_matches_cpu() -> None:
     for name, grad in want.grads.items():
         assert got.grads[name].device.type == "cpu" and got.grads[name].dtype == torch.float32
         torch.testing.assert_close(got.grads[name], grad, rtol=0.1, atol=0.02)
+
+
+async def test_a_batch_of_poison_records_only_is_handed_to_the_step_not_dropped(  # type: ignore[no-untyped-def]
+        kafka) -> None:
+    """A batch whose records all went to the dead-letter topic has no rows but covers their offsets:
+    the trainer must step on it (an offsets-only push), or its next push starts after a gap the
+    parameter plane refuses, and the trainer resynchronises for nothing."""
+    topic = kafka.create_topic()
+    shard = encode_shard(np.ones((2, 2), np.float32), np.zeros(2, np.int64), producer_id="p", first_seq=0)
+    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all")
+    try:
+        with ShardConsumer(kafka.bootstrap, topic, feature_dim=2, max_records_per_batch=8) as consumer:
+            consumer.assign({0: 0})
+            producer.send(topic, shard[:-5], partition=0).get(30)  # offset 0: a truncated shard of 2 records
+            await await_until(lambda: consumer.stats().batches == 1, 60, what="the poison-only batch")
+            producer.send(topic, shard, partition=0).get(30)  # offset 1: the same 2 records, whole
+            await await_until(lambda: consumer.stats().batches == 2, 60, what="the batch of good records")
+            first, second = await next_batch(consumer), await next_batch(consumer)
+    finally:
+        producer.close()
+    assert first is not None and second is not None
+    assert (len(first), first.rejected, first.offsets) == (0, 2, {0: (0, 1)})
+    assert (len(second), second.offsets) == (2, {0: (1, 2)})
+
+
+PUSHJOB = "trainerpush"
+
+
+def _assignment(member: str) -> Assignment:
+    return Assignment(member_id=member, generation=1, partitions=(0,), state="active",
+                      config=JobConfig(consistency="ssp", staleness=2, codec="topk", optimizer="lazyadam", lr=0.01,
+                                       topic="t", partitions=1))
+
+
+@pytest.mark.parametrize("error", REDIS_DOWN, ids=lambda e: e.__name__)
+def test_a_push_cut_off_by_any_redis_outage_is_unsettled_and_keeps_its_residual_once_committed(
+        redis, error: type[Exception]) -> None:  # type: ignore[no-untyped-def]
+    """The push thread (``send_push``) files every ``common.outage.REDIS_DOWN`` error, CLUSTERDOWN
+    included, as an unreachable push; the state keeps it unsettled with its error feedback, and once
+    ``was_committed`` says it went through, tells the shell to adopt that feedback. (On a Redis
+    Cluster a committed push cut off by CLUSTERDOWN used to lose its residual.)"""
+    ParameterStore(redis, PUSHJOB).init_model(small_model(), shard_elems=64)
+    set_membership(redis, PUSHJOB, {"m1": [0]}, generation=1)
+    g = {k: torch.full_like(v, 0.5) for k, v in small_model().items()}
+    want = Pusher(redis, PUSHJOB, "m1", codec="topk", codec_options={"density": 0.1}).encode(g)[1]
+    pusher = Pusher(LosesPushReply(error, connection_pool=redis.connection_pool), PUSHJOB, "m1", codec="topk",
+                    codec_options={"density": 0.1})
+    state = TrainerState()
+    state.joined("m1", 1, _assignment("m1"))
+    batch = Batch(torch.empty(0, 0), torch.empty(0), {0: (0, 5)}, [], 0, 0)
+
+    report = send_push(pusher, g, batch, clock=state.pushing(), generation=1)
+    assert report.outcome is Outcome.UNREACHABLE and isinstance(report.error, error)
+    assert state.push_ended(report.outcome, report.feedback) == []
+    assert pusher.residuals == {}  # nothing decided yet
+    unsettled = state.unsettled
+    assert unsettled is not None
+    committed = was_committed(redis, PUSHJOB, unsettled.member_id, unsettled.clock)
+    assert committed
+    assert state.outage_settled(committed) == [Adopt(report.feedback)]
+    pusher.adopt(report.feedback)  # what the shell does with Adopt
+    assert state.last_pushed == 1
+    assert want and sorted(pusher.residuals) == sorted(want)
+    assert all(torch.equal(pusher.residuals[i], r) for i, r in want.items())
+
+
+def test_a_refused_push_is_filed_as_refused_and_its_feedback_dropped(redis) -> None:  # type: ignore[no-untyped-def]
+    ParameterStore(redis, PUSHJOB).init_model(small_model(), shard_elems=64)
+    set_membership(redis, PUSHJOB, {"m1": [0]}, generation=2)  # the push below carries generation 1
+    pusher = Pusher(redis, PUSHJOB, "m1", codec="topk", codec_options={"density": 0.1})
+    state = TrainerState()
+    state.joined("m1", 1, _assignment("m1"))
+    g = {k: torch.full_like(v, 0.5) for k, v in small_model().items()}
+    report = send_push(pusher, g, Batch(torch.empty(0, 0), torch.empty(0), {0: (0, 5)}, [], 0, 0),
+                       clock=state.pushing(), generation=1)
+    assert report.outcome is Outcome.REFUSED and isinstance(report.error, FencedError)
+    assert state.push_ended(report.outcome, report.feedback) == [Resync(1)]
+    assert pusher.residuals == {} and state.last_pushed == 0

@@ -1,9 +1,10 @@
-"""Trainer services: consume assigned partitions, compute gradients with PyTorch, push them."""
+"""Trainer services: consume assigned partitions, compute gradients with PyTorch, push them.
 
-from .device import DevicePlan, plan_device
-from .evaluate import EvalResult, evaluate
-from .models import ModelSpec, build_model, builtin_specs, mlp
-from .settings import TrainerSettings
+Each public name is imported from its module on first use (:func:`common.exports.lazy_exports`):
+importing the pure core (``trainers.state``) does not import torch.
+"""
+
+from common.exports import lazy_exports
 
 __all__ = [
     # configuration
@@ -19,3 +20,10 @@ __all__ = [
     "EvalResult",
     "evaluate",
 ]
+
+lazy_exports(__name__, __all__, {
+    ".device": ("DevicePlan", "plan_device"),
+    ".evaluate": ("EvalResult", "evaluate"),
+    ".models": ("ModelSpec", "build_model", "builtin_specs", "mlp"),
+    ".settings": ("TrainerSettings",),
+})

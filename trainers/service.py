@@ -16,9 +16,11 @@ does each step::
     grads  = forward + backward on the batch
     push   grads + the batch's offsets, atomically (overlaps the next step)
 
-A refused push or a clock-bound timeout resynchronises; a Redis outage is
-ridden out; both run at the top of the next turn of the loop, so a fault during
-a recovery is recovered from the same way.
+How a push ended goes to the state, which says what to do (adopt its
+error-feedback state, resynchronise) and keeps an unsettled push until the
+outage is over. A refused push or a clock-bound timeout resynchronises; a Redis
+outage is ridden out; both run at the top of the next turn of the loop, so a
+fault during a recovery is recovered from the same way.
 
 Around it: registration and heartbeats with the coordinator (a background
 task), the presence channel, evaluation on held-out data, and a drain (on
@@ -36,7 +38,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -46,8 +48,8 @@ from coordinator import CoordinatorClient, MemberGoneError, UnknownMemberError
 from coordinator.errors import CoordinatorError
 from datastream import Batch, ShardConsumer, load_source
 from services import (
-    FencedError, OffsetConflictError, OptimizerConfig, ParameterStore, Pusher, Snapshot, committed_offsets,
-    connect, read_job_clocks, starting_clock, wait_for_clock, was_committed,
+    Feedback, FencedError, OffsetConflictError, OptimizerConfig, ParameterStore, Pusher, Snapshot,
+    committed_offsets, connect, read_job_clocks, starting_clock, wait_for_clock, was_committed,
 )
 from services.consistency import ClockWait, Consistency, StalenessTimeout
 from common.outage import REDIS_DOWN, Outage, redis_name
@@ -58,7 +60,7 @@ from .metrics import TrainerMetrics, TrainerReport
 from .models import build_model
 from .progress import PHASE_LOG, Progress
 from .settings import TrainerSettings
-from .state import Move, TrainerState, needs_pull
+from .state import Adopt, Instruction, Move, Outcome, Resync, TrainerState, needs_pull
 from .step import Replica, StepResult
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,19 @@ IDLE_S = 0.1
 """Pause of a turn with nothing to consume."""
 POLL_S = 0.2
 """Longest wait for a batch before the loop turns again."""
+
+
+async def next_batch(consumer: ShardConsumer, timeout_s: float = POLL_S) -> Batch | None:
+    """The consumer's next batch: one decoded already at once, else the first within ``timeout_s``
+    (waited for on a worker thread); None when none came.
+
+    A batch of dead-lettered records only has no rows (``len`` 0) but covers their offsets: it is a
+    batch like any other, pushed as an offsets-only update (dropping it would leave a gap before
+    the next push's offsets, which the parameter plane refuses)."""
+    batch = consumer.poll(0)
+    if batch is None:
+        batch = await asyncio.to_thread(consumer.poll, timeout_s)
+    return batch
 
 
 class PushRefused(Exception):
@@ -88,12 +103,46 @@ class _Computed:
 
 
 @dataclass(frozen=True)
-class _Pushed:
-    """A committed push, as the push thread reports it."""
+class PushReport:
+    """How one push ended, as the push thread saw it (:func:`send_push`)."""
 
-    wire_bytes: int
-    raw_bytes: int
+    outcome: Outcome
+    """Committed, refused, or cut off by a Redis outage."""
+    feedback: Feedback
+    """The error-feedback state it leaves behind (the state says whether to adopt it)."""
     produced_ts_ms: int
+    """Oldest produce timestamp of the batch it carried (``Batch.produced_ts_ms``)."""
+    error: Exception | None = None
+    """The refusal or the Redis error (None when committed)."""
+    wire_bytes: int = 0
+    """Encoded bytes sent (when committed)."""
+    raw_bytes: int = 0
+    """The same gradients as float32 (when committed)."""
+
+
+def send_push(pusher: Pusher, grads: Mapping[str, torch.Tensor] | None, batch: Batch, *, clock: int,
+              generation: int) -> PushReport:
+    """Encode ``grads`` and push them atomically with ``batch``'s offsets; say how it ended. Runs on
+    the push thread, and changes nothing: the state decides what the outcome means.
+
+    Which errors mean what is decided here, once: a refusal (fenced, offsets or clock out of line)
+    is :data:`Outcome.REFUSED`; every ``common.outage.REDIS_DOWN`` error (a Redis Cluster's
+    CLUSTERDOWN too) is :data:`Outcome.UNREACHABLE`, since the push may have gone through.
+
+    Raises:
+        BadGradientError: the model produced a gradient the parameter plane cannot take (nothing
+            was pushed); and what else ``Pusher.send`` raises that no retry cures.
+    """
+    prepared = pusher.prepare(grads, generation=generation, clock=clock, offsets=batch.offsets,
+                              samples=batch.samples, batch_size=len(batch), produced_ts_ms=batch.produced_ts_ms)
+    feedback, ts = prepared.feedback, batch.produced_ts_ms
+    try:
+        sent = pusher.send(prepared)
+    except (FencedError, OffsetConflictError) as exc:
+        return PushReport(Outcome.REFUSED, feedback, ts, error=exc)
+    except REDIS_DOWN as exc:
+        return PushReport(Outcome.UNREACHABLE, feedback, ts, error=exc)
+    return PushReport(Outcome.COMMITTED, feedback, ts, wire_bytes=sent.wire_bytes, raw_bytes=sent.raw_bytes)
 
 
 class Trainer:
@@ -120,7 +169,8 @@ class Trainer:
         self._redis_outage = Outage(redis_name(self.redis), settings.outage_limit_s, logger)
         self._stop = asyncio.Event()
         self._push_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push")
-        self._inflight: asyncio.Future[_Pushed] | None = None
+        self._sending: asyncio.Future[PushReport] | None = None
+        """The push thread's future of the push in flight (which push that is, the state records)."""
         self._eval_data: tuple[torch.Tensor, torch.Tensor] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._heartbeat_lock = asyncio.Lock()
@@ -210,14 +260,17 @@ class Trainer:
             self.store.init_model, self.replica.initial_tensors(),
             optimizer=OptimizerConfig(name=config.optimizer, lr=config.lr))
         options = {"density": self.settings.topk_density} if "topk" in config.codec else {}
-        self.pusher = Pusher(self.redis, self.settings.job, reg.member_id, codec=config.codec,
-                             codec_options=options, momentum=meta.optimizer.trainer_momentum)
-        if self.pusher.codec.parts[0].info.sparsifier and not meta.optimizer.sparse:
+        pusher = await self._with_redis(Pusher, self.redis, self.settings.job, reg.member_id, codec=config.codec,
+                                        codec_options=options, momentum=meta.optimizer.trainer_momentum)
+        if pusher.codec.parts[0].info.sparsifier and not meta.optimizer.sparse:
             logger.warning("optimizer %s is dense: with codec %s every coordinate still moves at every step "
                            "(a full write per update), and the bursts of accumulated top-k gradients make "
                            "its momentum overshoot; lazyadam or dgc step only where the gradient is",
                            meta.optimizer.name, config.codec)
         start = await self._with_redis(starting_clock, self.redis, self.settings.job, reg.member_id)
+        # the Pusher and the state's member id change together (no await between): the state tells
+        # the current Pusher to adopt the feedback of pushes made under the current id only
+        self.pusher = pusher
         self.state.joined(reg.member_id, start, reg.assignment)
         if self.consumer is None:
             self.consumer = ShardConsumer(
@@ -331,14 +384,12 @@ class Trainer:
         with contextlib.suppress(PushRefused, *REDIS_DOWN):
             await self._settle_push()
         committed: bool | None = None
-        if (clock := self.state.unsettled) is not None:
-            assert self.pusher is not None
+        if (push := self.state.unsettled) is not None:
             committed = await self._with_redis(was_committed, self.redis, self.settings.job,
-                                               self.pusher.member_id, clock)
-            self.pusher.settle(committed)
-            logger.info("push at clock %d was %s before the outage", clock,
+                                               push.member_id, push.clock)
+            logger.info("member %s: push at clock %d was %s before the outage", push.member_id, push.clock,
                         "committed" if committed else "not committed")
-        self.state.outage_settled(committed)
+        self._do(self.state.outage_settled(committed))
         self.snapshot = None
         await self._resync("redis outage")
 
@@ -376,7 +427,7 @@ class Trainer:
             await asyncio.sleep(IDLE_S)
             return
         assert self.consumer is not None
-        batch = self.consumer.poll(0) or await asyncio.to_thread(self.consumer.poll, POLL_S)
+        batch = await next_batch(self.consumer)
         if batch is None:
             await self._tick_if_others_wait()
         else:
@@ -405,8 +456,11 @@ class Trainer:
         for phase, seconds in (*done.seconds.items(), ("push_wait", time.monotonic() - t1)):
             self.progress.phase(phase, seconds)
         clock = state.pushing()
-        self._inflight = asyncio.get_running_loop().run_in_executor(
-            self._push_pool, self._push, batch, done.result, clock, generation)
+        assert self.pusher is not None
+        grads = done.result.grads if done.result is not None else None
+        self._sending = asyncio.get_running_loop().run_in_executor(
+            self._push_pool, functools.partial(send_push, self.pusher, grads, batch, clock=clock,
+                                               generation=generation))
         if tick:
             return
         self.progress.stepped(len(batch), time.monotonic() - t0,
@@ -440,43 +494,45 @@ class Trainer:
         return _Computed(wait, snapshot, result,
                          {"wait": t1 - t0, "pull": t2 - t1, "compute": time.monotonic() - t2})
 
-    def _push(self, batch: Batch, result: StepResult | None, clock: int, generation: int) -> _Pushed:
-        """Runs on the push thread: encode and push atomically with the batch's offsets. It changes no
-        state: :meth:`_settle_push` records the outcome on the event loop."""
-        assert self.pusher is not None
-        try:
-            pushed = self.pusher.push(result.grads if result is not None else None,
-                                      generation=generation, clock=clock, offsets=batch.offsets,
-                                      samples=batch.samples, batch_size=len(batch),
-                                      produced_ts_ms=batch.produced_ts_ms)
-        except (FencedError, OffsetConflictError) as exc:
-            raise PushRefused(f"push at clock {clock} refused: {exc}") from exc
-        return _Pushed(pushed.wire_bytes, pushed.raw_bytes, batch.produced_ts_ms)
-
     async def _settle_push(self) -> None:
-        """Wait for the push in flight and record how it ended.
+        """Wait for the push in flight, tell the state how it ended, and do what the state says.
 
         Raises:
-            PushRefused: it was refused (resynchronise).
-            redis.ConnectionError and the other ``REDIS_DOWN`` errors: Redis went away; the push
-                is unsettled until ``was_committed`` says.
+            PushRefused: the state says resynchronise (the push was refused).
+            redis.ConnectionError and the other ``REDIS_DOWN`` errors: Redis went away during the
+                push; the state keeps it unsettled until ``was_committed`` says (:meth:`_ride_out`).
         """
-        inflight, self._inflight = self._inflight, None
-        if inflight is None:
+        push = self.state.in_flight
+        if push is None:
             return
-        clock = self.state.inflight
-        try:
-            pushed = await inflight
-        except PushRefused:
-            self.state.push_settled(committed=False)
-            raise
-        except REDIS_DOWN:
-            self.state.push_unsettled()
-            raise
-        self.state.push_settled(committed=True)
-        assert self.pusher is not None and clock is not None
-        self.progress.pushed(clock, pushed.wire_bytes, pushed.produced_ts_ms)
-        self.metrics.pushed(self.pusher.codec.name, pushed.wire_bytes, pushed.raw_bytes)
+        sending, self._sending = self._sending, None
+        assert sending is not None, "the state has a push in flight that was never sent"
+        report = await sending
+        instructions = self.state.push_ended(report.outcome, report.feedback)
+        if report.outcome is Outcome.REFUSED and not instructions:
+            logger.info("member %s: push at clock %d refused (%s); made under an earlier member id, "
+                        "nothing to resynchronise", push.member_id, push.clock, report.error)
+        self._do(instructions, report.error)
+        if report.outcome is Outcome.UNREACHABLE:
+            assert report.error is not None
+            raise report.error
+        if report.outcome is Outcome.COMMITTED:
+            assert self.pusher is not None
+            self.progress.pushed(push.clock, report.wire_bytes, report.produced_ts_ms)
+            self.metrics.pushed(self.pusher.codec.name, report.wire_bytes, report.raw_bytes)
+
+    def _do(self, instructions: list[Instruction], error: Exception | None = None) -> None:
+        """Do what the state says about a push that ended (:mod:`trainers.state`).
+
+        Raises:
+            PushRefused: told to resynchronise (``error``: the refusal, for the log).
+        """
+        for instruction in instructions:
+            if isinstance(instruction, Adopt):
+                assert self.pusher is not None and isinstance(instruction.feedback, Feedback)
+                self.pusher.adopt(instruction.feedback)
+            elif isinstance(instruction, Resync):
+                raise PushRefused(f"push at clock {instruction.clock} refused: {error}") from error
 
     async def _tick_if_others_wait(self) -> None:
         """With no data, advance our clock when others are ahead, so we never hold them back."""

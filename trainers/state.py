@@ -13,11 +13,27 @@ carries its clock; the parameter plane records the last clock each member
 pushed (``clocks``) and the last it applied (``applied_clocks``). A (re)joining
 member starts one past the highest live clock (``services.starting_clock``).
 
-**The push in flight.** At most one push is in flight: it overlaps the next
-step's compute, and the next push waits for it. It ends in one of three ways:
-committed (``last_pushed`` moves to its clock), refused (fenced, or offsets out
-of line: the shell resynchronises), or *unsettled* (Redis went away and the
-reply may be lost: ``services.was_committed`` settles it once Redis answers).
+**The push in flight** is recorded here and nowhere else (:attr:`TrainerState.pending`:
+its clock and the member id it was made under); the shell holds only the future
+of the thread that sends it, and the ``Pusher`` only the error-feedback state of
+pushes known committed. At most one push is in flight: it overlaps the next
+step's compute, and the next push waits for it. The shell reports how it ended
+(:class:`Outcome`, with the error-feedback state the push leaves behind) and
+does what :meth:`TrainerState.push_ended` answers:
+
+- *committed*: ``last_pushed`` moves to its clock; the shell is told to :class:`Adopt`
+  its error-feedback state.
+- *refused* (fenced, or offsets out of line): nothing moves, its feedback is
+  dropped, and the shell is told to :class:`Resync`.
+- *unreachable* (Redis went away, the reply may be lost): the push is *unsettled*:
+  kept here with its feedback while the shell rides out the outage, then asks
+  ``services.was_committed`` about it and reports the answer
+  (:meth:`TrainerState.outage_settled`), which adopts its feedback if it went through.
+
+A push made under an earlier member id (the lease was lost and the trainer
+registered anew while it was in flight) is moot whatever its outcome: that id is
+gone and so are its clocks; nothing moves, its feedback is dropped (the new id
+starts with a fresh ``Pusher``), and nothing needs resynchronising.
 
 **Resynchronising** after a refusal: the steps after the refused push were
 never pushed, so the clock resumes one past ``last_pushed`` (otherwise the
@@ -41,10 +57,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from coordinator import Assignment
-from services.consistency import ClockWait
+from coordinator.assignment import Assignment
+from services.clocks import ClockWait
 
 
 class Move(enum.Enum):
@@ -59,6 +75,56 @@ class Move(enum.Enum):
     offsets of :attr:`TrainerState.wanted` and call :meth:`TrainerState.assigned`."""
     LEAVE = "leave"
     """The coordinator drains this member: finish, commit what is in flight, leave the membership."""
+
+
+class Outcome(enum.Enum):
+    """How a push ended, as the shell saw it (:meth:`TrainerState.push_ended`)."""
+
+    COMMITTED = "committed"
+    """The parameter plane took it."""
+    REFUSED = "refused"
+    """The parameter plane refused it: fenced, or its offsets or clock out of line."""
+    UNREACHABLE = "unreachable"
+    """Redis went away during it (``common.outage.REDIS_DOWN``): the reply may be lost, and the push
+    may or may not have been committed."""
+
+
+@dataclass(frozen=True)
+class Push:
+    """A push not yet known committed or refused: the one record of it."""
+
+    clock: int
+    """Its clock."""
+    member_id: str
+    """The member id it was made under."""
+    unsettled: bool = False
+    """It ended :data:`Outcome.UNREACHABLE`: it waits for ``was_committed``
+    (:meth:`TrainerState.outage_settled`)."""
+    feedback: object = None
+    """Once unsettled: the error-feedback state it left behind (``services.encoder.Feedback``; opaque
+    here), adopted if it turns out committed."""
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """The push is committed: make the error-feedback state it left behind the ``Pusher``'s own
+    (``Pusher.adopt``). A push not adopted leaves the residuals as they were before it."""
+
+    feedback: object
+    """What the shell reported with the outcome."""
+
+
+@dataclass(frozen=True)
+class Resync:
+    """The push at ``clock`` was refused: resynchronise (:meth:`TrainerState.resync`, then restart
+    the consumer from the committed offsets)."""
+
+    clock: int
+    """The refused push's clock."""
+
+
+Instruction = Adopt | Resync
+"""What the state tells the shell to do about a push that ended."""
 
 
 class StateError(RuntimeError):
@@ -84,12 +150,8 @@ class TrainerState:
     """Clock of the next step."""
     last_pushed: int = 0
     """Last clock whose push is known committed."""
-    inflight: int | None = None
-    """Clock of the push in flight, if any."""
-    inflight_member: str | None = None
-    """The member id the push in flight was made under."""
-    unsettled: int | None = None
-    """Clock of a push whose reply an outage may have lost (settled with ``was_committed``)."""
+    pending: Push | None = None
+    """The push in flight, or the unsettled one; None when every push is known committed or refused."""
     covers: int | None = None
     """The replica holds every live member's updates up to this clock; None: not trusted (never
     pulled, or after an outage): the next step pulls in full."""
@@ -170,59 +232,94 @@ class TrainerState:
         applied clock read by that wait (before the pull) are in it."""
         self.covers = wait.min_applied if wait.min_applied is not None else -1
 
+    # -- the push in flight -------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> Push | None:
+        """The push being sent now (the shell awaits it before the next one), if any."""
+        return self.pending if self.pending is not None and not self.pending.unsettled else None
+
+    @property
+    def unsettled(self) -> Push | None:
+        """The push an outage cut off, waiting for ``was_committed(pending.member_id, pending.clock)``."""
+        return self.pending if self.pending is not None and self.pending.unsettled else None
+
     def pushing(self) -> int:
         """A push of the step at :attr:`clock` is handed to the push thread; returns its clock.
 
         Raises:
-            StateError: a push is still in flight (the shell must settle it first).
+            StateError: a push is still in flight or unsettled (the shell must settle it first), or
+                this trainer has not joined.
         """
-        if self.inflight is not None:
-            raise StateError(f"push at clock {self.inflight} still in flight")
+        if self.pending is not None:
+            raise StateError(f"push at clock {self.pending.clock} still {self._phase(self.pending)}")
         if self.member_id is None:
             raise StateError("push before joining")
-        clock, self.inflight, self.inflight_member = self.clock, self.clock, self.member_id
+        clock, self.pending = self.clock, Push(self.clock, self.member_id)
         self.clock += 1
         return clock
 
-    def push_settled(self, committed: bool) -> None:
-        """The push in flight was committed, or refused (``committed=False``)."""
-        clock = self._take_inflight()
-        if clock is not None and committed:
-            self.last_pushed = max(self.last_pushed, clock)
+    def push_ended(self, outcome: Outcome, feedback: object) -> list[Instruction]:
+        """The push in flight ended with ``outcome``, leaving the error-feedback state ``feedback``
+        behind; returns what the shell must do (the rules are in the module docstring).
 
-    def push_unsettled(self) -> None:
-        """The push in flight failed with Redis unreachable: it may or may not have been committed.
-        (One made under an earlier id is moot: that id is gone, and so are its clocks.)"""
-        self.unsettled = self._take_inflight()
-
-    def _take_inflight(self) -> int | None:
-        """End the push in flight: its clock, or None when it was made under an earlier member id."""
-        if self.inflight is None:
+        Raises:
+            StateError: no push is in flight.
+        """
+        push = self.in_flight
+        if push is None:
             raise StateError("no push in flight")
-        clock, mine = self.inflight, self.inflight_member == self.member_id
-        self.inflight = self.inflight_member = None
-        return clock if mine else None
+        mine = push.member_id == self.member_id
+        if outcome is Outcome.UNREACHABLE and mine:
+            self.pending = replace(push, unsettled=True, feedback=feedback)
+            return []
+        self.pending = None
+        if not mine:
+            return []
+        if outcome is Outcome.COMMITTED:
+            self.last_pushed = max(self.last_pushed, push.clock)
+            return [Adopt(feedback)]
+        return [Resync(push.clock)]
+
+    @staticmethod
+    def _phase(push: Push) -> str:
+        return "unsettled" if push.unsettled else "in flight"
 
     # -- recovery ---------------------------------------------------------------------------------
 
     def resync(self) -> None:
         """After a refused push (or a clock-bound timeout): resume one past the last committed push,
-        and observe the clocks afresh. The shell then restarts from the committed offsets."""
-        if self.inflight is not None:
-            raise StateError(f"settle the push at clock {self.inflight} before resynchronising")
+        and observe the clocks afresh. The shell then restarts from the committed offsets.
+
+        Raises:
+            StateError: a push is in flight or unsettled (it must be settled first).
+        """
+        if self.pending is not None:
+            raise StateError(f"settle the push at clock {self.pending.clock} ({self._phase(self.pending)}) "
+                             "before resynchronising")
         self.clock = self.last_pushed + 1
         self.last_wait = None
 
-    def outage_settled(self, committed: bool | None) -> None:
-        """Redis answers again. ``committed``: whether the unsettled push was committed
-        (``was_committed``; None when no push was unsettled). The replica is no longer trusted."""
-        if self.inflight is not None:
-            raise StateError(f"settle the push at clock {self.inflight} before the outage")
-        clock, self.unsettled = self.unsettled, None
-        if clock is not None and committed:
-            self.last_pushed = max(self.last_pushed, clock)
+    def outage_settled(self, committed: bool | None) -> list[Instruction]:
+        """Redis answers again. ``committed``: what ``was_committed`` said of the :attr:`unsettled`
+        push (None when there was none to ask about). The replica is no longer trusted. Returns
+        :class:`Adopt` when the push is committed and was made under the current member id.
+
+        Raises:
+            StateError: a push is still in flight, or one is unsettled and ``committed`` is None.
+        """
+        if (push := self.in_flight) is not None:
+            raise StateError(f"settle the push at clock {push.clock} before the outage")
+        push = self.unsettled
+        if push is not None and committed is None:
+            raise StateError(f"ask was_committed about the unsettled push at clock {push.clock}")
+        self.pending = None
         self.covers = None
         self.last_wait = None
+        if push is None or not committed or push.member_id != self.member_id:
+            return []
+        self.last_pushed = max(self.last_pushed, push.clock)
+        return [Adopt(push.feedback)]
 
     # -- idling -------------------------------------------------------------------------------------
 
