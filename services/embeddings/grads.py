@@ -1,0 +1,118 @@
+"""Row gradients on the wire: what one update carries for one shard group's rows (pure).
+
+A push writes, for every group that owns a row the batch touched, one blob
+into the group's slot (``GroupKeys.rows_blob``): msgpack
+``{"t": [[table, ids, grads, dtype], ...]}`` with, per table, the batch's
+unique IDs of the group's rows (int64 little-endian, strictly increasing) and
+their gradient rows (``[k, dim]`` little-endian ``float32`` or ``float16``,
+C order). Tables without rows in the group are left out; the update's header
+names every table with row gradients, so each group counts the table's step
+alike (``optim.step_rows``'s ``t``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import BadGradientError, PayloadError
+from ..wire import DEFAULT_MAX_BYTES, pack, unpack
+from .rows import group_of_ids
+from .spec import TableSpec
+
+__all__ = ["RowGrads", "WIRE_DTYPES", "encode_row_grads", "decode_row_grads", "split_by_group"]
+
+WIRE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+"""How gradient rows may travel."""
+
+
+@dataclass(frozen=True)
+class RowGrads:
+    """The gradient rows of one table in one update (of one group's rows, on the wire)."""
+
+    table: str
+    """Table name."""
+    ids: np.ndarray
+    """Unique IDs, int64, strictly increasing."""
+    grads: np.ndarray
+    """``[len(ids), dim]`` float32 gradient rows."""
+
+
+def split_by_group(part: RowGrads, groups: int) -> dict[int, RowGrads]:
+    """``part`` split into the rows each group owns (each group's IDs stay increasing)."""
+    if groups == 1:
+        return {0: part}
+    owner = group_of_ids(part.ids, groups)
+    out = {}
+    for g in np.unique(owner).tolist():
+        mask = owner == g
+        out[g] = RowGrads(part.table, part.ids[mask], part.grads[mask])
+    return out
+
+
+def encode_row_grads(parts: Sequence[RowGrads], *, wire_dtype: str = "float32") -> bytes:
+    """One group's blob of ``parts``.
+
+    Raises:
+        BadGradientError: a gradient is not finite, or overflows ``wire_dtype`` (names the table).
+        ValueError: an unknown ``wire_dtype``, or shapes that disagree.
+    """
+    dt = WIRE_DTYPES.get(wire_dtype)
+    if dt is None:
+        raise ValueError(f"row gradients travel as {' or '.join(WIRE_DTYPES)}, not {wire_dtype!r}")
+    out = []
+    for p in parts:
+        if p.grads.ndim != 2 or p.grads.shape[0] != p.ids.shape[0]:
+            raise ValueError(f"table {p.table}: {p.ids.shape[0]} IDs but gradient rows of shape {p.grads.shape}")
+        with np.errstate(over="ignore"):  # an overflow is refused below, by table
+            wire = np.ascontiguousarray(p.grads, dtype=dt)
+        if not np.isfinite(wire).all():
+            bad = int((~np.isfinite(wire)).sum())
+            what = "NaN or infinite" if not np.isfinite(p.grads).all() else f"overflowing {wire_dtype}"
+            raise BadGradientError(f"gradient rows of table {p.table!r}: {bad} value(s) {what}")
+        out.append([p.table, np.ascontiguousarray(p.ids, dtype="<i8").tobytes(), wire.tobytes(), wire_dtype])
+    return pack({"t": out})
+
+
+def decode_row_grads(blob: bytes, tables: Mapping[str, TableSpec], *, max_bytes: int = DEFAULT_MAX_BYTES,
+                     what: str = "row gradients") -> list[RowGrads]:
+    """The parts of one group's blob, checked against the model's ``tables``.
+
+    Raises:
+        PayloadError: not the documented form (malformed, truncated, sizes that disagree).
+        BadGradientError: an unknown table, IDs not strictly increasing, or a value not finite.
+    """
+    msg = unpack(blob, max_bytes=max_bytes, what=what)
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), list):
+        raise PayloadError(f"{what}: expected a map with a list 't'")
+    out = []
+    seen = set()
+    for entry in msg["t"]:
+        if (not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[0], str)
+                or not isinstance(entry[1], bytes) or not isinstance(entry[2], bytes) or entry[3] not in WIRE_DTYPES):
+            raise PayloadError(f"{what}: each entry must be [table, ids bytes, grads bytes, "
+                               f"{' or '.join(WIRE_DTYPES)}]")
+        name, raw_ids, raw_grads, dtype = entry
+        spec = tables.get(name)
+        if spec is None:
+            raise BadGradientError(f"{what}: table {name!r} is not in the model (tables: {sorted(tables)})")
+        if name in seen:
+            raise PayloadError(f"{what}: table {name!r} appears twice")
+        seen.add(name)
+        if len(raw_ids) % 8:
+            raise PayloadError(f"{what}: table {name!r}: {len(raw_ids)} bytes of IDs is not a multiple of 8")
+        ids = np.frombuffer(raw_ids, dtype="<i8")
+        dt = WIRE_DTYPES[dtype]
+        if len(raw_grads) != ids.size * spec.dim * dt.itemsize:
+            raise PayloadError(f"{what}: table {name!r}: {ids.size} IDs of dim {spec.dim} need "
+                               f"{ids.size * spec.dim * dt.itemsize} bytes of {dtype}, got {len(raw_grads)}")
+        if ids.size > 1 and not (ids[1:] > ids[:-1]).all():
+            raise BadGradientError(f"{what}: table {name!r}: IDs must be unique and increasing")
+        grads = np.frombuffer(raw_grads, dtype=dt).reshape(ids.size, spec.dim).astype(np.float32)
+        if not np.isfinite(grads).all():
+            raise BadGradientError(f"{what}: table {name!r}: {int((~np.isfinite(grads)).sum())} NaN or "
+                                   "infinite value(s)")
+        out.append(RowGrads(name, ids, grads))
+    return out

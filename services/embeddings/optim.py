@@ -1,0 +1,49 @@
+"""Row optimizers: one step at the rows a gradient touches, nothing else (pure numpy).
+
+Both keep their state beside the row (``rows.row_dtype``'s ``state``), so an
+apply reads and writes exactly the rows it touches.
+
+- ``lazyadam``: the arithmetic of ``torch.optim.SparseAdam`` (and of the dense
+  plane's ``lazyadam``, :func:`services.optim.step`) at the touched rows, with
+  the table's step count ``t`` for the bias correction: ``t`` counts the
+  updates that carried gradients for the table, which is what a local loop's
+  ``SparseAdam.step()`` calls count, so the two agree update for update.
+- ``adagrad``: row-wise Adagrad (TorchRec's ``ROWWISE_ADAGRAD``): one
+  accumulator per row, ``acc += mean(g**2)``, ``w -= lr * g / (sqrt(acc) + eps)``.
+
+A gradient row is the sum over every occurrence of its ID in the batch (the
+trainer deduplicates), as a coalesced ``EmbeddingBag`` gradient is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .spec import RowOptimizerConfig
+
+__all__ = ["step_rows"]
+
+
+def step_rows(cfg: RowOptimizerConfig, values: np.ndarray, state: np.ndarray, grads: np.ndarray,
+              t: int) -> None:
+    """Apply step ``t`` (1-based) of ``grads`` to ``values`` and ``state`` in place.
+
+    Args:
+        values: ``[k, dim]`` float32 rows.
+        state: ``[k, slots]`` float32 optimizer state of those rows.
+        grads: ``[k, dim]`` float32 gradients of those rows.
+    """
+    f32 = np.float32
+    if cfg.name == "lazyadam":
+        dim = values.shape[1]
+        m, v = state[:, :dim], state[:, dim:]
+        m += (grads - m) * f32(1 - cfg.beta1)
+        v += (grads * grads - v) * f32(1 - cfg.beta2)
+        step_size = cfg.lr * math.sqrt(1 - cfg.beta2 ** t) / (1 - cfg.beta1 ** t)
+        values -= f32(step_size) * (m / (np.sqrt(v) + f32(cfg.eps)))
+    else:  # adagrad, row-wise
+        acc = state[:, 0]
+        acc += (grads * grads).mean(axis=1, dtype=np.float32)
+        values -= (f32(cfg.lr) / (np.sqrt(acc) + f32(cfg.eps)))[:, None] * grads

@@ -1,0 +1,102 @@
+"""Rows as they are stored, placed and born (pure; no Redis).
+
+**Stored form.** Each row is one field of a Redis hash per table and shard
+group (``GroupKeys.table_rows``): the field is the ID as 8 little-endian bytes,
+the value a packed record of :func:`row_dtype`::
+
+    version     u64         the group version of the apply that last wrote it
+    values      f32[dim]
+    written_ms  u64         when that apply ran (ms since the epoch): expiry and eviction
+    state       f32[slots]  the row optimizer's state (m and v, or an accumulator)
+
+``version`` and ``values`` come first, so a trainer's pull returns only the
+prefix of :func:`pull_dtype` (12 bytes per row more than its values) and never
+the optimizer state. IDs seen but not yet admitted live in a second hash
+(``GroupKeys.table_seen``) as :data:`SEEN_DTYPE`.
+
+**Placement.** An ID's row lives in shard group :func:`group_of_ids` (a
+64-bit mix of the ID, modulo the number of groups), so every table spreads
+evenly over the groups, whatever the IDs look like, and under Redis Cluster
+over the nodes: the model-parallel split.
+
+**Birth.** A row nobody has written reads as :func:`initial_rows`: uniform in
+``[-init_scale, init_scale)``, drawn from the table's name and the ID by a
+counter-based hash, so a trainer computing on a row the servers have not
+admitted yet and the server that later creates it agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from .spec import TableSpec
+
+__all__ = ["row_dtype", "pull_dtype", "SEEN_DTYPE", "mix64", "group_of_ids", "initial_rows", "id_bytes",
+           "ids_from_bytes"]
+
+SEEN_DTYPE = np.dtype([("count", "<u4"), ("seen_ms", "<u8")])
+"""A not-yet-admitted ID: in how many updates a gradient for it arrived, and when it last did."""
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_PLACEMENT = np.uint64(0x5EED_0F_9A7C0DE5)
+"""Seed of the placement hash (independent of the initial values')."""
+
+
+def row_dtype(spec: TableSpec) -> np.dtype:
+    """The packed record of one stored row of ``spec``."""
+    return np.dtype([("version", "<u8"), ("values", "<f4", (spec.dim,)), ("written_ms", "<u8"),
+                     ("state", "<f4", (spec.slots,))])
+
+
+def pull_dtype(spec: TableSpec) -> np.dtype:
+    """The prefix of a stored row that a pull returns: its version and values."""
+    return np.dtype([("version", "<u8"), ("values", "<f4", (spec.dim,))])
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser of each uint64 of ``x`` (a bijection that spreads every bit)."""
+    z = x + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def _as_u64(ids: np.ndarray) -> np.ndarray:
+    ids = np.asarray(ids)
+    if ids.dtype != np.int64:
+        raise TypeError(f"IDs must be int64, got {ids.dtype}")
+    return ids.view(np.uint64)
+
+
+def group_of_ids(ids: np.ndarray, groups: int) -> np.ndarray:
+    """The shard group (0..groups-1, int64) whose slot holds each ID's row."""
+    if groups == 1:
+        return np.zeros(len(ids), dtype=np.int64)
+    return (mix64(_as_u64(ids) ^ _PLACEMENT) % np.uint64(groups)).astype(np.int64)
+
+
+def _table_seed(name: str) -> np.uint64:
+    return np.frombuffer(hashlib.blake2b(name.encode(), digest_size=8).digest(), dtype="<u8")[0]
+
+
+def initial_rows(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
+    """The values ``[len(ids), dim]`` (float32) each ID's row has before anyone wrote it."""
+    base = mix64(_as_u64(ids) ^ _table_seed(spec.name))
+    lanes = np.arange(spec.dim, dtype=np.uint64) * _GOLDEN
+    bits = mix64(base[:, None] + lanes[None, :]) >> np.uint64(40)  # 24 random bits per value
+    unit = bits.astype(np.float32) * np.float32(2.0 ** -24)  # [0, 1), exact in float32
+    return (unit * np.float32(2.0) - np.float32(1.0)) * np.float32(spec.init_scale)
+
+
+def id_bytes(ids: np.ndarray) -> bytes:
+    """IDs as the hash fields store them: 8 little-endian bytes each, concatenated."""
+    return np.ascontiguousarray(ids, dtype="<i8").tobytes()
+
+
+def ids_from_bytes(blob: bytes) -> np.ndarray:
+    """Inverse of :func:`id_bytes` (a read-only view)."""
+    return np.frombuffer(blob, dtype="<i8")
