@@ -251,6 +251,31 @@ class GroupKeys:
         once the group's persisted optimizer state includes the update."""
         return self.key("grad", token, index)
 
+    def table_rows(self, table: str) -> str:
+        """Hash: ID (8 little-endian bytes) -> the stored record of its row of embedding table
+        ``table`` (``services.embeddings.rows.row_dtype``: version, values, when it was written,
+        optimizer state), for the IDs this group owns (``services.embeddings.rows.group_of_ids``).
+        Bounded by the table's expiry and row cap."""
+        return self.key("rows", table)
+
+    def table_seen(self, table: str) -> str:
+        """Hash: ID -> how often, and when last, a gradient arrived for an ID of table ``table`` that
+        has no row yet (``services.embeddings.rows.SEEN_DTYPE``); deleted when the ID is admitted,
+        and expired like the rows."""
+        return self.key("seen", table)
+
+    @property
+    def table_stats(self) -> str:
+        """Hash: ``<table>:<counter>`` -> the group's counters of its tables: ``steps`` (updates
+        that carried gradients for the table), ``admitted``, ``dropped`` (gradients of IDs not
+        admitted yet), ``expired`` and ``evicted`` rows."""
+        return self.key("table_stats")
+
+    def rows_blob(self, token: str) -> str:
+        """Gradient rows, for this group's rows, of the pushed update ``token``
+        (``services.embeddings.grads``); deleted like the update's shard blobs."""
+        return self.key("rowgrad", token)
+
     def staging(self, token: str, slot: int) -> str:
         """A server's staged value ``slot`` of apply ``token``, renamed into place by the atomic apply
         (or deleted when it loses the compare-and-set)."""

@@ -191,3 +191,59 @@ def test_a_part_splits_by_owning_group_in_order() -> None:
     for g, p in split.items():
         assert (group_of_ids(p.ids, 3) == g).all() and (np.diff(p.ids) > 0).all()
         assert np.array_equal(p.grads[:, 0], p.ids / 3 * 2)  # each row stays with its ID
+
+
+def _loaded(spec: TableSpec, ids: np.ndarray, rows: dict[int, np.ndarray] | None = None,
+            seen: dict[int, int] | None = None) -> "LoadedRows":
+    from services.embeddings.rows import SEEN_DTYPE
+    from services.embeddings.store import LoadedRows
+    rows, seen = rows or {}, seen or {}
+    present = np.array([int(i) in rows for i in ids], dtype=bool)
+    records = np.zeros(int(present.sum()), dtype=row_dtype(spec))
+    records["values"] = [rows[int(i)] for i in ids[present]] if present.any() else records["values"]
+    records["version"] = 3
+    seen_mask = np.array([int(i) in seen for i in ids], dtype=bool) & ~present
+    seen_records = np.zeros(int(seen_mask.sum()), dtype=SEEN_DTYPE)
+    seen_records["count"] = [seen[int(i)] for i in ids[seen_mask]] if seen_mask.any() else seen_records["count"]
+    return LoadedRows(ids, present, records, seen_mask, seen_records)
+
+
+def test_a_batch_steps_rows_in_order_and_writes_only_what_changed() -> None:
+    from services.embeddings.apply import TableBatch
+    spec = TableSpec("t", 2, optimizer=RowOptimizerConfig("adagrad", lr=1.0, eps=0.0))
+    ids = np.array([1, 5, 9], dtype=np.int64)
+    tb = TableBatch.load(spec, _loaded(spec, ids, rows={1: np.array([1.0, 1.0]), 5: np.array([2.0, 2.0])}), steps=7)
+    g = np.ones((1, 2), dtype=np.float32)
+    tb.step(RowGrads("t", np.array([1], dtype=np.int64), g), now_ms=1000)
+    tb.step(None, now_ms=1001)  # an update whose rows of this table are all in other groups
+    tb.step(RowGrads("t", np.array([1, 9], dtype=np.int64), np.vstack([g, g])), now_ms=1002)
+    w = tb.writes(version=12)
+    assert w.steps == 10 and w.admitted == 1 and w.dropped == 0
+    assert w.row_ids.tolist() == [1, 9]  # 5 was loaded but never touched: not rewritten
+    records = np.frombuffer(w.rows, dtype=row_dtype(spec))
+    assert records["version"].tolist() == [12, 12] and records["written_ms"].tolist() == [1002, 1002]
+    # row 1: adagrad twice (acc 1 then 2); row 9 born at its initial value, one step
+    assert records["values"][0] == pytest.approx(1.0 - 1.0 - 1 / 2 ** 0.5)
+    np.testing.assert_allclose(records["values"][1], initial_rows(spec, ids[2:])[0] - 1.0, rtol=1e-6)
+    assert records["state"][:, 0].tolist() == [2.0, 1.0]
+    assert w.seen_ids.size == 0 and w.unseen_ids.size == 0
+
+
+def test_admission_drops_and_counts_until_an_id_was_seen_often_enough() -> None:
+    from services.embeddings.apply import TableBatch
+    spec = TableSpec("t", 2, admit_after=3)
+    ids = np.array([4, 8], dtype=np.int64)
+    tb = TableBatch.load(spec, _loaded(spec, ids, seen={8: 1}), steps=0)
+    g = np.ones((2, 2), dtype=np.float32)
+    tb.step(RowGrads("t", ids, g), now_ms=50)  # 4: seen once, dropped; 8: twice, dropped
+    w = tb.writes(version=1)
+    assert (w.admitted, w.dropped) == (0, 2) and w.row_ids.size == 0
+    assert w.seen_ids.tolist() == [4, 8]
+    assert np.frombuffer(w.seen, dtype=np.dtype([("count", "<u4"), ("seen_ms", "<u8")]))["count"].tolist() == [1, 2]
+    tb.step(RowGrads("t", ids, g), now_ms=60)  # 4: twice, dropped; 8: three times, admitted and stepped
+    w = tb.writes(version=2)
+    assert (w.admitted, w.dropped) == (1, 3)
+    assert w.row_ids.tolist() == [8] and w.seen_ids.tolist() == [4] and w.unseen_ids.tolist() == [8]
+    born = np.frombuffer(w.rows, dtype=row_dtype(spec))[0]
+    assert not np.array_equal(born["values"], initial_rows(spec, ids[1:])[0])  # the admitting gradient applied
+    assert w.steps == 2

@@ -1,0 +1,163 @@
+"""Reading rows from Redis by ID: a trainer's pull and a server's load (one round trip per group).
+
+Both run ``lua/rows_read.lua`` in each group's slot, which returns, as of one
+version of the group, a byte per ID asked (row, seen record, or nothing) and
+the records found concatenated: bulk bytes that numpy views without a Python
+object per row. A trainer asks for each row's version and values only
+(:func:`pull_rows`: never the optimizer state); an ID without a row reads as
+its initial value (``rows.initial_rows``). A server asks for whole records and
+for the sighting records of IDs not admitted yet (:func:`load_rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+
+from common.keys import JobKeys
+
+from ..errors import LayoutError
+from ..scripts import execute_with_script
+from .rows import SEEN_DTYPE, group_of_ids, id_bytes, initial_rows, pull_dtype, row_dtype
+from .spec import TableSpec
+
+__all__ = ["PulledRows", "RowPull", "LoadedRows", "pull_rows", "load_rows"]
+
+
+@dataclass(frozen=True)
+class PulledRows:
+    """The rows of one table a pull read, in the order asked."""
+
+    ids: np.ndarray
+    """The IDs asked (int64)."""
+    values: np.ndarray
+    """``[len(ids), dim]`` float32: each row's values, or its initial value when it has no row."""
+    versions: np.ndarray
+    """uint64: the group version that last wrote each row (0 for an ID without a row)."""
+    present: np.ndarray
+    """bool: the ID has a row (it was admitted and not expired or evicted since)."""
+
+
+@dataclass(frozen=True)
+class RowPull:
+    """What one pull of rows read."""
+
+    tables: dict[str, PulledRows]
+    """Table -> its rows."""
+    group_versions: dict[int, int]
+    """Version of each group read (every row of group g is as group version g left it)."""
+    wire_bytes: int
+    """Bytes of rows and masks the pull read from Redis."""
+
+
+@dataclass(frozen=True)
+class LoadedRows:
+    """One table's rows, as a server of their group loads them before an apply."""
+
+    ids: np.ndarray
+    """The IDs asked (int64)."""
+    present: np.ndarray
+    """bool: the ID has a row."""
+    records: np.ndarray
+    """``row_dtype`` records of the IDs with a row (in order: ``ids[present]``)."""
+    seen: np.ndarray
+    """bool: the ID has no row but a sighting record."""
+    seen_records: np.ndarray
+    """``SEEN_DTYPE`` records of those IDs (in order: ``ids[seen]``)."""
+
+
+def _read(client: redis.Redis, job: str, group: int,
+          asks: Sequence[tuple[TableSpec, np.ndarray, int, bool]]) -> tuple[int, list[tuple[bytes, bytes, bytes]], int]:
+    """One ``rows_read.lua`` call in ``group``'s slot: (group version, per ask (mask, rows, seen), bytes read).
+    ``asks``: (table, IDs, record bytes to return, read the seen hash too)."""
+    gk = JobKeys(job).group(group)
+    keys = [gk.version]
+    argv: list = [len(asks)]
+    for spec, ids, width, want_seen in asks:
+        keys.append(gk.table_rows(spec.name))
+        if want_seen:
+            keys.append(gk.table_seen(spec.name))
+        argv += [width, 1 if want_seen else 0, id_bytes(ids)]
+
+    def build(pipe: redis.client.Pipeline, sha: str) -> None:
+        pipe.evalsha(sha, len(keys), *keys, *argv)
+
+    res = execute_with_script(client, "rows_read", build)[-1]
+    parts = [(res[1 + 3 * j], res[2 + 3 * j], res[3 + 3 * j]) for j in range(len(asks))]
+    nbytes = sum(len(m) + len(r) + len(s) for m, r, s in parts)
+    return int(res[0]), parts, nbytes
+
+
+def _check(mask: bytes, n: int, what: str) -> np.ndarray:
+    m = np.frombuffer(mask, dtype=np.uint8)
+    if m.size != n:
+        raise LayoutError(f"{what}: {m.size} mask bytes for {n} IDs")
+    return m
+
+
+def pull_rows(client: redis.Redis, job: str, tables: Mapping[str, TableSpec], groups: int,
+              wanted: Mapping[str, np.ndarray]) -> RowPull:
+    """The version and values of each row of ``wanted`` (table -> int64 IDs), one round trip per
+    group that owns any of them. An ID without a row reads as its initial value.
+
+    Raises:
+        LayoutError: a table is not in ``tables``, or a reply does not fit what was asked.
+    """
+    for name in wanted:
+        if name not in tables:
+            raise LayoutError(f"job {job}: no embedding table {name!r} (tables: {sorted(tables)})")
+    owners = {name: group_of_ids(np.asarray(ids, dtype=np.int64), groups) for name, ids in wanted.items()}
+    out = {name: PulledRows(ids, np.empty((len(ids), tables[name].dim), dtype=np.float32),
+                            np.zeros(len(ids), dtype=np.uint64), np.zeros(len(ids), dtype=bool))
+           for name, ids in wanted.items()}
+    versions: dict[int, int] = {}
+    wire = 0
+    for g in range(groups):
+        asks, picks = [], []
+        for name, ids in wanted.items():
+            pick = np.flatnonzero(owners[name] == g)
+            if pick.size:
+                spec = tables[name]
+                asks.append((spec, ids[pick], pull_dtype(spec).itemsize, False))
+                picks.append((name, pick))
+        if not asks:
+            continue
+        versions[g], parts, nbytes = _read(client, job, g, asks)
+        wire += nbytes
+        for (spec, ids, _, _), (name, pick), (mask, rows, _) in zip(asks, picks, parts, strict=True):
+            found = _check(mask, len(ids), f"rows of table {name}") == 1
+            records = np.frombuffer(rows, dtype=pull_dtype(spec))
+            if records.size != int(found.sum()):
+                raise LayoutError(f"job {job}: table {name}: {records.size} rows for {int(found.sum())} found")
+            dest = out[name]
+            values = initial_rows(spec, ids) if not found.all() else np.empty((len(ids), spec.dim), np.float32)
+            values[found] = records["values"]
+            dest.values[pick] = values
+            dest.versions[pick[found]] = records["version"]
+            dest.present[pick] = found
+    return RowPull(out, versions, wire)
+
+
+def load_rows(client: redis.Redis, job: str, group: int, tables: Mapping[str, TableSpec],
+              wanted: Mapping[str, np.ndarray]) -> tuple[int, dict[str, LoadedRows]]:
+    """Whole records of ``group``'s rows of ``wanted`` (table -> int64 IDs the group owns), and the
+    sighting records of those without a row where the table admits after more than one sighting;
+    one round trip. Returns (the group's version, table -> rows)."""
+    asks = [(tables[name], ids, row_dtype(tables[name]).itemsize, tables[name].admit_after > 1)
+            for name, ids in wanted.items()]
+    if not asks:
+        return 0, {}
+    version, parts, _ = _read(client, job, group, asks)
+    out = {}
+    for (spec, ids, _, _), (mask, rows, seen) in zip(asks, parts, strict=True):
+        m = _check(mask, len(ids), f"rows of table {spec.name}")
+        present, seen_mask = m == 1, m == 2
+        records = np.frombuffer(rows, dtype=row_dtype(spec))
+        seen_records = np.frombuffer(seen, dtype=SEEN_DTYPE)
+        if records.size != int(present.sum()) or seen_records.size != int(seen_mask.sum()):
+            raise LayoutError(f"job {job} group {group}: table {spec.name}: a reply that does not fit the IDs asked")
+        out[spec.name] = LoadedRows(ids, present, records, seen_mask, seen_records)
+    return version, out
