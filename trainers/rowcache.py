@@ -1,0 +1,166 @@
+"""A trainer's bounded cache of embedding rows, with how stale each may be (pure; no I/O).
+
+A trainer never holds a table: it pulls the rows of its batch's IDs and keeps
+the most recently used ones here, up to a number of rows fixed at start, so
+its memory does not grow with the tables. Each cached row remembers when it
+was read, in the two clocks its table's consistency bound is written in:
+
+- ``covers``: the lowest applied clock of every live member that the clock
+  wait before the pull observed; the pull then read rows holding every update
+  up to it. A table under BSP or SSP with bound ``S`` may use the row at clock
+  ``c`` while ``covers >= c - S - 1`` (invariant 2, row by row; ``S = 0`` under
+  BSP, so a row is always read afresh after its clock's wait).
+- ``clock``: this trainer's clock at the pull. A table under ASP with bound
+  ``S`` uses a row for at most ``S`` more of this trainer's steps (0: read every
+  row afresh each step): no waiting on others, but no row older than that.
+
+Eviction is least recently used, in whole steps: when a table's slots run out,
+the quarter used longest ago make room (one ``argpartition`` per eviction, not
+a linked list per lookup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.embeddings import TableSpec
+
+__all__ = ["RowCache", "CacheStats", "TableBound"]
+
+
+@dataclass(frozen=True)
+class TableBound:
+    """How stale a table's rows may be (its consistency part)."""
+
+    mode: str
+    """``bsp``, ``ssp`` or ``asp``."""
+    staleness: int
+    """``S``: the SSP bound, or under ASP the most steps a cached row is used after its pull."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("bsp", "ssp", "asp"):
+            raise ValueError(f"table consistency must be bsp, ssp or asp, got {self.mode!r}")
+        if not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(f"table staleness must be an int >= 0, got {self.staleness!r}")
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Lookups since the cache was made."""
+
+    hits: int
+    misses: int
+    rows: int
+    """Rows held now."""
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Hits over lookups (None before the first)."""
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+
+class _TableCache:
+    def __init__(self, dim: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.slot_of: dict[int, int] = {}
+        self.ids = np.zeros(capacity, dtype=np.int64)
+        self.values = np.zeros((capacity, dim), dtype=np.float32)
+        self.covers = np.zeros(capacity, dtype=np.int64)
+        self.clock = np.zeros(capacity, dtype=np.int64)
+        self.used = np.full(capacity, -1, dtype=np.int64)
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        get = self.slot_of.get
+        return np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=ids.size)
+
+    def evict(self, need: int, step: int) -> None:
+        live = np.flatnonzero((self.used >= 0) & (self.used < step))  # never a row of this step
+        count = min(max(need - len(self.free), self.capacity // 4), live.size)
+        if count <= 0:
+            return
+        oldest = live[np.argpartition(self.used[live], count - 1)[:count]] if count < live.size else live
+        for s in oldest.tolist():
+            del self.slot_of[int(self.ids[s])]
+        self.used[oldest] = -1
+        self.free.extend(oldest.tolist())
+
+
+class RowCache:
+    """Rows of ``tables``, at most ``capacity`` rows per table."""
+
+    def __init__(self, tables: Mapping[str, TableSpec], capacity: int) -> None:
+        if not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"row cache capacity must be an int >= 0, got {capacity!r}")
+        self.capacity = capacity
+        self._tables = {name: _TableCache(spec.dim, capacity) for name, spec in tables.items()} if capacity else {}
+        self._hits = self._misses = 0
+
+    def lookup(self, table: str, ids: np.ndarray, *, clock: int, bound: TableBound,
+               required: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """Which of ``ids`` (unique) the cache may serve at ``clock``, and their values.
+
+        ``required``: under BSP/SSP, the applied clock the rows must cover (``c - S - 1``).
+
+        Returns:
+            (bool mask of hits, ``[hits, dim]`` float32 values of the hits in ``ids`` order).
+        """
+        t = self._tables.get(table)
+        if t is None:
+            self._misses += ids.size
+            return np.zeros(ids.size, dtype=bool), np.zeros((0, 0), dtype=np.float32)
+        slots = t.find(ids)
+        hit = slots >= 0
+        s = slots[hit]
+        if bound.mode == "asp":
+            fresh = t.clock[s] >= clock - bound.staleness
+        else:
+            fresh = t.covers[s] >= (required if required is not None else clock)
+        hit[hit] = fresh
+        s = s[fresh]
+        t.used[s] = clock
+        self._hits += int(s.size)
+        self._misses += ids.size - int(s.size)
+        return hit, t.values[s]
+
+    def insert(self, table: str, ids: np.ndarray, values: np.ndarray, *, clock: int, covers: int) -> None:
+        """Keep the rows of ``ids`` (unique), pulled at ``clock`` after a wait that observed ``covers``."""
+        t = self._tables.get(table)
+        if t is None or ids.size == 0:
+            return
+        slots = t.find(ids)
+        new = slots < 0
+        need = int(new.sum())
+        if need > len(t.free):
+            t.evict(need, clock)
+        take = min(need, len(t.free))
+        if take < need:  # more new rows in one step than the cache holds: keep the first ones
+            keep = np.flatnonzero(new)[take:]
+            new[keep] = False
+            slots[keep] = -2
+        fresh = [t.free.pop() for _ in range(take)]
+        slots[new] = fresh
+        for i, s in zip(ids[new].tolist(), fresh):
+            t.slot_of[i] = s
+        ok = slots >= 0
+        s = slots[ok]
+        t.ids[s] = ids[ok]
+        t.values[s] = values[ok]
+        t.covers[s] = covers
+        t.clock[s] = clock
+        t.used[s] = clock
+
+    def clear(self) -> None:
+        """Forget every row (after an outage, or a resync: nothing cached is trusted)."""
+        for t in self._tables.values():
+            t.slot_of.clear()
+            t.used[:] = -1
+            t.free = list(range(t.capacity - 1, -1, -1))
+
+    def stats(self) -> CacheStats:
+        """Hits and misses so far, and the rows held."""
+        return CacheStats(self._hits, self._misses, sum(len(t.slot_of) for t in self._tables.values()))
