@@ -273,8 +273,9 @@ class GroupKeys:
 
     def rows_blob(self, token: str) -> str:
         """Gradient rows, for this group's rows, of the pushed update ``token``
-        (``services.embeddings.grads``); deleted like the update's shard blobs."""
-        return self.key("rowgrad", token)
+        (``services.embeddings.grads``); deleted by the group's apply of the update (which writes its rows
+        with their optimizer state), or swept with the shard blobs of an abandoned push."""
+        return self.key("grad", token, "rows")
 
     def staging(self, token: str, slot: int) -> str:
         """A server's staged value ``slot`` of apply ``token``, renamed into place by the atomic apply

@@ -43,7 +43,9 @@ from common.keys import JobKeys
 
 from .errors import ParameterPlaneError
 from .protocol import AccountingRecord, AccountPlan, PlanUpdate, Status, Update
-from .scripts import AccountCall, ApplyCall, ShardPublish, execute_with_script
+from .embeddings.apply import TableWrites
+from .embeddings.rows import SEEN_DTYPE, id_bytes
+from .scripts import AccountCall, ApplyCall, ShardPublish, TablePublish, execute_with_script
 
 __all__ = ["Outcome", "ShardWrite", "Persist", "Housekeeping", "WriteResult", "AccountingError", "write_batch",
            "finish_accounting"]
@@ -150,7 +152,8 @@ def _view(t: torch.Tensor) -> memoryview:
 
 def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, cursor: str,
                 outcomes: Sequence[Outcome], shards: Sequence[ShardWrite], persist: Persist | None = None,
-                housekeeping: Housekeeping | None = None,
+                housekeeping: Housekeeping | None = None, version: int | None = None,
+                tables: Sequence[TableWrites] = (), row_blobs: Sequence[str] = (),
                 before_exec: Callable[[], None] = lambda: None) -> WriteResult:
     """Write a batch for ``group``: its half (deltas, compactions, cursor, optionally the persisted
     optimizer state) in one MULTI/EXEC if nothing moved since ``cursor``, then the job's half (the
@@ -161,12 +164,21 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
     travel as script arguments. ``before_exec`` runs just before the EVALSHA is
     queued (fault injection). The cursor moves to the last update of ``outcomes``
     (it stays with none, e.g. a persist on its own); the group version is bumped
-    once when any shard is written. A write with no shard, no update and no
+    once when any shard or row is written. A write with no shard, no update and no
     persist (housekeeping alone) runs only the job's half.
+
+    ``tables``: what the batch writes to the group's embedding tables (rows stamped with
+    ``version + 1``, ``version`` being the group version the server read: the script checks it);
+    ``row_blobs``: the row-gradient blobs of the batch's updates, deleted by the same step.
+
+    Raises:
+        ValueError: ``tables`` without the ``version`` their rows are stamped from.
     """
+    if tables and version is None:
+        raise ValueError("a write of rows needs the group version the server read")
     last = outcomes[-1].update.log_id if outcomes else cursor
     account = _account_plan(group, groups, cursor, last, outcomes, persist, housekeeping)
-    if not shards and not outcomes and persist is None:
+    if not shards and not outcomes and persist is None and not tables:
         return _account(client, job, account, version=0)
     gkeys = JobKeys(job).group(group)
     token = uuid.uuid4().hex
@@ -189,7 +201,12 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
     call = ApplyCall(gkeys, cursor=cursor, last=last, renames=renames,
                      shards=[ShardPublish(w.index, w.version_read, w.delta, w.full is not None) for w in shards],
                      accounting=account, steps=None if persist is None else persist.steps,
-                     blobs=[k for _, keys in persist.covered for k in keys] if persist is not None else [])
+                     blobs=[k for _, keys in persist.covered for k in keys] if persist is not None else [],
+                     version=-1 if version is None else version,
+                     tables=[TablePublish(w.table, id_bytes(w.row_ids), w.rows, w.record_size, id_bytes(w.seen_ids),
+                                          w.seen, SEEN_DTYPE.itemsize, id_bytes(w.unseen_ids), w.steps, w.admitted,
+                                          w.dropped) for w in tables],
+                     row_blobs=row_blobs)
 
     def build(pipe: redis.client.Pipeline, sha: str) -> None:
         for key, value in staged:

@@ -32,7 +32,8 @@ from common.keys import GroupKeys, JobKeys
 from .protocol import AccountPlan, PlanUpdate, Update
 from .wire import pack
 
-__all__ = ["ScriptCall", "PushCall", "ApplyCall", "ShardPublish", "ShardPlan", "AccountCall", "CALLS", "script",
+__all__ = ["ScriptCall", "PushCall", "ApplyCall", "ShardPublish", "ShardPlan", "TablePublish", "TablePlan",
+           "AccountCall", "RowsAsk", "RowsReadCall", "CALLS", "script",
            "execute_with_script"]
 
 
@@ -222,6 +223,64 @@ class ShardPlan(NamedTuple):
     """KEYS index of its delta stream."""
 
 
+class TablePublish(NamedTuple):
+    """What an apply writes for one embedding table (an input of :class:`ApplyCall`)."""
+
+    table: str
+    """Table name."""
+    row_ids: bytes
+    """IDs (8 little-endian bytes each) of the rows written."""
+    records: bytes
+    """Their stored records, concatenated."""
+    record_size: int
+    """Bytes per record."""
+    seen_ids: bytes
+    """IDs of the sighting records written."""
+    seen: bytes
+    """Those records, concatenated."""
+    seen_size: int
+    """Bytes per sighting record."""
+    unseen_ids: bytes
+    """IDs admitted by this apply whose sighting record goes."""
+    steps: int
+    """The table's step count after the apply."""
+    admitted: int
+    """Rows born."""
+    dropped: int
+    """Gradient rows dropped (IDs not admitted yet)."""
+
+
+class TablePlan(NamedTuple):
+    """One entry of ``plan.tables`` of ``apply.lua``, which reads it by position (``T_`` locals)."""
+
+    name: str
+    """Table name (its counters in ``table_stats`` are ``<name>:<counter>``)."""
+    rows: int
+    """KEYS index of its rows hash."""
+    seen: int
+    """KEYS index of its seen hash."""
+    row_ids: int
+    """ARGV index of the IDs of the rows written (0: none)."""
+    records: int
+    """ARGV index of their records."""
+    record_size: int
+    """Bytes per record."""
+    seen_ids: int
+    """ARGV index of the IDs of the sighting records written (0: none)."""
+    seen_records: int
+    """ARGV index of those records."""
+    seen_size: int
+    """Bytes per sighting record."""
+    unseen: int
+    """ARGV index of the IDs whose sighting record goes (0: none)."""
+    steps: int
+    """The table's step count after the apply."""
+    admitted: int
+    """Rows born."""
+    dropped: int
+    """Gradient rows dropped."""
+
+
 @dataclass(frozen=True)
 class ApplyCall(ScriptCall):
     """``apply.lua``: the group's half of an apply (compare-and-set on the cursor and the shard
@@ -229,11 +288,11 @@ class ApplyCall(ScriptCall):
 
     SCRIPT: ClassVar[str] = "apply"
     KEYS: ClassVar[tuple[str, ...]] = ("cursor", "versions", "version", "optimizer_steps", "bases", "delta_floors",
-                                       "persisted", "unaccounted")
+                                       "persisted", "unaccounted", "table_stats")
     KEYS_TAIL: ClassVar[str | None] = "renames"
     ARGV: ClassVar[tuple[str, ...]] = ("plan", "accounting")
     ARGV_TAIL: ClassVar[str | None] = "deltas"
-    ENTRIES: ClassVar[Mapping[str, type[tuple]]] = {"S": ShardPlan}
+    ENTRIES: ClassVar[Mapping[str, type[tuple]]] = {"S": ShardPlan, "T": TablePlan}
 
     group: GroupKeys
     """The group's keys."""
@@ -252,17 +311,33 @@ class ApplyCall(ScriptCall):
     renames) as of ``last``; None when it does not."""
     blobs: Sequence[str] = ()
     """Gradient blob keys to delete (those of the updates the persisted state now includes)."""
+    version: int = -1
+    """The group version the server read: a compare-and-set when it writes rows, which are stamped
+    with the next (-1: none is written)."""
+    tables: Sequence[TablePublish] = ()
+    """What it writes for each embedding table the batch touched."""
+    row_blobs: Sequence[str] = ()
+    """Row-gradient blob keys of the batch's updates, deleted now (their rows are written here)."""
+
+    @property
+    def rows(self) -> int:
+        """Rows written in all (a call that writes any bumps the group version)."""
+        return sum(len(t.row_ids) // 8 for t in self.tables)
 
     def named_keys(self) -> dict[str, str]:
         return _named(self.group, self.KEYS)
 
     def key_tail(self) -> list[str]:
-        """The renames' pairs, the changed shards' delta streams, the blobs."""
+        """The renames' pairs, the changed shards' delta streams, the blobs, the row-gradient blobs,
+        then each table's rows and seen hashes."""
         return [*(k for pair in self.renames for k in pair), *(self.group.deltas(s.index) for s in self.shards),
-                *self.blobs]
+                *self.blobs, *self.row_blobs,
+                *(k for t in self.tables for k in (self.group.table_rows(t.table), self.group.table_seen(t.table)))]
 
     def _plan(self) -> dict[str, Any]:
         first_stream = self.key_index(self.KEYS_TAIL) + 2 * len(self.renames)
+        first_row_blob = first_stream + len(self.shards) + len(self.blobs)
+        first_table = first_row_blob + len(self.row_blobs)
         first_delta = self.arg_index(self.ARGV_TAIL)
         shards, deltas = [], 0
         for j, s in enumerate(self.shards):
@@ -270,17 +345,45 @@ class ApplyCall(ScriptCall):
             if s.delta is not None:
                 at, deltas = first_delta + deltas, deltas + 1
             shards.append(list(ShardPlan(s.index, s.version_read, at, int(s.compacted), first_stream + j)))
-        return {"cursor": self.cursor, "last": self.last, "renames": len(self.renames), "shards": shards,
+        tables, argv = [], first_delta + deltas
+
+        def arg(blob: bytes) -> int:
+            nonlocal argv
+            if not blob:
+                return 0
+            argv += 1
+            return argv - 1
+
+        for j, t in enumerate(self.tables):
+            row_ids = arg(t.row_ids)
+            records = arg(t.records) if row_ids else 0
+            seen_ids = arg(t.seen_ids)
+            seen = arg(t.seen) if seen_ids else 0
+            tables.append(list(TablePlan(t.table, first_table + 2 * j, first_table + 2 * j + 1, row_ids, records,
+                                         t.record_size, seen_ids, seen, t.seen_size, arg(t.unseen_ids), t.steps,
+                                         t.admitted, t.dropped)))
+        return {"cursor": self.cursor, "last": self.last, "version": self.version, "renames": len(self.renames),
+                "shards": shards,
                 "persist": 0 if self.steps is None else {
                     "steps": [x for kv in sorted(self.steps.items()) for x in kv],
-                    "blobs": [first_stream + len(self.shards), len(self.blobs)]}}
+                    "blobs": [first_stream + len(self.shards), len(self.blobs)]},
+                "row_blobs": [first_row_blob, len(self.row_blobs)], "rows": self.rows, "tables": tables}
 
     def named_argv(self) -> dict[str, Any]:
         return {"plan": pack(self._plan()), "accounting": "" if self.accounting is None else self.accounting.pack()}
 
     def argv_tail(self) -> list[bytes]:
-        """The deltas, in the order of :attr:`shards`."""
-        return [s.delta for s in self.shards if s.delta is not None]
+        """The deltas, in the order of :attr:`shards`, then each table's non-empty IDs and records, in
+        the order the plan names them."""
+        out: list[bytes] = [s.delta for s in self.shards if s.delta is not None]
+        for t in self.tables:
+            if t.row_ids:
+                out += [t.row_ids, t.records]
+            if t.seen_ids:
+                out += [t.seen_ids, t.seen]
+            if t.unseen_ids:
+                out.append(t.unseen_ids)
+        return out
 
 
 @dataclass(frozen=True)
@@ -310,5 +413,51 @@ class AccountCall(ScriptCall):
         return {"plan": self.plan.pack()}
 
 
-CALLS: tuple[type[ScriptCall], ...] = (PushCall, ApplyCall, AccountCall)
+class RowsAsk(NamedTuple):
+    """One table's part of a :class:`RowsReadCall`."""
+
+    table: str
+    """Table name."""
+    ids: bytes
+    """IDs asked (8 little-endian bytes each)."""
+    width: int
+    """Bytes of each stored record to return (a prefix: version and values for a pull)."""
+    seen: bool
+    """Also return the sighting records of IDs without a row."""
+
+
+@dataclass(frozen=True)
+class RowsReadCall(ScriptCall):
+    """``rows_read.lua``: rows of a group's embedding tables by ID, as of one group version (the group's
+    slot)."""
+
+    SCRIPT: ClassVar[str] = "rows_read"
+    KEYS: ClassVar[tuple[str, ...]] = ("version",)
+    KEYS_TAIL: ClassVar[str | None] = "tables"
+    ARGV: ClassVar[tuple[str, ...]] = ("count",)
+    ARGV_TAIL: ClassVar[str | None] = "asks"
+
+    group: GroupKeys
+    """The group's keys."""
+    asks: Sequence[RowsAsk]
+    """What to read, table by table."""
+
+    def named_keys(self) -> dict[str, str]:
+        return _named(self.group, self.KEYS)
+
+    def key_tail(self) -> list[str]:
+        """Each table's rows hash, and its seen hash after it when its ask wants sighting records."""
+        return [k for a in self.asks
+                for k in ((self.group.table_rows(a.table), self.group.table_seen(a.table)) if a.seen
+                          else (self.group.table_rows(a.table),))]
+
+    def named_argv(self) -> dict[str, Any]:
+        return {"count": len(self.asks)}
+
+    def argv_tail(self) -> list[Any]:
+        """Per table: the record width, 1/0 for the sighting records, the IDs."""
+        return [x for a in self.asks for x in (a.width, 1 if a.seen else 0, a.ids)]
+
+
+CALLS: tuple[type[ScriptCall], ...] = (PushCall, ApplyCall, AccountCall, RowsReadCall)
 """The call class of every script in ``services/lua``."""

@@ -37,6 +37,9 @@ class TableWrites:
     """What one table's batch writes (all IDs int64; records as stored)."""
 
     table: str
+    """Table name."""
+    record_size: int
+    """Bytes per row record."""
     row_ids: np.ndarray
     """IDs of the rows written (changed or born)."""
     rows: bytes
@@ -150,5 +153,5 @@ class TableBatch:
         seen["count"] = self.seen_count[seen_at]
         seen["seen_ms"] = self.seen_ms[seen_at]
         unseen = self.ids[self.born & (self.seen_count > 0)]
-        return TableWrites(self.spec.name, self.ids[rows_at], records.tobytes(), self.ids[seen_at], seen.tobytes(),
+        return TableWrites(self.spec.name, records.dtype.itemsize, self.ids[rows_at], records.tobytes(), self.ids[seen_at], seen.tobytes(),
                            unseen, self.steps, self.admitted, self.dropped)

@@ -20,7 +20,7 @@ import redis
 from common.keys import JobKeys
 
 from ..errors import LayoutError
-from ..scripts import execute_with_script
+from ..scripts import RowsAsk, RowsReadCall, execute_with_script
 from .rows import SEEN_DTYPE, group_of_ids, id_bytes, initial_rows, pull_dtype, row_dtype
 from .spec import TableSpec
 
@@ -73,19 +73,9 @@ def _read(client: redis.Redis, job: str, group: int,
           asks: Sequence[tuple[TableSpec, np.ndarray, int, bool]]) -> tuple[int, list[tuple[bytes, bytes, bytes]], int]:
     """One ``rows_read.lua`` call in ``group``'s slot: (group version, per ask (mask, rows, seen), bytes read).
     ``asks``: (table, IDs, record bytes to return, read the seen hash too)."""
-    gk = JobKeys(job).group(group)
-    keys = [gk.version]
-    argv: list = [len(asks)]
-    for spec, ids, width, want_seen in asks:
-        keys.append(gk.table_rows(spec.name))
-        if want_seen:
-            keys.append(gk.table_seen(spec.name))
-        argv += [width, 1 if want_seen else 0, id_bytes(ids)]
-
-    def build(pipe: redis.client.Pipeline, sha: str) -> None:
-        pipe.evalsha(sha, len(keys), *keys, *argv)
-
-    res = execute_with_script(client, "rows_read", build)[-1]
+    call = RowsReadCall(JobKeys(job).group(group),
+                        [RowsAsk(spec.name, id_bytes(ids), width, want_seen) for spec, ids, width, want_seen in asks])
+    res = execute_with_script(client, call.SCRIPT, call.queue)[-1]
     parts = [(res[1 + 3 * j], res[2 + 3 * j], res[3 + 3 * j]) for j in range(len(asks))]
     nbytes = sum(len(m) + len(r) + len(s) for m, r, s in parts)
     return int(res[0]), parts, nbytes

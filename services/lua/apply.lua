@@ -16,24 +16,37 @@
 -- KEYS[6] delta_floors
 -- KEYS[7] persisted
 -- KEYS[8] unaccounted
--- KEYS[9..] renames       plan.renames (staging key, destination) pairs, then the delta streams and
---                         the gradient blob keys that the plan names by KEYS index
+-- KEYS[9] table_stats
+-- KEYS[10..] renames      plan.renames (staging key, destination) pairs, then the delta streams, the
+--                         gradient blob keys, the row-gradient blob keys and the tables' rows and
+--                         seen hashes, which the plan names by KEYS index
 -- ARGV[1] plan            msgpack, below
 -- ARGV[2] accounting      the accounting plan to keep in `unaccounted` ('' for none)
--- ARGV[3..] deltas        the deltas that the plan names by ARGV index
+-- ARGV[3..] deltas        the deltas, then the tables' IDs and records, that the plan names by ARGV
+--                         index
 -- The plan:
 --   cursor   the cursor the server read ('' when none)
 --   last     the cursor after the batch (its last update; = cursor when the batch has none)
+--   version  the group version the server read (compare-and-set when it writes rows: they are
+--            stamped with the next)
 --   renames  number of (staging, destination) pairs
 --   shards   per written shard, a ShardPlan {index, version read, ARGV index of its delta (0: none),
 --            1 when its full bytes are written (it is compacted), KEYS index of its delta stream}
 --   persist  0, or {steps = {shard, step, ...}, blobs = {KEYS index of the first, count}}: the
 --            optimizer state (among the renames) is persisted as of `last`, and the group's gradient
 --            blobs of the updates it now includes are deleted (only this group reads them)
+--   row_blobs {KEYS index of the first, count}: the row-gradient blobs of the batch's updates,
+--            deleted now (their rows are written here with their optimizer state: nothing replays them)
+--   rows     rows written in all (a call that writes rows bumps the version)
+--   tables   per table touched, a TablePlan {name, KEYS index of its rows hash, KEYS index of its
+--            seen hash, ARGV index of the IDs of the rows written (0: none), ARGV index of their
+--            records, bytes per record, ARGV index of the IDs of the seen records written (0: none),
+--            ARGV index of those records, bytes per seen record, ARGV index of the IDs whose seen
+--            record goes (0: none), the table's step count, rows admitted, gradient rows dropped}
 --
--- Returns {'OK', group version} or {'CURSOR', cursor} / {'VERSION', index, version} when the state
--- moved since the server read it (then only the staging keys are deleted). The group version is
--- bumped once per call that writes shards.
+-- Returns {'OK', group version} or {'CURSOR', cursor} / {'VERSION', index, version} / {'GROUP',
+-- version} when the state moved since the server read it (then only the staging keys are deleted).
+-- The group version is bumped once per call that writes shards or rows.
 local K_CURSOR = 1
 local K_VERSIONS = 2
 local K_VERSION = 3
@@ -42,7 +55,8 @@ local K_BASES = 5
 local K_DELTA_FLOORS = 6
 local K_PERSISTED = 7
 local K_UNACCOUNTED = 8
-local K_RENAMES = 9
+local K_TABLE_STATS = 9
+local K_RENAMES = 10
 local A_PLAN = 1
 local A_ACCOUNTING = 2
 local A_DELTAS = 3  -- (the plan names each delta by its ARGV index)
@@ -52,6 +66,20 @@ local S_VERSION_READ = 2
 local S_DELTA = 3
 local S_FULL = 4
 local S_STREAM = 5
+-- the fields of each plan.tables entry, by position (TablePlan)
+local T_NAME = 1
+local T_ROWS = 2
+local T_SEEN = 3
+local T_ROW_IDS = 4
+local T_RECORDS = 5
+local T_RECORD_SIZE = 6
+local T_SEEN_IDS = 7
+local T_SEEN_RECORDS = 8
+local T_SEEN_SIZE = 9
+local T_UNSEEN = 10
+local T_STEPS = 11
+local T_ADMITTED = 12
+local T_DROPPED = 13
 
 local plan = cmsgpack.unpack(ARGV[A_PLAN])
 local function drop_staging(reply)
@@ -71,9 +99,46 @@ for _, sh in ipairs(plan.shards) do
     return drop_staging({'VERSION', sh[S_INDEX], v})
   end
 end
+if #plan.tables > 0 then
+  -- rows are stamped with the next group version: it must still be the one the server read
+  local group_version = tonumber(redis.call('GET', KEYS[K_VERSION]) or '0')
+  if group_version ~= plan.version then
+    return drop_staging({'GROUP', group_version})
+  end
+end
+
+-- field/value pairs of fixed-size records, `ids` 8 bytes each, in calls of at most 4000 arguments
+-- (Lua's unpack has a stack limit)
+local function hset_records(hash, ids, records, size)
+  local n = #ids / 8
+  local i = 0
+  while i < n do
+    local j = math.min(i + 2000, n)
+    local args = {}
+    for k = i, j - 1 do
+      args[#args + 1] = string.sub(ids, 8 * k + 1, 8 * k + 8)
+      args[#args + 1] = string.sub(records, size * k + 1, size * (k + 1))
+    end
+    redis.call('HSET', hash, unpack(args))
+    i = j
+  end
+end
+local function hdel_ids(hash, ids)
+  local n = #ids / 8
+  local i = 0
+  while i < n do
+    local j = math.min(i + 4000, n)
+    local args = {}
+    for k = i, j - 1 do
+      args[#args + 1] = string.sub(ids, 8 * k + 1, 8 * k + 8)
+    end
+    redis.call('HDEL', hash, unpack(args))
+    i = j
+  end
+end
 
 local version
-if #plan.shards > 0 then
+if #plan.shards > 0 or plan.rows > 0 then
   version = redis.call('INCR', KEYS[K_VERSION])
 else
   version = tonumber(redis.call('GET', KEYS[K_VERSION]) or '0')
@@ -99,6 +164,28 @@ for _, sh in ipairs(plan.shards) do
     redis.call('HSET', KEYS[K_DELTA_FLOORS], index, floor)
     redis.call('XTRIM', stream, 'MINID', (floor + 1) .. '-0')
   end
+end
+for _, t in ipairs(plan.tables) do
+  if t[T_ROW_IDS] > 0 then
+    hset_records(KEYS[t[T_ROWS]], ARGV[t[T_ROW_IDS]], ARGV[t[T_RECORDS]], t[T_RECORD_SIZE])
+  end
+  if t[T_SEEN_IDS] > 0 then
+    hset_records(KEYS[t[T_SEEN]], ARGV[t[T_SEEN_IDS]], ARGV[t[T_SEEN_RECORDS]], t[T_SEEN_SIZE])
+  end
+  if t[T_UNSEEN] > 0 then
+    hdel_ids(KEYS[t[T_SEEN]], ARGV[t[T_UNSEEN]])
+  end
+  redis.call('HSET', KEYS[K_TABLE_STATS], t[T_NAME] .. ':steps', t[T_STEPS])
+  if t[T_ADMITTED] > 0 then
+    redis.call('HINCRBY', KEYS[K_TABLE_STATS], t[T_NAME] .. ':admitted', t[T_ADMITTED])
+  end
+  if t[T_DROPPED] > 0 then
+    redis.call('HINCRBY', KEYS[K_TABLE_STATS], t[T_NAME] .. ':dropped', t[T_DROPPED])
+  end
+end
+local first_row_blob, row_blobs = plan.row_blobs[1], plan.row_blobs[2]
+if row_blobs > 0 then
+  redis.call('DEL', unpack(KEYS, first_row_blob, first_row_blob + row_blobs - 1))
 end
 if plan.last ~= '' then
   redis.call('SET', KEYS[K_CURSOR], plan.last)

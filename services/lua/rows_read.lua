@@ -3,20 +3,27 @@
 -- pull asks for each row's version and values (the prefix of the stored record); a server asks for
 -- whole records and, for IDs without a row, their not-yet-admitted sighting record.
 --
--- KEYS[1] version (the group's)
--- KEYS[2 ..] per table asked, in order: its rows hash, then its seen hash when ARGV asks for it
--- ARGV[1] number of tables n
--- ARGV[2 ..] per table, 3 values: bytes of each record to return (a prefix of the stored one),
---   1 to look IDs without a row up in the seen hash (its key follows the rows hash) or 0, and the
---   IDs (8 little-endian bytes each, concatenated)
+-- Called through services.scripts.RowsReadCall, which renders KEYS and ARGV by the names below.
+-- KEYS[1] version         the group's version
+-- KEYS[2..] tables        per table asked, in order: its rows hash, then its seen hash when its ask
+--                         wants sighting records
+-- ARGV[1] count           number of tables asked
+-- ARGV[2..] asks          per table, 3 values: bytes of each record to return (a prefix of the
+--                         stored one), 1 to look IDs without a row up in the seen hash or 0, and the
+--                         IDs (8 little-endian bytes each, concatenated)
 --
 -- Returns {group version, then per table: mask, rows, seen}: mask holds one byte per ID asked, 1
 -- for a row, 2 for a seen record, 0 for neither; rows the returned prefixes of the rows found, seen
 -- the seen records found, each concatenated in the order asked (bulk bytes, never one reply per ID).
+local K_VERSION = 1
+local K_TABLES = 2
+local A_COUNT = 1
+local A_ASKS = 2
+
 local chunk = 4000  -- HMGET fields per call (Lua's unpack has a stack limit)
-local version = redis.call('GET', KEYS[1]) or '0'
+local version = redis.call('GET', KEYS[K_VERSION]) or '0'
 local out = {version}
-local key = 2
+local key = K_TABLES
 local function hmget(hash, ids, from, to)
   local fields = {}
   for k = from, to do
@@ -24,8 +31,9 @@ local function hmget(hash, ids, from, to)
   end
   return redis.call('HMGET', hash, unpack(fields))
 end
-for t = 0, tonumber(ARGV[1]) - 1 do
-  local width, want_seen, ids = tonumber(ARGV[2 + 3 * t]), ARGV[3 + 3 * t] == '1', ARGV[4 + 3 * t]
+for t = 0, tonumber(ARGV[A_COUNT]) - 1 do
+  local at = A_ASKS + 3 * t
+  local width, want_seen, ids = tonumber(ARGV[at]), ARGV[at + 1] == '1', ARGV[at + 2]
   local rows_key = KEYS[key]
   local seen_key = want_seen and KEYS[key + 1] or nil
   key = key + (want_seen and 2 or 1)
