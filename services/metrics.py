@@ -22,12 +22,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from common.keys import JobKeys
 from common.redis_client import connect
 
 from .updates import unapplied_updates
 
 if TYPE_CHECKING:
     from .apply import Outcome
+    from .embeddings.apply import TableWrites
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,10 @@ class MeteredServer(Protocol):
     @property
     def version(self) -> int:
         """Newest version of its shard group it loaded or published (read at scrape time)."""
+
+    @property
+    def table_names(self) -> Sequence[str]:
+        """The model's embedding tables (empty before the model is loaded, or for a dense model)."""
 
 
 class MetricsServer:
@@ -127,6 +133,48 @@ class _Backlog(Collector):
             self._client = None
 
 
+class _Tables(Collector):
+    """``streamtrain_table_rows`` and ``streamtrain_table_bytes`` of the group's part of each embedding
+    table, read from Redis at scrape time (HLEN, and Redis's own MEMORY USAGE estimate of the rows
+    hash from a sample of its fields); no sample while Redis is not answering."""
+
+    def __init__(self, server: MeteredServer) -> None:
+        self._server = server
+        self._client: redis.Redis | None = None
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        rows = GaugeMetricFamily("streamtrain_table_rows", "rows of an embedding table this shard group holds",
+                                 labels=["group", "table"])
+        size = GaugeMetricFamily("streamtrain_table_bytes", "Redis memory of the rows of an embedding table this "
+                                 "shard group holds (Redis's MEMORY USAGE estimate)", labels=["group", "table"])
+        names = list(self._server.table_names)
+        if names:
+            settings = self._server.settings
+            try:
+                if self._client is None:
+                    self._client = connect(settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+                gk = JobKeys(settings.job).group(settings.group)
+                pipe = self._client.pipeline(transaction=False)
+                for name in names:
+                    pipe.hlen(gk.table_rows(name))
+                    pipe.memory_usage(gk.table_rows(name), samples=64)
+                got = pipe.execute()
+            except Exception as exc:  # noqa: BLE001 - a scrape reports what it can
+                logger.debug("table sizes unavailable: %s", exc)
+            else:
+                for j, name in enumerate(names):
+                    labels = [str(settings.group), name]
+                    rows.add_metric(labels, got[2 * j])
+                    size.add_metric(labels, got[2 * j + 1] or 0)
+        yield rows
+        yield size
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
 class ServerMetrics:
     """The metrics of one parameter server (:class:`MeteredServer`); the server calls
     :meth:`observe_write` after each committed write."""
@@ -160,10 +208,26 @@ class ServerMetrics:
             buckets=FRESHNESS_BUCKETS).labels(group)
         self._backlog = _Backlog(server)
         r.register(self._backlog)
+        self._tables = _Tables(server)
+        r.register(self._tables)
+        rows = {kind: Counter(f"streamtrain_table_rows_{kind}", f"rows of an embedding table {what}, by shard group",
+                              ["group", "table"], registry=r)
+                for kind, what in (("admitted", "born (their ID admitted)"),
+                                   ("dropped", "whose gradient was dropped because their ID was not admitted yet"),
+                                   ("expired", "removed after going unwritten for the table's expiry time"),
+                                   ("evicted", "evicted, least recently written first, beyond the table's row cap"))}
+        self._table_rows = rows
+        self._group = group
 
-    def observe_write(self, outcomes: Sequence[Outcome], seconds: float, published: bool) -> None:
+    def observe_write(self, outcomes: Sequence[Outcome], seconds: float, published: bool,
+                      tables: Sequence[TableWrites] = ()) -> None:
         """Count one committed write of ``outcomes`` that took ``seconds`` (``published``: it
-        changed a shard, so it bumped the group's version)."""
+        changed a shard or a row, so it bumped the group's version; ``tables``: what it wrote to
+        the embedding tables)."""
+        for t in tables:
+            self.table_rows("admitted", t.table, t.admitted)
+            self.table_rows("dropped", t.table, t.dropped)
+        published = published or any(t.row_ids.size for t in tables)
         now_ms = time.time() * 1000
         applied = [o for o in outcomes if o.status == "applied"]
         self._applied.inc(len(applied))
@@ -175,6 +239,12 @@ class ServerMetrics:
             if o.update.produced_ts_ms:
                 self._freshness.observe(max(0.0, now_ms - o.update.produced_ts_ms) / 1000)
 
+    def table_rows(self, kind: str, table: str, count: int) -> None:
+        """Count ``count`` rows of ``table`` ``admitted``, ``dropped``, ``expired`` or ``evicted``."""
+        if count:
+            self._table_rows[kind].labels(self._group, table).inc(count)
+
     def close(self) -> None:
-        """Release the Redis client of the backlog gauge (a later scrape opens it again)."""
+        """Release the Redis clients of the gauges read at scrape time (a later scrape opens them again)."""
         self._backlog.close()
+        self._tables.close()

@@ -141,7 +141,16 @@ class Update:
     shards: tuple[int, ...] = ()
     """Shards with a gradient (set when read back from the log, before the blobs are loaded)."""
     wire_bytes: int = 0
-    """Encoded gradient bytes of all its shards (set by the push)."""
+    """Encoded gradient bytes of all its shards and rows (set by the push)."""
+    rows: Mapping[int, bytes] = field(default_factory=dict)
+    """Group -> the gradient rows of the group's rows of embedding tables
+    (``services.embeddings.grads``). Empty in an update read back from the log until its blobs are
+    loaded."""
+    tables: tuple[str, ...] = ()
+    """Embedding tables the update carries gradient rows for (each group counts a step of each,
+    whether or not it owns one of the rows)."""
+    row_groups: tuple[int, ...] = ()
+    """Groups with a row-gradient blob (set when read back from the log)."""
 
     def validate_header(self) -> None:
         """Check the fields' types and ranges.
@@ -169,6 +178,13 @@ class Update:
         for i, blob in self.gradients.items():
             if not isinstance(i, int) or not isinstance(blob, (bytes, bytearray, memoryview)):
                 raise PayloadError(f"update: gradients must map shard index -> bytes, got {i!r}: {type(blob).__name__}")
+        for g, blob in self.rows.items():
+            if not isinstance(g, int) or g < 0 or not isinstance(blob, (bytes, bytearray, memoryview)):
+                raise PayloadError(f"update: rows must map group -> bytes, got {g!r}: {type(blob).__name__}")
+        if not all(isinstance(t, str) and t for t in self.tables) or len(set(self.tables)) != len(self.tables):
+            raise PayloadError(f"update: tables must be distinct table names, got {list(self.tables)!r}")
+        if (self.rows or self.row_groups) and not self.tables:
+            raise PayloadError("update: gradient rows without the tables they belong to")
 
     def ranges(self) -> list[tuple[int, int, int]]:
         """(partition, first, next) of each offset range, by partition."""
@@ -177,11 +193,15 @@ class Update:
     def to_fields(self) -> dict[str, bytes]:
         """The field/value pairs of its ``update_log`` entry: the msgpack header under ``h``
         (member, generation, clock, codec, offset ranges, samples, batch size, produce time, the
-        shards with a gradient, the blob token and the gradient bytes)."""
+        shards with a gradient, the blob token and the gradient bytes; with gradient rows also
+        ``rt``, the tables, and ``rg``, the groups with a row-gradient blob)."""
         header = {"m": self.member_id, "g": self.generation, "c": self.clock, "codec": self.codec,
                   "off": [list(r) for r in self.ranges()], "s": [list(s) for s in self.samples],
                   "b": self.batch_size, "ts": self.produced_ts_ms, "shards": sorted(self.gradients),
                   "t": self.token, "wb": self.wire_bytes}
+        if self.tables:  # absent from the headers of dense updates, as they were before tables
+            header["rt"] = list(self.tables)
+            header["rg"] = sorted(self.rows) or list(self.row_groups)
         return {_HEADER_FIELD: pack(header)}
 
     @classmethod
@@ -202,7 +222,9 @@ class Update:
                       offsets={int(p): (int(f), int(n)) for p, f, n in h["off"]},
                       samples=tuple((str(a), int(b), int(c)) for a, b, c in h["s"]),
                       batch_size=h["b"], produced_ts_ms=h["ts"], log_id=eid, token=str(h["t"]),
-                      shards=tuple(int(i) for i in h["shards"]), wire_bytes=int(h.get("wb", 0)))
+                      shards=tuple(int(i) for i in h["shards"]), wire_bytes=int(h.get("wb", 0)),
+                      tables=tuple(str(t) for t in h.get("rt", ())),
+                      row_groups=tuple(int(g) for g in h.get("rg", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise PayloadError(f"update {eid}: malformed header: {exc!r}") from None
         upd.validate_header()

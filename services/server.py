@@ -74,13 +74,16 @@ from common.outage import REDIS_DOWN, Outage, redis_name
 from .apply import Housekeeping, Outcome, Persist, ShardWrite, WriteResult, finish_accounting, write_batch
 from .codecs import Sent
 from .deltas import apply_deltas, encode_delta
-from .errors import LayoutError, ParameterPlaneError
+from .embeddings import RowGrads, decode_row_grads, group_of_ids
+from .embeddings.apply import TableBatch, TableWrites
+from .embeddings.store import load_rows
+from .errors import BadGradientError, LayoutError, ParameterPlaneError
 from .metrics import ServerMetrics
 from .optim import clip_factor, slots, step
 from .protocol import Status, StreamId, Update, after, group_of, own_shards
 from .settings import ServerSettings
 from .store import ModelMeta, ParameterStore, connect
-from .updates import blob_keys, load_gradients, validate_gradients
+from .updates import blob_keys, load_gradients, row_blob_keys, validate_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +138,9 @@ class _GroupState:
     """(update id, gradient blob keys) of the updates applied since the last persist."""
     unpersisted_bytes: int = 0
     """Gradient bytes of those updates."""
+    table_steps: dict[str, int] = field(default_factory=dict)
+    """Embedding table -> its step count (updates that carried its gradient rows), as written
+    with the group's rows (``GroupKeys.table_stats``)."""
 
 
 _CHUNK_BYTES = 64 << 20
@@ -242,6 +248,11 @@ class ParameterServer:
         """Newest version of this server's group it loaded or published."""
         return self._state.version
 
+    @property
+    def table_names(self) -> list[str]:
+        """The model's embedding tables (empty before it is loaded)."""
+        return [t.name for t in self._meta.tables] if self._meta is not None else []
+
     def __enter__(self) -> ParameterServer:
         self.start()
         return self
@@ -313,16 +324,18 @@ class ParameterServer:
         pipe.hgetall(gk.versions)
         pipe.hgetall(gk.bases)
         pipe.hgetall(gk.optimizer_steps)
+        pipe.hgetall(gk.table_stats)
         pipe.mget([gk.shard(i) for i in own] or [gk.version])
         pipe.mget([gk.optimizer_state(i, s) for i in own for s in range(k)] or [gk.version])
         for i in own:
             pipe.xrange(gk.deltas(i))
-        cursor, persisted, version, versions, bases, steps, blobs, opt_blobs, *streams = pipe.execute()
+        cursor, persisted, version, versions, bases, steps, stats, blobs, opt_blobs, *streams = pipe.execute()
         # the log (the job's slot) keeps every update after the lowest persisted cursor of all groups,
         # so every update after this group's persisted cursor is still there
         log = self.client.xrange(self.keys.update_log, after(persisted or ""))
         st = _GroupState(cursor=(cursor or b"").decode(), persisted=(persisted or b"").decode(),
-                         version=int(version or 0))
+                         version=int(version or 0),
+                         table_steps={t.name: int(stats.get(f"{t.name}:steps".encode(), 0)) for t in meta.tables})
         layout = meta.layout
         for j, i in enumerate(own):
             spec = layout.shards[i]
@@ -395,17 +408,22 @@ class ParameterServer:
         chunk: list[dict[int, Sent]] = []  # decoded, not yet applied
         chunk_bytes = 0
         started = time.monotonic()
+        row_updates: list[tuple[Update, dict[str, RowGrads]]] = []  # accepted updates with gradient rows
+        row_blobs: list[str] = []
         self._state_valid = False  # the shards are changed in place from here on
-        for eid, update, error in self._load(entries):
+        for eid, update, error in self._load(entries, rows=True):
             if self._stop.is_set() and self._thread is not None:
                 break
-            outcome, nbytes, decoded = self._validate(eid, update, error)
+            outcome, nbytes, decoded, rows = self._validate(eid, update, error)
             outcomes.append(outcome)
             covered.append((eid, self._blob_keys(outcome.update)))
+            row_blobs += self._row_blob_keys(outcome.update)
             grad_bytes += nbytes
             if decoded is not None:
                 chunk.append(decoded)
                 chunk_bytes += sum(d.values.nbytes for d in decoded.values())
+                if outcome.update.tables:
+                    row_updates.append((outcome.update, rows))
             if chunk_bytes >= _CHUNK_BYTES:
                 self._merge(touched, self._steps(st, chunk))
                 chunk, chunk_bytes = [], 0
@@ -414,6 +432,7 @@ class ParameterServer:
             self._state_valid = True  # nothing computed, nothing changed
             self._housekeep_idle()
             return 0
+        tables = self._row_steps(st, row_updates)
         writes = [self._shard_write(i, changes) for i, changes in sorted(touched.items())]
         persist = self._persist_due(len(covered), grad_bytes)
         housekeeping = self._housekeeping_due()
@@ -421,6 +440,7 @@ class ParameterServer:
         result = write_batch(self.client, self.settings.job, group=self.settings.group,
                              groups=self.settings.groups, cursor=st.cursor, outcomes=outcomes, shards=writes,
                              persist=self._persist(covered) if persist else None, housekeeping=housekeeping,
+                             version=st.version, tables=tables, row_blobs=row_blobs,
                              before_exec=lambda: self._fault("kill-before-write", n))
         self._fault("kill-after-write", n)
         if not result.ok:
@@ -437,6 +457,8 @@ class ParameterServer:
                 sh.delta_bytes += len(w.delta)
         st.version = max(st.version, result.version)
         st.cursor = outcomes[-1].update.log_id
+        for t in tables:
+            st.table_steps[t.table] = t.steps
         if housekeeping is not None:
             self._housekept(result)
         if persist:
@@ -446,7 +468,7 @@ class ParameterServer:
             st.unpersisted_bytes += grad_bytes
         self._state_valid = True
         self.applied += n
-        self.metrics.observe_write(outcomes, time.monotonic() - started, published=bool(writes))
+        self.metrics.observe_write(outcomes, time.monotonic() - started, published=bool(writes), tables=tables)
         logger.debug("ps job=%s group=%d: %d update(s) %s..%s (%d rejected) -> version %d", self.settings.job,
                      self.settings.group, n, outcomes[0].update.log_id, st.cursor,
                      sum(o.status is Status.REJECTED for o in outcomes), result.version)
@@ -566,10 +588,11 @@ class ParameterServer:
                    or self._state.version + 1 - sh.base >= s.compact_every)
         return ShardWrite(i, sh.version, delta=delta, full=sh.params if compact else None)
 
-    def _load(self, entries: Sequence[tuple[bytes | str, Mapping[bytes, bytes]]]
+    def _load(self, entries: Sequence[tuple[bytes | str, Mapping[bytes, bytes]]], *, rows: bool = False
               ) -> list[tuple[str, Update | None, ParameterPlaneError | None]]:
         """(id, update, error) of each entry: the update with its gradient bytes (one MGET for all
-        of them), or, when it is refused, the error and the update as far as it parsed."""
+        of them; with ``rows`` its gradient rows for this group too), or, when it is refused, the
+        error and the update as far as it parsed."""
         parsed: list[tuple[str, Update | None, ParameterPlaneError | None]] = []
         for entry_id, fields in entries:
             eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
@@ -578,7 +601,7 @@ class ParameterServer:
             except ParameterPlaneError as exc:
                 parsed.append((eid, None, exc))
         loaded = iter(load_gradients(self.client, self.settings.job, [u for _, u, _ in parsed if u is not None],
-                                     groups=self.settings.groups, group=self.settings.group))
+                                     groups=self.settings.groups, group=self.settings.group, rows=rows))
         out = []
         for eid, update, error in parsed:
             if update is not None:
@@ -588,19 +611,68 @@ class ParameterServer:
         return out
 
     def _validate(self, eid: str, update: Update | None, error: ParameterPlaneError | None
-                  ) -> tuple[Outcome, int, dict[int, Sent] | None]:
-        """Decode and check every gradient of one update: its outcome, its gradient bytes, and
-        its decoded gradients (None when refused)."""
+                  ) -> tuple[Outcome, int, dict[int, Sent] | None, dict[str, RowGrads]]:
+        """Decode and check every gradient of one update: its outcome, its gradient bytes, its
+        decoded gradients (None when refused) and its gradient rows of this group's rows."""
         if error is not None:
-            return self._reject(eid, error, update), 0, None
-        nbytes = sum(len(b) for b in update.gradients.values())  # this group's share
+            return self._reject(eid, error, update), 0, None, {}
+        nbytes = sum(len(b) for b in update.gradients.values()) + sum(len(b) for b in update.rows.values())
         try:
             decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
+            rows = self._validate_rows(update)
         except ParameterPlaneError as exc:
             return (dataclasses.replace(self._reject(eid, exc, update), grad_bytes=update.wire_bytes),
-                    nbytes, None)
-        return (Outcome(dataclasses.replace(update, gradients={}), Status.APPLIED, grad_bytes=update.wire_bytes),
-                nbytes, decoded)
+                    nbytes, None, {})
+        return (Outcome(dataclasses.replace(update, gradients={}, rows={}), Status.APPLIED,
+                        grad_bytes=update.wire_bytes), nbytes, decoded, rows)
+
+    def _validate_rows(self, update: Update) -> dict[str, RowGrads]:
+        """The gradient rows of this group's rows in ``update``, checked: tables the model has (the
+        header's list, which every group checks alike), IDs this group owns.
+
+        Raises:
+            BadGradientError, PayloadError: naming what is wrong.
+        """
+        tables = {t.name: t for t in self._meta.tables}
+        unknown = [t for t in update.tables if t not in tables]
+        if unknown:
+            raise BadGradientError(f"update from {update.member_id}: gradient rows of table(s) {unknown}, which "
+                                   f"the model does not have (tables: {sorted(tables)})")
+        blob = update.rows.get(self.settings.group)
+        if blob is None:
+            return {}
+        parts = decode_row_grads(blob, tables, max_bytes=self.settings.max_update_bytes,
+                                 what=f"gradient rows of update {update.log_id} for group {self.settings.group}")
+        out = {}
+        for p in parts:
+            if p.table not in update.tables:
+                raise BadGradientError(f"update {update.log_id}: gradient rows of table {p.table!r}, which its "
+                                       f"header does not name")
+            foreign = group_of_ids(p.ids, self.settings.groups) != self.settings.group
+            if foreign.any():
+                raise BadGradientError(f"update {update.log_id}: {int(foreign.sum())} gradient row(s) of table "
+                                       f"{p.table!r} sent to group {self.settings.group}, which does not own them")
+            out[p.table] = p
+        return out
+
+    def _row_steps(self, st: _GroupState, updates: Sequence[tuple[Update, Mapping[str, RowGrads]]]
+                   ) -> list[TableWrites]:
+        """Apply the gradient rows of ``updates`` (accepted, in log order) to this group's rows: load
+        every row they touch in one round trip, step each update in turn (admission included), and
+        return what to write (``services.embeddings.apply``)."""
+        if not updates:
+            return []
+        specs = {t.name: t for t in self._meta.tables}
+        named = sorted({t for u, _ in updates for t in u.tables})
+        wanted = {t: np.unique(np.concatenate([rows[t].ids for _, rows in updates if t in rows]
+                                              or [np.empty(0, np.int64)])) for t in named}
+        _, loaded = load_rows(self.client, self.settings.job, self.settings.group, specs, wanted)
+        batches = {t: TableBatch.load(specs[t], loaded[t], st.table_steps.get(t, 0)) for t in named}
+        now_ms = int(time.time() * 1000)
+        for update, rows in updates:
+            for t in update.tables:
+                batches[t].step(rows.get(t), now_ms)
+        return [batches[t].writes(st.version + 1) for t in named]
 
     def _steps(self, st: _GroupState, updates: Sequence[Mapping[int, Sent]],
                scratch: Mapping[int, torch.Tensor] | None = None) -> dict[int, list[np.ndarray | None]]:
@@ -635,6 +707,13 @@ class ParameterServer:
         if update is None:  # not even its header parsed
             update = Update(member_id="?", generation=0, clock=1, gradients={}, log_id=eid)
         return Outcome(dataclasses.replace(update, gradients={}), Status.REJECTED, reason=str(exc))
+
+    def _row_blob_keys(self, update: Update | None) -> list[str]:
+        """This group's row-gradient blob key of ``update`` (none when it has none, or its header did
+        not parse)."""
+        if update is None:
+            return []
+        return row_blob_keys(self.settings.job, update, group=self.settings.group)
 
     def _blob_keys(self, update: Update | None) -> list[str]:
         """This group's gradient blob keys of ``update`` (none when its header did not parse)."""

@@ -40,7 +40,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +50,7 @@ import torch
 from common.keys import JobKeys
 
 from .deltas import apply_deltas
+from .embeddings.spec import TableSpec, tables_from_json, tables_to_json, validate_tables
 from .errors import LayoutError
 from .layout import DEFAULT_SHARD_ELEMS, Layout, ShardSpec, make_layout
 from .optim import OptimizerConfig, slots
@@ -98,19 +99,35 @@ class ModelMeta:
     groups: int
     """Number of parameter-server shard groups (shard i belongs to group
     ``services.protocol.group_of(i, groups)``)."""
+    tables: tuple[TableSpec, ...] = ()
+    """The model's embedding tables (rows live only in Redis; row ``id`` of a table belongs to group
+    ``services.embeddings.group_of_ids([id], groups)``)."""
 
     def to_json(self) -> str:
-        """Stored form."""
-        return json.dumps({"layout": json.loads(self.layout.to_json()),
-                           "optimizer": json.loads(self.optimizer.to_json()), "groups": self.groups},
-                          sort_keys=True, separators=(",", ":"))
+        """Stored form (``tables`` only when the model has some: a dense model's meta is as before)."""
+        raw = {"layout": json.loads(self.layout.to_json()), "optimizer": json.loads(self.optimizer.to_json()),
+               "groups": self.groups}
+        if self.tables:
+            raw["tables"] = tables_to_json(self.tables)
+        return json.dumps(raw, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ModelMeta:
         """Inverse of :meth:`to_json`."""
         raw = json.loads(text)
         return cls(Layout.from_json(json.dumps(raw["layout"])),
-                   OptimizerConfig(**raw["optimizer"]), int(raw["groups"]))
+                   OptimizerConfig(**raw["optimizer"]), int(raw["groups"]), tables_from_json(raw.get("tables", [])))
+
+    def table(self, name: str) -> TableSpec:
+        """The spec of embedding table ``name``.
+
+        Raises:
+            LayoutError: the model has no such table (names the ones it has).
+        """
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise LayoutError(f"no embedding table {name!r} in the model (tables: {[t.name for t in self.tables]})")
 
 
 @dataclass(frozen=True)
@@ -149,16 +166,18 @@ class ParameterStore:
     # -- model ---------------------------------------------------------------
     def init_model(self, tensors: Mapping[str, torch.Tensor], *,
                    shard_elems: int = DEFAULT_SHARD_ELEMS,
-                   optimizer: OptimizerConfig | None = None, groups: int | None = None) -> ModelMeta:
+                   optimizer: OptimizerConfig | None = None, groups: int | None = None,
+                   tables: Sequence[TableSpec] = ()) -> ModelMeta:
         """Store the model's initial parameters unless the job already has a model.
 
         Idempotent: the first writer wins; a later caller gets the stored meta
         back after checking its tensors have the stored layout. ``groups`` (the
         number of parameter-server shard groups) defaults to the job config's
-        ``ps_groups`` field, else 1.
+        ``ps_groups`` field, else 1. ``tables``: the model's embedding tables (they start
+        empty: a row is born when its ID is admitted).
 
         Raises:
-            LayoutError: the tensors do not match the stored layout (names the difference),
+            LayoutError: the tensors or tables do not match the stored ones (names the difference),
                 or a tensor is not floating point.
             ValueError: ``groups`` < 1 or a bad ``shard_elems``.
         """
@@ -167,12 +186,15 @@ class ParameterStore:
         if not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups must be a positive int, got {groups!r}")
         layout = make_layout(tensors, shard_elems)
-        meta = ModelMeta(layout, optimizer or OptimizerConfig(), groups)
+        meta = ModelMeta(layout, optimizer or OptimizerConfig(), groups, validate_tables(tables))
         flat = {name: t.detach().to("cpu", torch.float32).reshape(-1).contiguous()
                 for name, t in tensors.items()}
         blobs = [flat[s.name][s.start:s.start + s.numel].numpy().tobytes() for s in layout.shards]
         stored = self._create(meta, blobs)
         diff = stored.layout.describe_difference(layout)
+        if diff is None and stored.tables != meta.tables:
+            diff = (f"embedding tables {[t.to_dict() for t in meta.tables]}, stored "
+                    f"{[t.to_dict() for t in stored.tables]}")
         if diff is not None:
             raise LayoutError(f"job {self.keys.job}: model does not match the stored one: {diff}")
         if stored == meta:
@@ -211,7 +233,9 @@ class ParameterStore:
         gk = self.keys.group(group)
         own = own_shards(meta.layout, meta.groups, group)
         stale = [gk.version, gk.versions, gk.bases, gk.delta_floors, gk.cursor, gk.persisted, gk.unaccounted,
-                 gk.optimizer_steps, *(gk.deltas(i) for i in own),
+                 gk.optimizer_steps, gk.table_stats, *(k for t in meta.tables for k in (gk.table_rows(t.name),
+                                                                                          gk.table_seen(t.name))),
+                 *(gk.deltas(i) for i in own),
                  *(gk.optimizer_state(i, k) for i in own for k in range(slots(meta.optimizer)))]
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(*stale)

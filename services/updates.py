@@ -27,7 +27,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import redis
 
@@ -47,7 +47,7 @@ from .wire import DEFAULT_MAX_BYTES
 logger = logging.getLogger(__name__)
 
 __all__ = ["push_update", "was_committed", "committed_offsets", "unapplied_updates", "load_gradients", "blob_keys",
-           "validate_gradients", "DEFAULT_MAX_PENDING"]
+           "row_blob_keys", "validate_gradients", "DEFAULT_MAX_PENDING"]
 
 DEFAULT_MAX_PENDING = 64
 """Unapplied updates the log may hold before pushes are refused with BackpressureError."""
@@ -110,20 +110,24 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
     update.validate_header()
     if layout is not None:
         validate_gradients(update, layout, max_bytes=max_bytes)
-    total = sum(len(b) for b in update.gradients.values())
+    total = sum(len(b) for b in update.gradients.values()) + sum(len(b) for b in update.rows.values())
     if total > max_bytes:
         raise PayloadError(f"update from {update.member_id}: oversized, {total} bytes > limit {max_bytes}")
     keys = JobKeys(job)
     if groups is None:
         groups = _stored_groups(client, job)
+    bad = [g for g in update.rows if g >= groups]
+    if bad:
+        raise PayloadError(f"update from {update.member_id}: gradient rows for group(s) {bad} of a model with "
+                           f"{groups} group(s)")
     update = dataclasses.replace(update, token=uuid.uuid4().hex, wire_bytes=total)
-    blobs = _blob_keys(keys, update.token, sorted(update.gradients), groups)
+    blobs = _blobs(keys, update, groups)
     call = PushCall(keys, update, max_pending)
     # the blobs first, each group's into its own slot (one transaction per group), then the push
-    for group_blobs in _by_group(blobs, groups):
+    for group_blobs in blobs.values():
         pipe = client.pipeline(transaction=True)
-        for key, i in group_blobs:
-            pipe.set(key, update.gradients[i])
+        for key, value in group_blobs:
+            pipe.set(key, value)
         pipe.execute()
 
     deadline = time.monotonic() + backpressure_timeout_s
@@ -137,7 +141,7 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
         except redis.ResponseError as exc:
             err = _translate(str(exc))
             if not isinstance(err, BackpressureError) or time.monotonic() >= deadline:
-                _drop_blobs(client, blobs, groups)
+                _drop_blobs(client, blobs)
                 raise err from None
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
@@ -148,17 +152,20 @@ def _blob_keys(keys: JobKeys, token: str, shards: Sequence[int], groups: int) ->
     return [(keys.group(group_of(i, groups)).update_blob(token, i), i) for i in shards]
 
 
-def _by_group(blobs: Sequence[tuple[str, int]], groups: int) -> list[list[tuple[str, int]]]:
-    """``blobs`` split by group (one list per group that has any)."""
-    split: dict[int, list[tuple[str, int]]] = {}
-    for key, i in blobs:
-        split.setdefault(group_of(i, groups), []).append((key, i))
-    return [split[g] for g in sorted(split)]
+def _blobs(keys: JobKeys, update: Update, groups: int) -> dict[int, list[tuple[str, bytes]]]:
+    """Group -> (key, value) of every blob of ``update`` in the group's slot: its shards' gradients
+    and its gradient rows, in group order."""
+    split: dict[int, list[tuple[str, bytes]]] = {}
+    for key, i in _blob_keys(keys, update.token, sorted(update.gradients), groups):
+        split.setdefault(group_of(i, groups), []).append((key, update.gradients[i]))
+    for g, blob in update.rows.items():
+        split.setdefault(g, []).append((keys.group(g).rows_blob(update.token), blob))
+    return {g: split[g] for g in sorted(split)}
 
 
-def _drop_blobs(client: redis.Redis, blobs: Sequence[tuple[str, int]], groups: int) -> None:
+def _drop_blobs(client: redis.Redis, blobs: Mapping[int, Sequence[tuple[str, bytes]]]) -> None:
     """Delete a refused push's blobs (best effort: the groups' sweepers remove what this misses)."""
-    for group_blobs in _by_group(blobs, groups):
+    for group_blobs in blobs.values():
         try:
             client.delete(*(key for key, _ in group_blobs))
         except redis.RedisError as exc:
@@ -225,20 +232,34 @@ def blob_keys(job: str, update: Update, *, groups: int, group: int | None = None
             if group is None or group_of(i, groups) == group]
 
 
+def row_blob_keys(job: str, update: Update, *, group: int | None = None) -> list[str]:
+    """Keys of the row-gradient blobs of a parsed update (of ``group`` only, when given)."""
+    return [JobKeys(job).group(g).rows_blob(update.token) for g in update.row_groups if group is None or g == group]
+
+
 def load_gradients(client: redis.Redis, job: str, updates: Sequence[Update], *, groups: int,
-                   group: int) -> list[Update | PayloadError]:
+                   group: int, rows: bool = False) -> list[Update | PayloadError]:
     """Each of ``updates`` with the gradient bytes of ``group``'s shards read from the group's slot
-    (one MGET for all of them), or, for an update whose blobs are missing, a PayloadError naming them."""
+    (one MGET for all of them), and with ``rows`` its gradient rows for the group too; or, for an
+    update whose blobs are missing, a PayloadError naming them."""
     mine = [[i for i in u.shards if group_of(i, groups) == group] for u in updates]
     keys = JobKeys(job).group(group)
+    row_blob = [rows and group in u.row_groups for u in updates]
     names = [keys.update_blob(u.token, i) for u, shards in zip(updates, mine, strict=True) for i in shards]
-    blobs = iter(client.mget(names) if names else [])
+    names += [keys.rows_blob(u.token) for u, want in zip(updates, row_blob, strict=True) if want]
+    got_all = client.mget(names) if names else []
+    blobs, row_blobs = iter(got_all), iter(got_all[len(names) - sum(row_blob):])
     out: list[Update | PayloadError] = []
-    for u, shards in zip(updates, mine, strict=True):
+    for u, shards, want in zip(updates, mine, row_blob, strict=True):
         got = [next(blobs) for _ in shards]
+        row = next(row_blobs) if want else None
         missing = [i for i, b in zip(shards, got, strict=True) if b is None]
-        if missing:
-            out.append(PayloadError(f"update {u.log_id}: gradient blob of shard(s) {missing} missing"))
+        lost = [f"gradient blob of shard(s) {missing}"] if missing else []
+        if want and row is None:
+            lost.append(f"gradient rows blob of group {group}")
+        if lost:
+            out.append(PayloadError(f"update {u.log_id}: {' and '.join(lost)} missing"))
         else:
-            out.append(dataclasses.replace(u, gradients=dict(zip(shards, got, strict=True))))
+            out.append(dataclasses.replace(u, gradients=dict(zip(shards, got, strict=True)),
+                                           rows={group: row} if row is not None else {}))
     return out

@@ -95,7 +95,7 @@ def test_promtool_is_checked_where_installed() -> None:
 
 def test_server_metrics_are_served_over_http() -> None:
     unreachable = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: the backlog has no sample
-    server = SimpleNamespace(settings=SimpleNamespace(group=1, job="m", redis_url=unreachable), version=7)
+    server = SimpleNamespace(settings=SimpleNamespace(group=1, job="m", redis_url=unreachable), version=7, table_names=[])
     metrics = ServerMetrics(server)  # type: ignore[arg-type]
     update = Update(member_id="a", generation=1, clock=1, gradients={},
                     produced_ts_ms=int(time.time() * 1000) - 1500)
