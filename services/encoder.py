@@ -37,6 +37,7 @@ import redis
 import torch
 
 from .codecs import Sent, get_codec
+from .embeddings.grads import WIRE_DTYPES, RowGrads, encode_row_grads, split_by_group
 from .errors import BadGradientError
 from .protocol import Update
 from .store import ParameterStore
@@ -54,7 +55,7 @@ class PushResult:
     update_id: str
     """Update-log entry id."""
     wire_bytes: int
-    """Encoded gradient bytes sent (all shards)."""
+    """Encoded gradient bytes sent (all shards and gradient rows)."""
     raw_bytes: int
     """The same gradients as float32."""
 
@@ -95,6 +96,8 @@ class Pusher:
         max_pending: backpressure bound of the update log.
         momentum: trainer-side momentum with momentum correction and factor masking (the
             ``dgc`` optimizer's, :attr:`OptimizerConfig.trainer_momentum`); needs a top-k codec.
+        row_dtype: how gradient rows of embedding tables travel (``float16`` or ``float32``); they
+            are sent whole, for the batch's unique IDs only, never top-k'd.
 
     Raises:
         ValueError: ``momentum`` outside [0, 1), or set with a codec that sends every value
@@ -103,7 +106,7 @@ class Pusher:
 
     def __init__(self, client: redis.Redis, job: str, member_id: str, *, codec: str = "none",
                  codec_options: Mapping[str, object] | None = None, error_feedback: bool = True,
-                 max_pending: int = DEFAULT_MAX_PENDING, momentum: float = 0.0) -> None:
+                 max_pending: int = DEFAULT_MAX_PENDING, momentum: float = 0.0, row_dtype: str = "float16") -> None:
         self.client = client
         self.job = job
         self.member_id = member_id
@@ -117,9 +120,13 @@ class Pusher:
         self.momentum = float(momentum)
         self.error_feedback = (error_feedback and self.codec.lossy) or bool(momentum)
         self.max_pending = max_pending
+        if row_dtype not in WIRE_DTYPES:
+            raise ValueError(f"gradient rows travel as {' or '.join(WIRE_DTYPES)}, not {row_dtype!r}")
+        self.row_dtype = row_dtype
         meta = ParameterStore(client, job).meta()
         self.layout = meta.layout
         self.groups = meta.groups
+        self.tables = {t.name: t for t in meta.tables}
         self.residuals: dict[int, torch.Tensor] = {}
         self.momenta: dict[int, torch.Tensor] = {}
 
@@ -198,21 +205,53 @@ class Pusher:
             return f"gradient of {name!r}: {bad} NaN or infinite value(s)"
         return f"gradient of {name!r}: finite, but it overflows float32 once its error-feedback residual is added"
 
+    def encode_rows(self, rows: Sequence[RowGrads]) -> tuple[dict[int, bytes], tuple[str, ...], int]:
+        """Check and encode gradient rows of embedding tables: (group -> its blob, the tables, raw fp32
+        bytes of the rows).
+
+        Raises:
+            BadGradientError: an unknown table, a row of the wrong width, IDs not unique and
+                increasing, or values not finite (or overflowing the wire dtype); names the table.
+        """
+        by_group: dict[int, list[RowGrads]] = {}
+        names, raw = [], 0
+        for part in rows:
+            spec = self.tables.get(part.table)
+            if spec is None:
+                raise BadGradientError(f"gradient rows of table {part.table!r}, which the model does not have "
+                                       f"(tables: {sorted(self.tables)})")
+            if part.table in names:
+                raise BadGradientError(f"gradient rows of table {part.table!r} given twice")
+            if part.grads.ndim != 2 or part.grads.shape != (part.ids.size, spec.dim):
+                raise BadGradientError(f"gradient rows of table {part.table!r}: shape {list(part.grads.shape)}, "
+                                       f"expected [{part.ids.size}, {spec.dim}]")
+            if part.ids.dtype != np.int64 or (part.ids.size > 1 and not (part.ids[1:] > part.ids[:-1]).all()):
+                raise BadGradientError(f"gradient rows of table {part.table!r}: IDs must be int64, unique and "
+                                       "increasing")
+            names.append(part.table)
+            raw += 4 * part.grads.size
+            for g, piece in split_by_group(part, self.groups).items():
+                by_group.setdefault(g, []).append(piece)
+        blobs = {g: encode_row_grads(parts, wire_dtype=self.row_dtype) for g, parts in sorted(by_group.items())}
+        return blobs, tuple(names), raw
+
     def prepare(self, grads: Mapping[str, torch.Tensor] | None, *, generation: int, clock: int,
                 offsets: Mapping[int, tuple[int, int]] | None = None,
                 samples: Sequence[tuple[str, int, int]] = (), batch_size: int = 0,
-                produced_ts_ms: int = 0) -> Prepared:
-        """Encode ``grads`` (None or empty: an offsets-only update) into the update to send, with the
+                produced_ts_ms: int = 0, rows: Sequence[RowGrads] = ()) -> Prepared:
+        """Encode ``grads`` (None or empty: an offsets-only update) and the gradient ``rows`` of
+        embedding tables (the batch's unique IDs per table) into the update to send, with the
         error-feedback state it leaves behind. No I/O, and nothing changes here.
 
         Raises:
-            BadGradientError: see :meth:`encode`.
+            BadGradientError: see :meth:`encode` and :meth:`encode_rows`.
         """
         blobs, residuals, momenta, raw = self.encode(grads or {})
+        row_blobs, tables, row_raw = self.encode_rows(rows)
         update = Update(member_id=self.member_id, generation=generation, clock=clock, gradients=blobs,
                         codec=self.codec.name, offsets=dict(offsets or {}), samples=tuple(samples),
-                        batch_size=batch_size, produced_ts_ms=produced_ts_ms)
-        return Prepared(update, Feedback(residuals, momenta), raw)
+                        batch_size=batch_size, produced_ts_ms=produced_ts_ms, rows=row_blobs, tables=tables)
+        return Prepared(update, Feedback(residuals, momenta), raw + row_raw)
 
     def send(self, prepared: Prepared, *, backpressure_timeout_s: float = 30.0) -> PushResult:
         """Push ``prepared`` atomically with its offsets. The error-feedback state stays as it is
@@ -225,7 +264,7 @@ class Pusher:
         """
         update_id = push_update(self.client, self.job, prepared.update, max_pending=self.max_pending,
                                 backpressure_timeout_s=backpressure_timeout_s, groups=self.groups)
-        wire = sum(len(b) for b in prepared.update.gradients.values())
+        wire = sum(len(b) for b in prepared.update.gradients.values()) + sum(len(b) for b in prepared.update.rows.values())
         return PushResult(update_id, wire, prepared.raw_bytes)
 
     def adopt(self, feedback: Feedback) -> None:
@@ -237,7 +276,8 @@ class Pusher:
     def push(self, grads: Mapping[str, torch.Tensor] | None, *, generation: int, clock: int,
              offsets: Mapping[int, tuple[int, int]] | None = None,
              samples: Sequence[tuple[str, int, int]] = (), batch_size: int = 0,
-             produced_ts_ms: int = 0, backpressure_timeout_s: float = 30.0) -> PushResult:
+             produced_ts_ms: int = 0, backpressure_timeout_s: float = 30.0, rows: Sequence[RowGrads] = ()
+             ) -> PushResult:
         """:meth:`prepare`, :meth:`send`, and :meth:`adopt` when the push succeeds. On any error the
         residuals stay as they were, even when the push went through after all (a connection lost
         after the commit): a caller that rides out outages settles such a push with
@@ -249,7 +289,7 @@ class Pusher:
                 see :meth:`send`.
         """
         prepared = self.prepare(grads, generation=generation, clock=clock, offsets=offsets, samples=samples,
-                                batch_size=batch_size, produced_ts_ms=produced_ts_ms)
+                                batch_size=batch_size, produced_ts_ms=produced_ts_ms, rows=rows)
         result = self.send(prepared, backpressure_timeout_s=backpressure_timeout_s)
         self.adopt(prepared.feedback)
         return result

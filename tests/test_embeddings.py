@@ -1,0 +1,272 @@
+"""Embedding tables in the parameter plane, on the real Redis: rows born on first sight (no
+collisions), admission and its dropped count, rows spread over the groups, pulls of the batch's IDs
+only, and the row math exactly that of applying the updates one by one, across a server kill."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis as redis_lib
+from test_services_util import accounting_left, gradient_blobs, set_membership, small_model
+
+from common.keys import JobKeys
+from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, ServerStatus
+from services.embeddings import RowGrads, RowOptimizerConfig, TableSpec, group_of_ids, initial_rows, step_rows
+from services.embeddings.rows import row_dtype
+from services.embeddings.store import pull_rows
+from services.errors import BadGradientError, LayoutError
+from streamtrain.launcher import wait_until
+
+JOB = "tables"
+ROOT = Path(__file__).resolve().parents[1]
+USER = TableSpec("user", 4, optimizer=RowOptimizerConfig("lazyadam", lr=0.05))
+ITEM = TableSpec("item", 2, optimizer=RowOptimizerConfig("adagrad", lr=0.1), admit_after=2)
+
+
+def setup(redis: redis_lib.Redis, job: str = JOB, groups: int = 1,
+          tables: tuple[TableSpec, ...] = (USER, ITEM)) -> ParameterStore:
+    store = ParameterStore(redis, job)
+    store.init_model(small_model(), shard_elems=64, optimizer=OptimizerConfig("lazyadam", lr=0.01), groups=groups,
+                     tables=tables)
+    set_membership(redis, job, {"a": [0]}, generation=1)
+    return store
+
+
+def batch_rows(clock: int, tables: tuple[TableSpec, ...] = (USER, ITEM)) -> list[RowGrads]:
+    """The gradient rows of step ``clock``: a few IDs per table, overlapping across steps (a Zipf-ish
+    mix of popular and new IDs, some far apart so any fixed-size hashing would collide them)."""
+    rng = np.random.default_rng(clock)
+    out = []
+    for t in tables:
+        ids = np.unique(np.concatenate([rng.integers(0, 6, 3), rng.integers(0, 2**62, 2),
+                                        [(clock % 3) << 40, ((clock % 3) << 40) + 2**20]]).astype(np.int64))
+        out.append(RowGrads(t.name, ids, rng.standard_normal((ids.size, t.dim)).astype(np.float32)))
+    return out
+
+
+def push_rows(redis: redis_lib.Redis, clocks: range, job: str = JOB, row_dtype_: str = "float32") -> None:
+    pusher = Pusher(redis, job, "a", row_dtype=row_dtype_)
+    for c in clocks:
+        pusher.push(None, generation=1, clock=c, offsets={0: (10 * (c - 1), 10 * c)},
+                    samples=[("prod", 10 * (c - 1), 10)], batch_size=10, rows=batch_rows(c))
+
+
+def expected_rows(clocks: list[int], tables: tuple[TableSpec, ...] = (USER, ITEM)
+                  ) -> dict[str, dict[int, np.ndarray]]:
+    """What applying the updates of ``clocks`` one by one gives, row by row (admission included)."""
+    rows: dict[str, dict[int, np.ndarray]] = {t.name: {} for t in tables}
+    state: dict[str, dict[int, np.ndarray]] = {t.name: {} for t in tables}
+    seen: dict[str, dict[int, int]] = {t.name: {} for t in tables}
+    for step, c in enumerate(clocks, start=1):
+        for t, part in zip(tables, batch_rows(c, tables), strict=True):
+            for i, g in zip(part.ids.tolist(), part.grads, strict=True):
+                if i not in rows[t.name]:
+                    seen[t.name][i] = seen[t.name].get(i, 0) + 1
+                    if seen[t.name][i] < t.admit_after:
+                        continue
+                    rows[t.name][i] = initial_rows(t, np.array([i], dtype=np.int64))[0]
+                    state[t.name][i] = np.zeros(t.slots, dtype=np.float32)
+                v, s = rows[t.name][i][None].copy(), state[t.name][i][None].copy()
+                step_rows(t.optimizer, v, s, g[None], step)
+                rows[t.name][i], state[t.name][i] = v[0], s[0]
+    return rows
+
+
+def stored(redis: redis_lib.Redis, job: str, spec: TableSpec, groups: int) -> dict[int, np.ndarray]:
+    """Every row of ``spec`` in Redis, read straight from the groups' hashes."""
+    out = {}
+    for g in range(groups):
+        for k, v in redis.hgetall(JobKeys(job).group(g).table_rows(spec.name)).items():
+            out[int(np.frombuffer(k, "<i8")[0])] = np.frombuffer(v, dtype=row_dtype(spec))[0]
+    return out
+
+
+def applied(redis: redis_lib.Redis, job: str = JOB) -> int:
+    return int(redis.hget(JobKeys(job).applied_clocks, "a") or 0)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[ParameterServer]]:
+    started: list[ParameterServer] = []
+    yield started
+    for s in reversed(started):
+        s.close()
+    assert all(s.status is ServerStatus.CLOSED for s in started)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_rows_are_born_on_first_sight_and_stepped_like_one_by_one(redis: redis_lib.Redis, redis_url: str,
+                                                                 servers: list, groups: int, batch: int) -> None:
+    setup(redis, groups=groups)
+    push_rows(redis, range(1, 9))
+    servers += [ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, group=g, groups=groups, batch=batch))
+                for g in range(groups)]
+    for s in servers:
+        s.start()
+    wait_until(lambda: applied(redis) == 8, 60, what="8 updates applied")
+    want = expected_rows(list(range(1, 9)))
+    for spec in (USER, ITEM):
+        got = stored(redis, JOB, spec, groups)
+        # collisionless: one row per ID ever admitted, even IDs 2**20 apart or 2**62 wide
+        assert sorted(got) == sorted(want[spec.name])
+        for i, rec in got.items():
+            np.testing.assert_array_equal(rec["values"], want[spec.name][i], err_msg=f"{spec.name} row {i}")
+        # each row lives in the group that owns its ID
+        for g in range(groups):
+            ids = [int(np.frombuffer(k, "<i8")[0]) for k in redis.hkeys(JobKeys(JOB).group(g).table_rows(spec.name))]
+            assert (group_of_ids(np.array(ids, dtype=np.int64), groups) == g).all()
+        stats = [redis.hgetall(JobKeys(JOB).group(g).table_stats) for g in range(groups)]
+        assert all(int(s[f"{spec.name}:steps".encode()]) == 8 for s in stats)  # every group counts every step
+        assert sum(int(s.get(f"{spec.name}:admitted".encode(), 0)) for s in stats) == len(want[spec.name])
+    # the row-gradient blobs go with the apply that wrote their rows
+    assert [k for k in redis.keys(f"st:{{{JOB}:g*}}:grad:*:rows")] == []
+    assert accounting_left(redis, JOB) == []
+
+
+def test_admission_drops_and_counts_gradients_until_an_id_was_seen_often_enough(
+        redis: redis_lib.Redis, redis_url: str, servers: list) -> None:
+    setup(redis)
+    push_rows(redis, range(1, 5))
+    servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB)))
+    servers[0].start()
+    wait_until(lambda: applied(redis) == 4, 60, what="4 updates applied")
+    # item admits an ID at its second sighting: every first sighting's gradient was dropped, and counted
+    sightings: dict[int, int] = {}
+    for c in range(1, 5):
+        for i in batch_rows(c)[1].ids.tolist():
+            sightings[i] = sightings.get(i, 0) + 1
+    stats = redis.hgetall(JobKeys(JOB).group(0).table_stats)
+    assert int(stats[b"item:dropped"]) == len(sightings)
+    assert int(stats[b"item:admitted"]) == sum(n >= 2 for n in sightings.values())
+    assert b"user:dropped" not in stats
+    seen = redis.hgetall(JobKeys(JOB).group(0).table_seen("item"))
+    assert sorted(int(np.frombuffer(k, "<i8")[0]) for k in seen) == sorted(i for i, n in sightings.items() if n == 1)
+    # an ID not admitted reads as its initial value; an admitted one as what the server wrote
+    once = next(i for i, n in sightings.items() if n == 1)
+    twice = next(i for i, n in sightings.items() if n >= 2)
+    got = pull_rows(redis, JOB, {"item": ITEM}, 1, {"item": np.array([once, twice], dtype=np.int64)})
+    rows = got.tables["item"]
+    assert rows.present.tolist() == [False, True] and rows.versions[0] == 0 and rows.versions[1] > 0
+    np.testing.assert_array_equal(rows.values[0], initial_rows(ITEM, np.array([once], dtype=np.int64))[0])
+    np.testing.assert_array_equal(rows.values[1], expected_rows([1, 2, 3, 4])["item"][twice])
+
+
+def test_a_pull_moves_the_rows_asked_for_only(redis: redis_lib.Redis, redis_url: str, servers: list) -> None:
+    setup(redis, groups=2)
+    push_rows(redis, range(1, 6))
+    servers += [ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, group=g, groups=2)) for g in (0, 1)]
+    for s in servers:
+        s.start()
+    wait_until(lambda: applied(redis) == 5, 60, what="5 updates applied")
+    want = expected_rows([1, 2, 3, 4, 5])["user"]
+    ids = np.array(sorted(want)[:6] + [123456789], dtype=np.int64)  # the last was never pushed
+    got = pull_rows(redis, JOB, {"user": USER}, 2, {"user": ids})
+    rows = got.tables["user"]
+    assert rows.present.tolist() == [True] * 6 + [False]
+    for j, i in enumerate(ids[:6].tolist()):
+        np.testing.assert_array_equal(rows.values[j], want[i])
+    # what moved: one mask byte per ID, and version + values of each row found (never its optimizer state)
+    assert got.wire_bytes == ids.size + 6 * (8 + 4 * USER.dim)
+    assert set(got.group_versions) <= {0, 1}
+    with pytest.raises(LayoutError, match="no embedding table 'colour'"):
+        pull_rows(redis, JOB, {"user": USER}, 2, {"colour": ids})
+
+
+def test_bad_gradient_rows_are_refused_before_the_push(redis: redis_lib.Redis) -> None:
+    setup(redis)
+    pusher = Pusher(redis, JOB, "a")
+    ids = np.array([1, 2], dtype=np.int64)
+    with pytest.raises(BadGradientError, match="table 'colour'"):
+        pusher.prepare(None, generation=1, clock=1, rows=[RowGrads("colour", ids, np.zeros((2, 4), np.float32))])
+    with pytest.raises(BadGradientError, match=r"shape \[2, 3\], expected \[2, 4\]"):
+        pusher.prepare(None, generation=1, clock=1, rows=[RowGrads("user", ids, np.zeros((2, 3), np.float32))])
+    with pytest.raises(BadGradientError, match="unique and increasing"):
+        pusher.prepare(None, generation=1, clock=1,
+                       rows=[RowGrads("user", ids[::-1].copy(), np.zeros((2, 4), np.float32))])
+    nan = np.zeros((2, 4), np.float32)
+    nan[0, 0] = np.nan
+    with pytest.raises(BadGradientError, match="table 'user'"):
+        pusher.prepare(None, generation=1, clock=1, rows=[RowGrads("user", ids, nan)])
+    with pytest.raises(LayoutError, match="embedding tables"):  # another model's tables under this job
+        ParameterStore(redis, JOB).init_model(small_model(), shard_elems=64, tables=(USER,))
+
+
+def run_ps(redis_url: str, job: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "streamtrain.cli", "ps", "--redis-url", redis_url,
+                             "--job", job, "--block-ms", "50", "--log-level", "WARNING", *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("fault", ["kill-before-write", "kill-after-write"])
+def test_rows_are_bit_for_bit_those_of_a_server_never_killed(redis: redis_lib.Redis, redis_url: str,
+                                                            fault: str) -> None:
+    """The same pushes to two jobs; one job's server is SIGKILLed around a write and restarted: its
+    rows, sighting records, counters and accounting equal those of the job whose server never died."""
+    jobs = ["rows-killed", "rows-calm"]
+    for job in jobs:
+        setup(redis, job=job, groups=2)
+    pushers = {job: Pusher(redis, job, "a") for job in jobs}
+    for c in range(1, 13):
+        for job in jobs:
+            pushers[job].push(None, generation=1, clock=c, offsets={0: (10 * (c - 1), 10 * c)},
+                              samples=[("prod", 10 * (c - 1), 10)], batch_size=10, rows=batch_rows(c))
+    procs = [run_ps(redis_url, "rows-killed", "--groups", "2", "--group", "0", "--batch", "3", "--fault", fault,
+                    "--fault-at", "5"),
+             run_ps(redis_url, "rows-killed", "--groups", "2", "--group", "1", "--batch", "3"),
+             *(run_ps(redis_url, "rows-calm", "--groups", "2", "--group", str(g), "--batch", "5") for g in (0, 1))]
+    try:
+        assert procs[0].wait(60) == -9  # the injected SIGKILL
+        procs[0].stderr.close()
+        procs[0] = run_ps(redis_url, "rows-killed", "--groups", "2", "--group", "0", "--batch", "3")
+        for job in jobs:
+            wait_until(lambda job=job: applied(redis, job) == 12, 90, what=f"{job}: 12 updates applied")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+            if p.stderr is not None:
+                p.stderr.close()
+    for spec in (USER, ITEM):
+        killed, calm = stored(redis, "rows-killed", spec, 2), stored(redis, "rows-calm", spec, 2)
+        assert sorted(killed) == sorted(calm)
+        for i in calm:  # values, optimizer state and version (when written) bit for bit
+            assert killed[i]["values"].tobytes() == calm[i]["values"].tobytes()
+            assert killed[i]["state"].tobytes() == calm[i]["state"].tobytes()
+        for g in (0, 1):
+            seen = [redis.hgetall(JobKeys(job).group(g).table_seen(spec.name)) for job in jobs]
+            assert {k: v[:4] for k, v in seen[0].items()} == {k: v[:4] for k, v in seen[1].items()}  # counts
+    for g in (0, 1):
+        stats = [redis.hgetall(JobKeys(job).group(g).table_stats) for job in jobs]
+        assert stats[0] == stats[1]
+    for job in jobs:
+        entries = redis.xrange(JobKeys(job).applied_samples)
+        assert len(entries) == 12 and {f[b"status"] for _, f in entries} == {b"applied"}
+        assert accounting_left(redis, job) == [] and gradient_blobs(redis, job) == []
+
+
+def test_row_gradients_travel_as_float16_when_asked(redis: redis_lib.Redis, redis_url: str, servers: list) -> None:
+    setup(redis)
+    push_rows(redis, range(1, 3), row_dtype_="float16")
+    servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB)))
+    servers[0].start()
+    wait_until(lambda: applied(redis) == 2, 60, what="2 updates applied")
+    row = batch_rows(1)[0]
+    j = next(j for j, i in enumerate(row.ids.tolist()) if i not in batch_rows(2)[0].ids.tolist())
+    v = initial_rows(USER, row.ids[j:j + 1]).copy()
+    s = np.zeros((1, USER.slots), np.float32)
+    g = row.grads[j:j + 1]
+    step_rows(USER.optimizer, v, s, g.astype(np.float16).astype(np.float32), 1)
+    got = stored(redis, JOB, USER, 1)[int(row.ids[j])]["values"]
+    np.testing.assert_array_equal(got, v[0])
+    exact = initial_rows(USER, row.ids[j:j + 1]).copy()
+    step_rows(USER.optimizer, exact, np.zeros((1, USER.slots), np.float32), g, 1)
+    assert not np.array_equal(got, exact[0]) or np.array_equal(g.astype(np.float16).astype(np.float32), g)
