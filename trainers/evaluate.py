@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +33,10 @@ class EvalResult:
     r2: float | None = None
     """Regression: R², 1.0 for perfect predictions, 0.0 for predicting the mean, negative for worse
     (None for classification, and when every target is the same, where R² is undefined)."""
+    auc: float | None = None
+    """Binary classification: the area under the ROC curve of the logits (scikit-learn's
+    ``roc_auc_score``; None otherwise, and when the held-out labels are all one class). The loss is
+    then the log loss."""
 
     @property
     def classification(self) -> bool:
@@ -40,14 +46,19 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, *,
-             version: int, classification: bool, batch_size: int = 1024) -> EvalResult:
+             version: int, classification: bool, binary: bool = False, batch_size: int = 1024,
+             inputs: Callable[[int, int], tuple[Any, ...]] | None = None) -> EvalResult:
     """Score ``model`` on ``(x, y)`` in batches; the model's mode is restored afterwards.
 
-    Classification counts correct predictions (argmax of the logits); regression
+    Classification counts correct predictions (argmax of the logits; with
+    ``binary``, one logit per row, a positive logit predicts 1, and the AUC of
+    the logits is computed too); regression
     sums absolute and squared errors (in float64) for :attr:`EvalResult.mae` and
     :attr:`EvalResult.r2`, comparing an output of one value per row (``[n]`` or
     ``[n, 1]``) with the targets; any other output (a loss that is neither
-    cross-entropy nor one value per target) gets the loss alone.
+    cross-entropy nor one value per target) gets the loss alone. ``inputs(start,
+    stop)``: more forward arguments of rows ``start:stop`` (a model with
+    embedding tables takes the pooled rows of their IDs).
 
     Raises:
         ValueError: empty data, or a label count that differs from the rows.
@@ -57,12 +68,19 @@ def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.
     was_training = model.training
     model.eval()
     total_loss, correct, abs_err, sq_err = 0.0, 0, 0.0, 0.0
+    logits: list[torch.Tensor] = []
     per_target = not classification  # regression metrics while every output is one value per target
     try:
         for start in range(0, len(x), batch_size):
-            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-            out = model(xb)
+            stop = min(start + batch_size, len(x))
+            xb, yb = x[start:stop], y[start:stop]
+            out = model(xb, *inputs(start, stop)) if inputs is not None else model(xb)
             total_loss += float(loss_fn(out, yb)) * len(xb)
+            if binary:
+                out = out.reshape(-1).float()
+                correct += int(((out > 0).long() == yb.reshape(-1).long()).sum())
+                logits.append(out.cpu())
+                continue
             if classification:
                 correct += int((out.argmax(dim=1) == yb).sum())
                 continue
@@ -75,6 +93,12 @@ def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.
     finally:
         model.train(was_training)
     n = len(x)
+    if binary:
+        from sklearn.metrics import roc_auc_score  # scikit-learn loads in ~1 s: only when scoring a binary model
+
+        labels = y.reshape(-1).long().cpu().numpy()
+        auc = float(roc_auc_score(labels, torch.cat(logits).numpy())) if len(set(labels.tolist())) == 2 else None
+        return EvalResult(version, total_loss / n, correct / n, n, auc=auc)
     if classification:
         return EvalResult(version, total_loss / n, correct / n, n)
     if not per_target:

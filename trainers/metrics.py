@@ -22,6 +22,7 @@ from datastream.consumer import ConsumerStats
 from services.consistency import STALENESS, WAIT_SECONDS
 
 from .evaluate import EvalResult
+from .rowcache import CacheStats
 
 __all__ = ["TrainerMetrics", "TrainerReport"]
 
@@ -44,6 +45,8 @@ class TrainerReport:
     """The last held-out evaluation."""
     consumer: ConsumerStats | None
     """The consumer's counters and lag (None before it exists)."""
+    row_cache: CacheStats | None = None
+    """The row cache's lookups (None for a model without embedding tables)."""
 
 
 class _Collector(Collector):
@@ -71,10 +74,27 @@ class _Collector(Collector):
             if t.last_eval.accuracy is not None:
                 gauges.append(("streamtrain_trainer_accuracy", "held-out accuracy at the last evaluation",
                                t.last_eval.accuracy))
+        if t.last_eval is not None and t.last_eval.auc is not None:
+            gauges.append(("streamtrain_trainer_auc", "held-out AUC at the last evaluation (binary tasks)",
+                           t.last_eval.auc))
+        if t.row_cache is not None:
+            gauges.append(("streamtrain_row_cache_rows", "embedding rows this trainer's cache holds",
+                           t.row_cache.rows))
+            if t.row_cache.hit_rate is not None:
+                gauges.append(("streamtrain_row_cache_hit_rate", "fraction of the rows its batches needed that "
+                               "this trainer's cache served (since it started)", t.row_cache.hit_rate))
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
+        if t.row_cache is not None:
+            for name, doc, value in (("streamtrain_row_cache_hits", "embedding rows served by the cache",
+                                      t.row_cache.hits),
+                                     ("streamtrain_row_cache_misses", "embedding rows pulled (not served by the "
+                                      "cache)", t.row_cache.misses)):
+                counter = CounterMetricFamily(name, doc)
+                counter.add_metric([], value)
+                yield counter
         if t.consumer is None:
             return
         stats = t.consumer

@@ -4,10 +4,21 @@ Built-in specs:
 
 - ``digits-mlp``: 64-256-256-10 MLP for scikit-learn's 8x8 digits (about 85k parameters).
 - ``mlp-2m``: 784-1024-1024-10 MLP (about 1.86M parameters), for synthetic data of width 784.
+- ``dlrm?OPTIONS``: the ranking model with embedding tables (:mod:`trainers.ranking`), one logit
+  per record, for click streams such as the ``clicks`` source.
 
 A custom spec ``package.module:factory`` names a callable taking no arguments
 that returns ``(model, loss_fn)`` — an ``nn.Module`` and a callable
 ``loss_fn(output, target) -> scalar tensor``.
+
+**Models with embedding tables.** A model whose module has a ``tables``
+attribute (a sequence of ``services.embeddings.TableSpec``) keeps its tables
+in the parameter plane: its parameters are only the dense part, and its
+``forward(x, pooled)`` takes, beside the dense features ``x``, each table
+feature's rows already pooled per record (``pooled[feature]``: ``[n, dim]``).
+Its loss decides the task as for any model; ``binary_logistic_loss`` (one
+logit per record, 0/1 labels) makes it a binary classifier, scored by
+accuracy, log loss and AUC.
 """
 
 from __future__ import annotations
@@ -15,9 +26,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import parse_qsl
 
 import torch
 from torch import nn
+
+from services.embeddings import TableSpec
+from services.embeddings.spec import validate_tables
+
+from .ranking import binary_logistic_loss, dlrm_from_options
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -34,6 +51,10 @@ class ModelSpec:
     """Training loss ``loss_fn(output, target)``."""
     classification: bool
     """True when outputs are class logits (accuracy is meaningful)."""
+    binary: bool = False
+    """True when the output is one logit per record against 0/1 labels (accuracy, log loss, AUC)."""
+    tables: tuple[TableSpec, ...] = ()
+    """The model's embedding tables (empty for a dense model): ``model.forward(x, pooled)``."""
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
@@ -53,8 +74,8 @@ _BUILTIN: dict[str, list[int]] = {
 
 
 def builtin_specs() -> list[str]:
-    """Names of the built-in model specs."""
-    return sorted(_BUILTIN)
+    """Names of the built-in model specs (``dlrm`` takes options: ``dlrm?dim=16``)."""
+    return sorted([*_BUILTIN, "dlrm"])
 
 
 def build_model(spec: str, *, seed: int = 0) -> ModelSpec:
@@ -67,6 +88,11 @@ def build_model(spec: str, *, seed: int = 0) -> ModelSpec:
     torch.manual_seed(seed)
     if spec in _BUILTIN:
         return ModelSpec(spec, mlp(_BUILTIN[spec]), nn.functional.cross_entropy, True)
+    name, _, query = spec.partition("?")
+    if name == "dlrm":
+        options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+        model = dlrm_from_options(options)
+        return ModelSpec(spec, model, binary_logistic_loss, True, binary=True, tables=model.tables)
     if ":" not in spec:
         raise ValueError(f"unknown model spec {spec!r}: use one of {', '.join(builtin_specs())} "
                          "or 'package.module:factory'")
@@ -80,5 +106,11 @@ def build_model(spec: str, *, seed: int = 0) -> ModelSpec:
             or not callable(built[1])):
         raise ValueError(f"model spec {spec!r}: factory must return (nn.Module, loss_fn), got {type(built).__name__}")
     model, loss_fn = built
-    classification = loss_fn in (nn.functional.cross_entropy,) or isinstance(loss_fn, nn.CrossEntropyLoss)
-    return ModelSpec(spec, model, loss_fn, classification)
+    binary = loss_fn is binary_logistic_loss
+    classification = binary or loss_fn in (nn.functional.cross_entropy,) or isinstance(loss_fn, nn.CrossEntropyLoss)
+    tables = getattr(model, "tables", ())
+    try:
+        tables = validate_tables(list(tables))
+    except ValueError as exc:
+        raise ValueError(f"model spec {spec!r}: its tables: {exc}") from None
+    return ModelSpec(spec, model, loss_fn, classification, binary=binary, tables=tables)

@@ -38,7 +38,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -47,11 +47,13 @@ import torch
 from coordinator import CoordinatorClient, MemberGoneError, UnknownMemberError
 from coordinator.errors import CoordinatorError
 from datastream import Batch, ShardConsumer, load_source
+from datastream.jagged import Jagged
 from services import (
     Feedback, FencedError, OffsetConflictError, OptimizerConfig, ParameterStore, Pusher, Snapshot,
     committed_offsets, connect, read_job_clocks, starting_clock, wait_for_clock, was_committed,
 )
 from services.consistency import ClockWait, Consistency, StalenessTimeout
+from services.embeddings import RowGrads
 from common.outage import REDIS_DOWN, Outage, redis_name
 
 from .device import plan_device
@@ -59,9 +61,11 @@ from .evaluate import EvalResult, evaluate
 from .metrics import TrainerMetrics, TrainerReport
 from .models import build_model
 from .progress import PHASE_LOG, Progress
+from .rowcache import RowCache, TableBound
 from .settings import TrainerSettings
 from .state import Adopt, Instruction, Move, Outcome, Resync, TrainerState, needs_pull
 from .step import Replica, StepResult
+from .tables import RowFetcher, plan_lookups, table_inputs, table_required, wait_consistency
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -121,7 +125,7 @@ class PushReport:
 
 
 def send_push(pusher: Pusher, grads: Mapping[str, torch.Tensor] | None, batch: Batch, *, clock: int,
-              generation: int) -> PushReport:
+              generation: int, rows: Sequence[RowGrads] = ()) -> PushReport:
     """Encode ``grads`` and push them atomically with ``batch``'s offsets; say how it ended. Runs on
     the push thread, and changes nothing: the state decides what the outcome means.
 
@@ -134,7 +138,8 @@ def send_push(pusher: Pusher, grads: Mapping[str, torch.Tensor] | None, batch: B
             was pushed); and what else ``Pusher.send`` raises that no retry cures.
     """
     prepared = pusher.prepare(grads, generation=generation, clock=clock, offsets=batch.offsets,
-                              samples=batch.samples, batch_size=len(batch), produced_ts_ms=batch.produced_ts_ms)
+                              samples=batch.samples, batch_size=len(batch), produced_ts_ms=batch.produced_ts_ms,
+                              rows=rows)
     feedback, ts = prepared.feedback, batch.produced_ts_ms
     try:
         sent = pusher.send(prepared)
@@ -172,6 +177,15 @@ class Trainer:
         self._sending: asyncio.Future[PushReport] | None = None
         """The push thread's future of the push in flight (which push that is, the state records)."""
         self._eval_data: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._eval_ids: dict[str, Jagged] = {}
+        """The held-out records' categorical features (models with embedding tables)."""
+        spec = self.replica.spec
+        self.tables = {t.name: t for t in spec.tables}
+        """The model's embedding tables (their rows live in the parameter plane only)."""
+        self.row_cache = RowCache(self.tables, settings.row_cache_rows)
+        """The rows this trainer keeps between steps (at most ``row_cache_rows`` per table)."""
+        self.rows: RowFetcher | None = None
+        """Fetches a batch's rows (set once the model's meta is known)."""
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._heartbeat_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
@@ -212,7 +226,8 @@ class Trainer:
         return TrainerReport(
             steps=self.progress.steps, clock=self.state.clock, staleness=self.state.staleness,
             loss=self.progress.loss_ema, version=self.snapshot.version if self.snapshot is not None else None,
-            last_eval=self.last_eval, consumer=self.consumer.stats() if self.consumer is not None else None)
+            last_eval=self.last_eval, consumer=self.consumer.stats() if self.consumer is not None else None,
+            row_cache=self.row_cache.stats() if self.tables else None)
 
     @staticmethod
     async def _cancel(task: asyncio.Task[None] | None) -> None:
@@ -258,10 +273,13 @@ class Trainer:
         config = reg.assignment.config
         meta = await self._with_redis(
             self.store.init_model, self.replica.initial_tensors(),
-            optimizer=OptimizerConfig(name=config.optimizer, lr=config.lr))
+            optimizer=OptimizerConfig(name=config.optimizer, lr=config.lr), tables=self.replica.spec.tables)
+        if self.tables:
+            self.rows = RowFetcher(self.redis, self.settings.job, self.tables, meta.groups, self.row_cache)
         options = {"density": self.settings.topk_density} if "topk" in config.codec else {}
         pusher = await self._with_redis(Pusher, self.redis, self.settings.job, reg.member_id, codec=config.codec,
-                                        codec_options=options, momentum=meta.optimizer.trainer_momentum)
+                                        codec_options=options, momentum=meta.optimizer.trainer_momentum,
+                                        row_dtype=self.settings.row_dtype)
         if pusher.codec.parts[0].info.sparsifier and not meta.optimizer.sparse:
             logger.warning("optimizer %s is dense: with codec %s every coordinate still moves at every step "
                            "(a full write per update), and the bursts of accumulated top-k gradients make "
@@ -370,6 +388,7 @@ class Trainer:
         with contextlib.suppress(PushRefused):  # let it land (or fail) before reading the offsets
             await self._settle_push()
         self.state.resync()
+        self.row_cache.clear()  # the clock may go back: rows cached at later clocks are not trusted
         await self._heartbeat()
         if self.state.wanted is not None:
             await self._assign_from_committed()
@@ -391,6 +410,7 @@ class Trainer:
                         "committed" if committed else "not committed")
         self._do(self.state.outage_settled(committed))
         self.snapshot = None
+        self.row_cache.clear()  # a Redis restarted on its AOF may be behind the rows cached
         await self._resync("redis outage")
 
     # -- the training loop ------------------------------------------------------------------------
@@ -444,8 +464,9 @@ class Trainer:
         assert state.assignment is not None
         t0 = time.monotonic()
         generation, config = state.assignment.generation, state.assignment.config
-        consistency = Consistency(config.consistency, config.staleness)
-        done = await asyncio.to_thread(self._wait_pull_compute, batch, state.clock, consistency,
+        dense = Consistency(config.consistency, config.staleness)
+        bound = TableBound(*config.table_bound()) if self.tables else None
+        done = await asyncio.to_thread(self._wait_pull_compute, batch, state.clock, dense, bound,
                                        state.last_wait, state.covers)
         state.waited(done.wait)
         if done.snapshot is not None:
@@ -458,9 +479,10 @@ class Trainer:
         clock = state.pushing()
         assert self.pusher is not None
         grads = done.result.grads if done.result is not None else None
+        rows = done.result.row_grads if done.result is not None else []
         self._sending = asyncio.get_running_loop().run_in_executor(
             self._push_pool, functools.partial(send_push, self.pusher, grads, batch, clock=clock,
-                                               generation=generation))
+                                               generation=generation, rows=rows))
         if tick:
             return
         self.progress.stepped(len(batch), time.monotonic() - t0,
@@ -472,15 +494,17 @@ class Trainer:
         if self._eval_data is not None and self.progress.steps % self.settings.eval_every == 0:
             await self._evaluate()
 
-    def _wait_pull_compute(self, batch: Batch, clock: int, consistency: Consistency,
+    def _wait_pull_compute(self, batch: Batch, clock: int, dense: Consistency, bound: TableBound | None,
                            known: ClockWait | None, covers: int | None) -> _Computed:
         """Runs on a worker thread (one hand-off per step): wait for the clock bound, pull what the
-        bound needs into the model's parameters, then forward and backward on the batch. It reads
-        the state only through its arguments and changes nothing but the replica's parameters."""
+        bound needs into the model's parameters (and the batch's rows of the embedding tables: the
+        row cache's, or pulled), then forward and backward on the batch. It reads the state only
+        through its arguments and changes nothing but the replica's parameters and the row cache."""
         assert self.pusher is not None
         t0 = time.monotonic()
         wait = wait_for_clock(self.redis, self.settings.job, self.pusher.member_id, clock,
-                              consistency=consistency, timeout_s=self.settings.staleness_timeout_s,
+                              consistency=wait_consistency(dense, bound),
+                              timeout_s=self.settings.staleness_timeout_s,
                               max_unapplied=self.settings.max_unapplied, known=known)
         t1 = time.monotonic()
         if not len(batch):
@@ -489,8 +513,14 @@ class Trainer:
         if needs_pull(covers, wait):
             base = self.snapshot if covers is not None else None
             snapshot = self.store.pull(base, out=self.replica.tensors)
+        lookups = rows = None
+        if self.rows is not None and bound is not None:
+            lookups = plan_lookups(self.tables, batch.ids, len(batch))
+            fetched = self.rows.fetch(lookups, clock=clock, bound=bound, required=table_required(bound, clock),
+                                      covers=wait.min_applied if wait.min_applied is not None else -1)
+            rows = fetched.rows
         t2 = time.monotonic()
-        result = self.replica.step(batch.x, batch.y)
+        result = self.replica.step(batch.x, batch.y, lookups, rows)
         return _Computed(wait, snapshot, result,
                          {"wait": t1 - t0, "pull": t2 - t1, "compute": time.monotonic() - t2})
 
@@ -546,9 +576,10 @@ class Trainer:
     # -- evaluation and offsets --------------------------------------------------------------------
 
     def _load_eval_data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = load_source(self.settings.eval_source, split="test").read(limit=self.settings.eval_limit)
-        return (torch.from_numpy(x).float().to(self.plan.device),
-                torch.from_numpy(y).to(self.plan.device))
+        held_out = load_source(self.settings.eval_source, split="test").read(limit=self.settings.eval_limit)
+        self._eval_ids = held_out.ids
+        return (torch.from_numpy(held_out.x).float().to(self.plan.device),
+                torch.from_numpy(held_out.y).to(self.plan.device))
 
     async def _evaluate(self) -> None:
         assert self._eval_data is not None and self.snapshot is not None
@@ -556,9 +587,12 @@ class Trainer:
         spec = self.replica.spec
         if spec.classification:
             y = y.long()
+        inputs = None
+        if self.rows is not None:  # the held-out records' rows, pulled as they are now
+            inputs = table_inputs(self.tables, self._eval_ids, self.rows.pull, self.plan.device)
         self.last_eval = await asyncio.to_thread(
             evaluate, self.replica.model, spec.loss_fn, x, y, version=self.snapshot.version,
-            classification=spec.classification)
+            classification=spec.classification, binary=spec.binary, inputs=inputs)
         logger.info("version %d: held-out loss %.4f accuracy %s", self.last_eval.version,
                     self.last_eval.loss, self.last_eval.accuracy)
 

@@ -22,7 +22,7 @@ class TrainerSettings:
     kafka_bootstrap: str = setting("127.0.0.1:9092", env="STREAMTRAIN_KAFKA_BOOTSTRAP",
                                    help="Kafka bootstrap servers")
     model: str = setting("digits-mlp", env="STREAMTRAIN_MODEL",
-                         help="built-in model (digits-mlp, mlp-2m) or package.module:factory")
+                         help="built-in model (digits-mlp, mlp-2m, dlrm?OPTIONS) or package.module:factory")
     batch_size: int = setting(64, env="STREAMTRAIN_BATCH_SIZE", min=1, max=1 << 20,
                               help="records per training step")
     device: str = setting("auto", env="STREAMTRAIN_DEVICE",
@@ -39,6 +39,11 @@ class TrainerSettings:
                               help="evaluate every N of this trainer's steps")
     eval_limit: int = setting(2000, env="STREAMTRAIN_EVAL_LIMIT", min=1,
                               help="most held-out records to evaluate on")
+    row_cache_rows: int = setting(32768, env="STREAMTRAIN_ROW_CACHE_ROWS", min=0, max=1 << 28,
+                                  help="rows of each embedding table kept between steps (least recently used "
+                                       "out; 0: pull every row every step); bounds the trainer's memory")
+    row_dtype: str = setting("float16", env="STREAMTRAIN_ROW_DTYPE", choices=("float16", "float32"),
+                             help="how gradient rows of embedding tables travel")
     seed: int = setting(0, env="STREAMTRAIN_SEED", help="seed of the initial weights")
     prefetch: int = setting(4, env="STREAMTRAIN_PREFETCH", min=1, max=1024,
                             help="batches decoded ahead of compute")

@@ -6,12 +6,17 @@ the arithmetic, so it can be read (and tested) on its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from services.embeddings import RowGrads
 
 from .device import DevicePlan
 from .models import ModelSpec
+from .tables import TableLookup, pool, row_gradients
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,8 @@ class StepResult:
     """Gradient per parameter name, float32 on the CPU."""
     rows: int
     """Records in the batch."""
+    row_grads: list[RowGrads] = field(default_factory=list)
+    """Gradient rows of the embedding tables: per table, the batch's unique IDs and their rows."""
 
 
 class Replica:
@@ -46,16 +53,27 @@ class Replica:
         """The parameters' own storage (no autograd), for a pull to write into in place."""
         return {name: p.data for name, p in self.params.items()}
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
-        """Forward and backward on one batch; the parameters themselves are not changed here."""
+    def step(self, x: torch.Tensor, y: torch.Tensor, lookups: Mapping[str, TableLookup] | None = None,
+             rows: Mapping[str, np.ndarray] | None = None) -> StepResult:
+        """Forward and backward on one batch; the parameters themselves are not changed here. A model
+        with embedding tables also takes the batch's ``lookups`` and their fetched ``rows``
+        (``trainers.tables``), and returns the gradient rows."""
         x = x.to(self.plan.device, non_blocking=True)
         y = y.to(self.plan.device, non_blocking=True)
         for p in self.params.values():
             p.grad = None
+        leaves: dict[str, torch.Tensor] = {}
         with self.plan.autocast():
-            out = self.model(x)
+            if self.spec.tables:
+                if lookups is None or rows is None:
+                    raise ValueError(f"model {self.spec.name} has embedding tables: a step needs its rows")
+                pooled, leaves = pool(lookups, rows, self.plan.device)
+                out = self.model(x, pooled)
+            else:
+                out = self.model(x)
         loss = self.spec.loss_fn(out.float(), y)
         loss.backward()
         grads = {name: p.grad.detach().to("cpu", torch.float32) for name, p in self.params.items()
                  if p.grad is not None}
-        return StepResult(float(loss.detach()), grads, int(x.shape[0]))
+        row_grads = row_gradients(lookups, leaves) if leaves and lookups is not None else []
+        return StepResult(float(loss.detach()), grads, int(x.shape[0]), row_grads)

@@ -1,0 +1,138 @@
+"""The built-in ranking model: a DLRM (Naumov et al., 2019) whose embedding tables live in the
+parameter plane.
+
+Per record: the dense features go through a bottom MLP to a vector of the
+embedding dimension; each categorical feature's IDs are looked up in its own
+table and pooled to one vector; the pairwise dot products of all these vectors
+(the feature interactions), beside the bottom MLP's output, go through a top
+MLP to one logit, trained with the logistic loss on 0/1 labels.
+
+The model itself holds only the dense part (the MLPs): the tables are declared
+(:attr:`Dlrm.tables`) and their rows reach :meth:`Dlrm.forward` already pooled,
+one ``[n, dim]`` tensor per feature, so no trainer ever holds a table
+(``trainers.tables``).
+
+Spec: ``dlrm?features=26&dense=13&dim=16``; options (all optional):
+
+==================  ======================================================  ==========
+``features``        single-valued categorical features ``c1`` .. ``cN``      26
+``tags``            1: also the multi-hot feature ``tags`` (mean-pooled)     0
+``dense``           dense features (0: none, no bottom MLP)                 13
+``dim``             embedding dimension                                     16
+``bottom``          hidden widths of the bottom MLP, ``-`` separated        64
+``top``             hidden widths of the top MLP                            64-32
+``row_optimizer``   ``lazyadam`` or ``adagrad``                             lazyadam
+``row_lr``          the row optimizer's learning rate                       0.01
+``admit``           admit an ID after this many updates carried it          1
+``expire_s``        remove a row not written for this long (0: never)       0
+``max_rows``        rows per table before the least recently written go     0 (no cap)
+``init_scale``      rows start uniform in [-s, s)                           0.05
+==================  ======================================================  ==========
+
+The feature names match the ``clicks`` source (``datastream.clicks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from services.embeddings import RowOptimizerConfig, TableSpec
+
+__all__ = ["Dlrm", "dlrm_from_options", "binary_logistic_loss"]
+
+
+def binary_logistic_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean logistic loss of one logit per record (``[n]`` or ``[n, 1]``) against 0/1 labels."""
+    return nn.functional.binary_cross_entropy_with_logits(output.reshape(-1), target.reshape(-1).float())
+
+
+def _mlp(sizes: list[int], *, last_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        layers.append(nn.Linear(n_in, n_out))
+        if last_relu or i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class Dlrm(nn.Module):
+    """DLRM's dense part; its embedding tables are :attr:`tables` (rows in the parameter plane)."""
+
+    def __init__(self, tables: tuple[TableSpec, ...], *, dense: int, dim: int, bottom: list[int],
+                 top: list[int]) -> None:
+        super().__init__()
+        self.tables = tables
+        """The embedding tables (one per feature, named like it)."""
+        self.features = [f for t in tables for f in t.features]
+        self.dense = dense
+        self.bottom = _mlp([dense, *bottom, dim], last_relu=True) if dense else None
+        vectors = len(self.features) + (1 if dense else 0)
+        pairs = vectors * (vectors - 1) // 2
+        self.top = _mlp([pairs + (dim if dense else 0), *top, 1], last_relu=False)
+        self._rows, self._cols = torch.triu_indices(vectors, vectors, offset=1)
+
+    def forward(self, x: torch.Tensor, pooled: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One logit per record from the dense features ``x [n, dense]`` and each feature's pooled
+        rows ``pooled[feature] [n, dim]``."""
+        vectors = [pooled[f] for f in self.features]
+        head = []
+        if self.bottom is not None:
+            z = self.bottom(x)
+            vectors.insert(0, z)
+            head.append(z)
+        stacked = torch.stack(vectors, dim=1)  # [n, vectors, dim]
+        dots = torch.bmm(stacked, stacked.transpose(1, 2))  # [n, vectors, vectors]
+        interactions = dots[:, self._rows.to(dots.device), self._cols.to(dots.device)]
+        return self.top(torch.cat([*head, interactions], dim=1)).reshape(-1)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split("-") if v]
+    except ValueError:
+        raise ValueError(f"dlrm option {what}: widths separated by '-', got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"dlrm option {what}: widths must be >= 1, got {text!r}")
+    return values
+
+
+def dlrm_from_options(options: Mapping[str, str]) -> Dlrm:
+    """The DLRM a ``dlrm?...`` spec's options describe (see the module docstring).
+
+    Raises:
+        ValueError: an unknown option or a bad value, named.
+    """
+    known = {"features", "tags", "dense", "dim", "bottom", "top", "row_optimizer", "row_lr", "admit", "expire_s",
+             "max_rows", "init_scale"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"dlrm: unknown option(s) {unknown}; known: {sorted(known)}")
+
+    def number(key: str, default: str, kind: type, lo: float) -> int | float:
+        text = options.get(key, default)
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"dlrm option {key}: expected a number, got {text!r}") from None
+        if value < lo:
+            raise ValueError(f"dlrm option {key}: must be >= {lo}, got {text!r}")
+        return value
+
+    features = int(number("features", "26", int, 0))
+    tags = int(number("tags", "0", int, 0))
+    dim = int(number("dim", "16", int, 1))
+    row_opt = RowOptimizerConfig(options.get("row_optimizer", "lazyadam"), lr=float(number("row_lr", "0.01", float, 0)))
+    common = {"dim": dim, "optimizer": row_opt, "admit_after": int(number("admit", "1", int, 1)),
+              "expire_after_s": float(number("expire_s", "0", float, 0)),
+              "max_rows": int(number("max_rows", "0", int, 0)),
+              "init_scale": float(number("init_scale", "0.05", float, 0))}
+    tables = [TableSpec(f"c{i}", **common) for i in range(1, features + 1)]
+    if tags:
+        tables.append(TableSpec("tags", pooling="mean", **common))
+    if not tables:
+        raise ValueError("dlrm: needs at least one categorical feature (features >= 1 or tags=1)")
+    return Dlrm(tuple(tables), dense=int(number("dense", "13", int, 0)), dim=dim,
+                bottom=_ints(options.get("bottom", "64"), "bottom"), top=_ints(options.get("top", "64-32"), "top"))

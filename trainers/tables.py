@@ -1,0 +1,208 @@
+"""A trainer's side of embedding tables: the rows a batch needs, fetched, pooled, and their
+gradients sent back as rows.
+
+Per step and per table:
+
+1. **Plan** (:func:`plan_lookups`): the batch's IDs of every feature of the
+   table, deduplicated (``np.unique``): the rows the step needs, and for each
+   feature the position of each ID among them plus the records' offsets
+   (``EmbeddingBag``'s input). No Python loop over records.
+2. **Fetch** (:class:`RowFetcher`): the rows the cache may serve under the
+   table's bound (``trainers.rowcache``), and the others in one pull
+   (``services.embeddings.store.pull_rows``: one round trip per group for every
+   table at once), which then go into the cache. An ID without a row reads as
+   its initial value.
+3. **Pool** (:func:`pool`): the fetched rows become a leaf tensor on the
+   device, and each feature's records are pooled from it with
+   ``embedding_bag`` (sum or mean, as the table says). The backward pass leaves
+   the gradient of exactly those rows on it: ``[unique IDs, dim]``, summed over
+   every occurrence, which is what :func:`row_gradients` sends (only those rows
+   cross from the device to the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+import torch
+
+from datastream.jagged import Jagged
+from services.embeddings import RowGrads, TableSpec
+from services.embeddings.store import pull_rows
+
+from services.consistency import Consistency, required_clock
+
+from .rowcache import RowCache, TableBound
+
+__all__ = ["FeatureLookup", "TableLookup", "plan_lookups", "RowFetcher", "Fetched", "pool", "row_gradients",
+           "wait_consistency", "table_required", "table_inputs"]
+
+
+@dataclass(frozen=True)
+class FeatureLookup:
+    """One feature's records, as positions among its table's unique IDs."""
+
+    feature: str
+    index: np.ndarray
+    """int64 ``[nnz]``: each ID's position in :attr:`TableLookup.ids`, record after record."""
+    offsets: np.ndarray
+    """int64 ``[n]``: where each record's IDs start in ``index``."""
+
+
+@dataclass(frozen=True)
+class TableLookup:
+    """The rows of one table a batch needs."""
+
+    spec: TableSpec
+    ids: np.ndarray
+    """Unique IDs, sorted (int64)."""
+    features: tuple[FeatureLookup, ...]
+
+
+def plan_lookups(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged], n: int) -> dict[str, TableLookup]:
+    """The lookups of a batch of ``n`` records with categorical features ``ids`` (a feature the batch
+    lacks has no ID in any record, and pools to zeros).
+
+    Raises:
+        ValueError: a feature's column does not have ``n`` records.
+    """
+    out = {}
+    for name, spec in tables.items():
+        columns = []
+        for f in spec.features:
+            col = ids.get(f)
+            if col is None:
+                col = Jagged.empty(n)
+            elif col.n != n:
+                raise ValueError(f"feature {f!r} has {col.n} records, the batch {n}")
+            columns.append((f, col))
+        values = np.concatenate([c.values for _, c in columns]) if columns else np.empty(0, np.int64)
+        unique, inverse = np.unique(values, return_inverse=True)
+        feats, at = [], 0
+        for f, col in columns:
+            feats.append(FeatureLookup(f, inverse[at:at + col.nnz].astype(np.int64, copy=False), col.offsets[:-1]))
+            at += col.nnz
+        out[name] = TableLookup(spec, unique, tuple(feats))
+    return out
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """The rows one step fetched."""
+
+    rows: dict[str, np.ndarray]
+    """Table -> ``[len(ids), dim]`` float32, in the order of its lookup's IDs."""
+    hits: int
+    """Rows the cache served."""
+    pulled: int
+    """Rows pulled from the parameter plane."""
+    wire_bytes: int
+    """Bytes the pull read."""
+
+
+class RowFetcher:
+    """Fetches the rows of a batch's lookups for job ``job``: the cache first, the rest in one pull."""
+
+    def __init__(self, client: redis.Redis, job: str, tables: Mapping[str, TableSpec], groups: int,
+                 cache: RowCache) -> None:
+        self.client = client
+        self.job = job
+        self.tables = dict(tables)
+        self.groups = groups
+        self.cache = cache
+
+    def fetch(self, lookups: Mapping[str, TableLookup], *, clock: int, bound: TableBound,
+              required: int | None, covers: int) -> Fetched:
+        """The rows for a step at ``clock``: a cached row only while ``bound`` allows (``required``:
+        under BSP/SSP, the applied clock the rows must cover); the others pulled, and cached as read
+        after a wait that observed ``covers`` (every live member's updates up to it are applied)."""
+        rows: dict[str, np.ndarray] = {}
+        wanted: dict[str, np.ndarray] = {}
+        misses: dict[str, np.ndarray] = {}
+        hits = 0
+        for name, lk in lookups.items():
+            hit, values = self.cache.lookup(name, lk.ids, clock=clock, bound=bound, required=required)
+            out = np.empty((lk.ids.size, lk.spec.dim), dtype=np.float32)
+            if values.size:
+                out[hit] = values
+            rows[name] = out
+            hits += int(hit.sum())
+            miss = np.flatnonzero(~hit)
+            if miss.size:
+                misses[name] = miss
+                wanted[name] = lk.ids[miss]
+        wire = 0
+        if wanted:
+            pulled = pull_rows(self.client, self.job, self.tables, self.groups, wanted)
+            wire = pulled.wire_bytes
+            for name, miss in misses.items():
+                got = pulled.tables[name]
+                rows[name][miss] = got.values
+                self.cache.insert(name, got.ids, got.values, clock=clock, covers=covers)
+        return Fetched(rows, hits, sum(m.size for m in misses.values()), wire)
+
+    def pull(self, wanted: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The rows of ``wanted`` (table -> IDs) as they are now, past the cache (evaluation)."""
+        pulled = pull_rows(self.client, self.job, self.tables, self.groups, wanted)
+        return {name: got.values for name, got in pulled.tables.items()}
+
+
+def wait_consistency(dense: Consistency, tables: TableBound | None) -> Consistency:
+    """The bound a step's clock wait enforces: the stricter of the dense part's and, when the
+    model has tables under BSP or SSP, theirs (tables under ASP never wait on others)."""
+    if tables is None or tables.mode == "asp":
+        return dense
+    table = Consistency(tables.mode, tables.staleness)
+    if dense.mode == "asp":
+        return table
+    s_dense = 0 if dense.mode == "bsp" else dense.staleness
+    s_table = 0 if table.mode == "bsp" else table.staleness
+    return dense if s_dense <= s_table else table
+
+
+def table_required(bound: TableBound, clock: int) -> int | None:
+    """The applied clock a row must cover to be used at ``clock`` under ``bound`` (None under ASP)."""
+    return required_clock(Consistency(bound.mode, bound.staleness), clock)
+
+
+def table_inputs(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged],
+                 pull: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], device: torch.device
+                 ) -> Callable[[int, int], tuple[dict[str, torch.Tensor]]]:
+    """``inputs(start, stop)`` for ``trainers.evaluate``: the pooled rows of records ``start:stop``
+    of held-out categorical features ``ids``, their rows read with ``pull`` (table -> IDs -> rows)."""
+    def inputs(start: int, stop: int) -> tuple[dict[str, torch.Tensor]]:
+        part = {f: col.slice(start, stop) for f, col in ids.items()}
+        lookups = plan_lookups(tables, part, stop - start)
+        pooled, _ = pool(lookups, pull({name: lk.ids for name, lk in lookups.items()}), device)
+        return (pooled,)
+    return inputs
+
+
+def pool(lookups: Mapping[str, TableLookup], rows: Mapping[str, np.ndarray], device: torch.device
+         ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Each feature's rows pooled per record, and the leaf tensors (one per table, on ``device``,
+    requiring grad) they were pooled from: (feature -> ``[n, dim]``, table -> ``[ids, dim]``)."""
+    leaves, pooled = {}, {}
+    for name, lk in lookups.items():
+        leaf = torch.from_numpy(rows[name]).to(device, non_blocking=True).requires_grad_()
+        leaves[name] = leaf
+        for f in lk.features:
+            pooled[f.feature] = torch.nn.functional.embedding_bag(
+                torch.from_numpy(f.index).to(device, non_blocking=True), leaf,
+                torch.from_numpy(f.offsets).to(device, non_blocking=True), mode=lk.spec.pooling)
+    return pooled, leaves
+
+
+def row_gradients(lookups: Mapping[str, TableLookup], leaves: Mapping[str, torch.Tensor]) -> list[RowGrads]:
+    """The gradient rows the backward pass left on ``leaves``, one part per table that has any (only
+    these ``[ids, dim]`` rows leave the device)."""
+    out = []
+    for name, lk in lookups.items():
+        grad = leaves[name].grad
+        if grad is None or lk.ids.size == 0:
+            continue
+        out.append(RowGrads(name, lk.ids, grad.detach().to("cpu", torch.float32).numpy()))
+    return out
