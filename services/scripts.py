@@ -33,7 +33,7 @@ from .protocol import AccountPlan, PlanUpdate, Update
 from .wire import pack
 
 __all__ = ["ScriptCall", "PushCall", "ApplyCall", "ShardPublish", "ShardPlan", "TablePublish", "TablePlan",
-           "AccountCall", "RowsAsk", "RowsReadCall", "CALLS", "script",
+           "AccountCall", "RowsAsk", "RowsReadCall", "RowsSweepCall", "CALLS", "script",
            "execute_with_script"]
 
 
@@ -459,5 +459,44 @@ class RowsReadCall(ScriptCall):
         return [x for a in self.asks for x in (a.width, 1 if a.seen else 0, a.ids)]
 
 
-CALLS: tuple[type[ScriptCall], ...] = (PushCall, ApplyCall, AccountCall, RowsReadCall)
+@dataclass(frozen=True)
+class RowsSweepCall(ScriptCall):
+    """``rows_sweep.lua``: one step of keeping a group's part of a table bounded (expiry by age, eviction
+    beyond a row cap; the group's slot)."""
+
+    SCRIPT: ClassVar[str] = "rows_sweep"
+    KEYS: ClassVar[tuple[str, ...]] = ("rows", "seen", "table_stats")
+    ARGV: ClassVar[tuple[str, ...]] = ("table", "written_at", "cutoff_ms", "cursor", "seen_cursor", "count", "cap",
+                                       "most_evicted")
+
+    group: GroupKeys
+    """The group's keys."""
+    table: str
+    """The table."""
+    written_at: int
+    """1-based byte position of ``written_ms`` in a row record."""
+    cutoff_ms: int
+    """Remove what was last written or sighted before this (0: no expiry)."""
+    cursor: bytes | str
+    """Where this step of the rows scan starts."""
+    seen_cursor: bytes | str
+    """Where this step of the seen scan starts."""
+    count: int
+    """Entries each scan step looks at."""
+    cap: int
+    """Most rows the group keeps of the table (0: no cap)."""
+    most_evicted: int
+    """Most rows one call evicts."""
+
+    def named_keys(self) -> dict[str, str]:
+        return {"rows": self.group.table_rows(self.table), "seen": self.group.table_seen(self.table),
+                "table_stats": self.group.table_stats}
+
+    def named_argv(self) -> dict[str, Any]:
+        return {"table": self.table, "written_at": self.written_at, "cutoff_ms": self.cutoff_ms,
+                "cursor": self.cursor, "seen_cursor": self.seen_cursor, "count": self.count, "cap": self.cap,
+                "most_evicted": self.most_evicted}
+
+
+CALLS: tuple[type[ScriptCall], ...] = (PushCall, ApplyCall, AccountCall, RowsReadCall, RowsSweepCall)
 """The call class of every script in ``services/lua``."""

@@ -76,7 +76,7 @@ from .codecs import Sent
 from .deltas import apply_deltas, encode_delta
 from .embeddings import RowGrads, decode_row_grads, group_of_ids
 from .embeddings.apply import TableBatch, TableWrites
-from .embeddings.store import load_rows
+from .embeddings.store import load_rows, sweep_rows
 from .errors import BadGradientError, LayoutError, ParameterPlaneError
 from .metrics import ServerMetrics
 from .optim import clip_factor, slots, step
@@ -192,6 +192,10 @@ class ParameterServer:
         """time.monotonic() of the next sweep for orphaned gradient blobs."""
         self._orphans: dict[str, float] = {}
         """Token -> when a sweep first found its blobs with no logged update naming it."""
+        self._table_sweep_at = 0.0
+        """time.monotonic() of the next step of the tables' sweeps."""
+        self._table_cursors: dict[str, tuple[str, str]] = {}
+        """Table -> where its sweep's scans of the rows and seen hashes go on."""
         self.metrics = ServerMetrics(self)
         """This server's Prometheus metrics (served by ``streamtrain ps --metrics-port``)."""
 
@@ -276,6 +280,9 @@ class ParameterServer:
                     if time.monotonic() >= self._sweep_at:
                         self.sweep()
                         self._sweep_at = time.monotonic() + self.settings.sweep_every_s
+                    if time.monotonic() >= self._table_sweep_at:
+                        self.sweep_tables()
+                        self._table_sweep_at = time.monotonic() + self.settings.table_sweep_every_s
                     outage.recovered()
                 except REDIS_DOWN as exc:
                     # reload once Redis answers: one restarted on its AOF may be a second behind memory
@@ -520,6 +527,30 @@ class ParameterServer:
             logger.info("ps job=%s group=%d: swept %d orphaned gradient blob(s) of %d abandoned push(es)",
                         self.settings.job, self.settings.group, deleted, len(due))
         return deleted
+
+    def sweep_tables(self) -> tuple[int, int]:
+        """One step of each bounded embedding table's sweep (``services.embeddings.store.sweep_rows``):
+        rows not written for the table's expiry time go, and beyond its row cap the least recently
+        written are evicted. Returns (rows expired, rows evicted)."""
+        if self._meta is None:
+            return 0, 0
+        expired = evicted = 0
+        now_ms = int(time.time() * 1000)
+        for spec in self._meta.tables:
+            if not spec.expire_after_s and not spec.max_rows:
+                continue
+            cursor, seen_cursor = self._table_cursors.get(spec.name, ("0", "0"))
+            done = sweep_rows(self.client, self.settings.job, self.settings.group, spec, self.settings.groups,
+                              now_ms=now_ms, cursor=cursor, seen_cursor=seen_cursor,
+                              count=self.settings.table_sweep_count)
+            self._table_cursors[spec.name] = (done.cursor, done.seen_cursor)
+            self.metrics.table_rows("expired", spec.name, done.expired)
+            self.metrics.table_rows("evicted", spec.name, done.evicted)
+            expired, evicted = expired + done.expired, evicted + done.evicted
+            if done.expired or done.evicted:
+                logger.debug("ps job=%s group=%d: table %s: %d row(s) expired, %d evicted, %d left", self.settings.job,
+                             self.settings.group, spec.name, done.expired, done.evicted, done.rows)
+        return expired, evicted
 
     def _housekeeping_due(self) -> Housekeeping | None:
         """The housekeeping the next write carries: once every ``housekeeping_s`` (so ordinary

@@ -53,6 +53,11 @@ class ServerSettings:
     sweep_every_s: float = setting(30.0, env="STREAMTRAIN_PS_SWEEP_EVERY_S", min=0.0, max=3600.0,
                                    help="how often the server looks for its group's orphaned gradient blobs "
                                         "(a pusher that died between writing them and pushing; 0: every round)")
+    table_sweep_every_s: float = setting(1.0, env="STREAMTRAIN_PS_TABLE_SWEEP_EVERY_S", min=0.0, max=3600.0,
+                                         help="how often the server takes one step of each embedding table's sweep "
+                                              "(expiry and the row cap, for tables that have them; 0: every round)")
+    table_sweep_count: int = setting(2000, env="STREAMTRAIN_PS_TABLE_SWEEP_COUNT", min=10, max=1_000_000,
+                                     help="rows (and sighting records) one sweep step of a table looks at for expiry")
     sweep_grace_s: float = setting(120.0, env="STREAMTRAIN_PS_SWEEP_GRACE_S", min=1.0,
                                    help="delete an orphaned gradient blob once no logged update has named it "
                                         "for this long (longer than a push can take, backpressure waits included)")

@@ -270,3 +270,34 @@ def test_row_gradients_travel_as_float16_when_asked(redis: redis_lib.Redis, redi
     exact = initial_rows(USER, row.ids[j:j + 1]).copy()
     step_rows(USER.optimizer, exact, np.zeros((1, USER.slots), np.float32), g, 1)
     assert not np.array_equal(got, exact[0]) or np.array_equal(g.astype(np.float16).astype(np.float32), g)
+
+
+def test_rows_expire_and_the_row_cap_evicts_the_least_recently_written(redis: redis_lib.Redis) -> None:
+    """The sweep on rows written by hand at known times (the same records an apply writes)."""
+    from services.embeddings.rows import SEEN_DTYPE, id_bytes
+    from services.embeddings.store import sweep_rows
+
+    spec = TableSpec("t", 2, expire_after_s=60.0, max_rows=50)
+    gk = JobKeys("sweep").group(0)
+    now = 10_000_000
+    records = np.zeros(100, dtype=row_dtype(spec))
+    records["written_ms"] = [now - 120_000 if i < 20 else now - 500 * i for i in range(100)]  # 20 expired
+    ids = np.arange(100, dtype=np.int64)
+    redis.hset(gk.table_rows("t"), mapping={id_bytes(ids[i:i + 1]): records[i].tobytes() for i in range(100)})
+    seen = np.zeros(3, dtype=SEEN_DTYPE)
+    seen["count"], seen["seen_ms"] = 1, [now - 61_000, now - 59_000, now - 1]
+    redis.hset(gk.table_seen("t"), mapping={id_bytes(np.array([1000 + i])): seen[i].tobytes() for i in range(3)})
+    step = sweep_rows(redis, "sweep", 0, spec, 1, now_ms=now, count=1000)
+    assert (step.expired, step.seen_expired, step.cursor, step.seen_cursor) == (20, 1, "0", "0")
+    # 80 left, cap 50: the 30 written longest ago go (approximately: sampled oldest-first)
+    assert step.evicted == 30 and step.rows == 50 == redis.hlen(gk.table_rows("t"))
+    left = sorted(int(np.frombuffer(k, "<i8")[0]) for k in redis.hkeys(gk.table_rows("t")))
+    assert min(left) >= 20 and np.mean(left) < 65  # mostly the recently written (small i) survive
+    stats = redis.hgetall(gk.table_stats)
+    assert (int(stats[b"t:expired"]), int(stats[b"t:evicted"])) == (20, 30)
+    # a cap shared by groups: each keeps its share (here 2 groups: 25)
+    assert sweep_rows(redis, "sweep", 0, spec, 2, now_ms=now).rows == 25
+    # nothing is removed from a table without expiry or cap
+    calm = TableSpec("t", 2)
+    assert sweep_rows(redis, "sweep", 0, calm, 1, now_ms=now + 10**9) == \
+        type(step)("0", "0", 0, 0, 0, 25)

@@ -20,11 +20,11 @@ import redis
 from common.keys import JobKeys
 
 from ..errors import LayoutError
-from ..scripts import RowsAsk, RowsReadCall, execute_with_script
+from ..scripts import RowsAsk, RowsReadCall, RowsSweepCall, execute_with_script
 from .rows import SEEN_DTYPE, group_of_ids, id_bytes, initial_rows, pull_dtype, row_dtype
 from .spec import TableSpec
 
-__all__ = ["PulledRows", "RowPull", "LoadedRows", "pull_rows", "load_rows"]
+__all__ = ["PulledRows", "RowPull", "LoadedRows", "pull_rows", "load_rows", "SweepStep", "sweep_rows"]
 
 
 @dataclass(frozen=True)
@@ -151,3 +151,36 @@ def load_rows(client: redis.Redis, job: str, group: int, tables: Mapping[str, Ta
             raise LayoutError(f"job {job} group {group}: table {spec.name}: a reply that does not fit the IDs asked")
         out[spec.name] = LoadedRows(ids, present, records, seen_mask, seen_records)
     return version, out
+
+
+@dataclass(frozen=True)
+class SweepStep:
+    """What one step of a table's sweep did (``lua/rows_sweep.lua``)."""
+
+    cursor: str
+    """Where the next step of the rows scan starts (``'0'``: the pass is complete)."""
+    seen_cursor: str
+    """Where the next step of the seen scan starts."""
+    expired: int
+    """Rows removed for age."""
+    evicted: int
+    """Rows evicted beyond the cap."""
+    seen_expired: int
+    """Sighting records removed for age."""
+    rows: int
+    """Rows of the table the group holds now."""
+
+
+def sweep_rows(client: redis.Redis, job: str, group: int, spec: TableSpec, groups: int, *, now_ms: int,
+               cursor: str = "0", seen_cursor: str = "0", count: int = 1000, most_evicted: int = 10000) -> SweepStep:
+    """One step of keeping ``group``'s part of table ``spec`` bounded: expire what was not written
+    (sighted) for ``spec.expire_after_s`` over ``count`` entries of each scan, and evict the least
+    recently written rows beyond the group's share of ``spec.max_rows`` (at most ``most_evicted``)."""
+    cutoff = now_ms - round(spec.expire_after_s * 1000) if spec.expire_after_s > 0 else 0
+    cap = -(-spec.max_rows // groups) if spec.max_rows else 0
+    call = RowsSweepCall(JobKeys(job).group(group), spec.name, written_at=row_dtype(spec).fields["written_ms"][1] + 1,
+                         cutoff_ms=max(cutoff, 0), cursor=cursor, seen_cursor=seen_cursor, count=count, cap=cap,
+                         most_evicted=most_evicted)
+    res = execute_with_script(client, call.SCRIPT, call.queue)[-1]
+    text = [x.decode() if isinstance(x, bytes) else str(x) for x in res[:2]]
+    return SweepStep(text[0], text[1], int(res[2]), int(res[3]), int(res[4]), int(res[5]))
