@@ -258,6 +258,53 @@ def test_shard_groups_live_on_different_nodes_and_apply_there(redis_cluster: Red
     assert job_keys(client, job, "grad:*") == [] and job_keys(client, job, "applied_by:*") == []
 
 
+def test_a_table_spreads_over_the_nodes_and_servers(redis_cluster: RedisCluster, client: ClusterClient) -> None:
+    """An embedding table of a three-group job: its rows sit in three slots on three masters, each
+    row in the group its ID belongs to, applied there by three servers, and a pull of the batch's
+    IDs reads them back (one round trip per group)."""
+    import numpy as np
+
+    from services.embeddings import RowGrads, TableSpec, group_of_ids
+    from services.embeddings.store import pull_rows
+
+    for _ in range(200):
+        job = f"cj-{uuid.uuid4().hex[:6]}"
+        keys = JobKeys(job)
+        nodes = {client.get_node_from_key(keys.group(g).version).name for g in range(3)}
+        if len(nodes) == 3:
+            break
+    assert len(nodes) == 3, "no job name spread its groups over the three masters"
+    table = TableSpec("user", 4)
+    ParameterStore(client, job).init_model(small_model(), shard_elems=64, groups=3, tables=(table,))
+    set_membership(client, job, {"a": [0]}, generation=1)
+    pusher = Pusher(client, job, "a", codec="none")
+    ids = np.arange(0, 3000, 7, dtype=np.int64)
+    for clock in (1, 2):
+        pusher.push(None, generation=1, clock=clock, offsets={0: (10 * clock - 10, 10 * clock)},
+                    samples=[("prod", 10 * clock - 10, 10)], batch_size=10,
+                    rows=[RowGrads("user", ids, np.ones((ids.size, 4), np.float32))])
+    servers = [ParameterServer(ServerSettings(redis_url=redis_cluster.url, job=job, group=g, groups=3, block_ms=50))
+               for g in range(3)]
+    try:
+        for server in servers:
+            server.start()
+        wait_until(lambda: unapplied_updates(client, job) == 0, 60, what="two updates applied by every group")
+    finally:
+        for server in servers:
+            server.close()
+    sizes = []
+    for g in range(3):
+        rows = keys.group(g).table_rows("user")
+        node = client.get_node_from_key(rows).name
+        assert node == client.get_node_from_key(keys.group(g).version).name  # on the group's master
+        held = np.array(sorted(int(np.frombuffer(k, "<i8")[0]) for k in client.hkeys(rows)), dtype=np.int64)
+        assert (group_of_ids(held, 3) == g).all()
+        sizes.append(held.size)
+    assert sum(sizes) == ids.size and min(sizes) > ids.size // 5  # spread, none empty
+    pulled = pull_rows(client, job, {"user": table}, 3, {"user": ids})
+    assert pulled.tables["user"].present.all() and sorted(pulled.group_versions) == [0, 1, 2]
+
+
 # -- the coordinator -------------------------------------------------------------------------------
 async def test_coordinator_registers_heartbeats_and_fences_on_the_cluster(
         redis_cluster: RedisCluster, client: ClusterClient, silent_broker: str) -> None:
