@@ -47,6 +47,8 @@ class TrainerReport:
     """The consumer's counters and lag (None before it exists)."""
     row_cache: CacheStats | None = None
     """The row cache's lookups (None for a model without embedding tables)."""
+    row_pull_bytes: int = 0
+    """Bytes of rows and masks its pulls of embedding rows read."""
 
 
 class _Collector(Collector):
@@ -91,7 +93,9 @@ class _Collector(Collector):
             for name, doc, value in (("streamtrain_row_cache_hits", "embedding rows served by the cache",
                                       t.row_cache.hits),
                                      ("streamtrain_row_cache_misses", "embedding rows pulled (not served by the "
-                                      "cache)", t.row_cache.misses)):
+                                      "cache)", t.row_cache.misses),
+                                     ("streamtrain_row_pull_bytes", "bytes the pulls of embedding rows read (rows "
+                                      "and one mask byte per ID asked)", t.row_pull_bytes)):
                 counter = CounterMetricFamily(name, doc)
                 counter.add_metric([], value)
                 yield counter

@@ -227,7 +227,8 @@ class Trainer:
             steps=self.progress.steps, clock=self.state.clock, staleness=self.state.staleness,
             loss=self.progress.loss_ema, version=self.snapshot.version if self.snapshot is not None else None,
             last_eval=self.last_eval, consumer=self.consumer.stats() if self.consumer is not None else None,
-            row_cache=self.row_cache.stats() if self.tables else None)
+            row_cache=self.row_cache.stats() if self.tables else None,
+            row_pull_bytes=self.rows.pulled_bytes if self.rows is not None else 0)
 
     @staticmethod
     async def _cancel(task: asyncio.Task[None] | None) -> None:
@@ -513,16 +514,19 @@ class Trainer:
         if needs_pull(covers, wait):
             base = self.snapshot if covers is not None else None
             snapshot = self.store.pull(base, out=self.replica.tensors)
+        t2 = time.monotonic()
         lookups = rows = None
         if self.rows is not None and bound is not None:
             lookups = plan_lookups(self.tables, batch.ids, len(batch))
             fetched = self.rows.fetch(lookups, clock=clock, bound=bound, required=table_required(bound, clock),
                                       covers=wait.min_applied if wait.min_applied is not None else -1)
             rows = fetched.rows
-        t2 = time.monotonic()
+        t3 = time.monotonic()
         result = self.replica.step(batch.x, batch.y, lookups, rows)
-        return _Computed(wait, snapshot, result,
-                         {"wait": t1 - t0, "pull": t2 - t1, "compute": time.monotonic() - t2})
+        seconds = {"wait": t1 - t0, "pull": t2 - t1, "compute": time.monotonic() - t3}
+        if lookups is not None:
+            seconds["rows"] = t3 - t2
+        return _Computed(wait, snapshot, result, seconds)
 
     async def _settle_push(self) -> None:
         """Wait for the push in flight, tell the state how it ended, and do what the state says.

@@ -113,6 +113,8 @@ class RowFetcher:
         self.tables = dict(tables)
         self.groups = groups
         self.cache = cache
+        self.pulled_bytes = 0
+        """Bytes the pulls of :meth:`fetch` read since this fetcher was made."""
 
     def fetch(self, lookups: Mapping[str, TableLookup], *, clock: int, bound: TableBound,
               required: int | None, covers: int) -> Fetched:
@@ -138,6 +140,7 @@ class RowFetcher:
         if wanted:
             pulled = pull_rows(self.client, self.job, self.tables, self.groups, wanted)
             wire = pulled.wire_bytes
+            self.pulled_bytes += wire
             for name, miss in misses.items():
                 got = pulled.tables[name]
                 rows[name][miss] = got.values
