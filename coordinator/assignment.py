@@ -13,7 +13,7 @@ from typing import Any
 
 from .settings import CONSISTENCY_MODELS
 
-__all__ = ["Assignment", "FOLLOW_DENSE", "JobConfig", "Registration"]
+__all__ = ["FOLLOW_DENSE", "Assignment", "JobConfig", "Registration"]
 
 FOLLOW_DENSE = ("table_consistency", "table_staleness")
 """Job config fields whose absence is itself a setting: None (not in the hash, not in the JSON) means

@@ -249,10 +249,9 @@ def test_a_config_from_a_newer_coordinator_parses_without_its_new_fields() -> No
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"table_consistency": "eventual"}, "table_consistency must be one of bsp, ssp, asp (or unset: the dense "
-                                        "part's), got 'eventual'"),
-    ({"table_consistency": ""}, "table_consistency must be one of bsp, ssp, asp (or unset: the dense part's), "
-                                "got ''"),
+    ({"table_consistency": "eventual"},
+     "table_consistency must be one of bsp, ssp, asp (or unset: the dense part's), got 'eventual'"),
+    ({"table_consistency": ""}, "table_consistency must be one of bsp, ssp, asp (or unset: the dense part's), got ''"),
     ({"table_staleness": -1}, "table_staleness must be >= 0 (or unset: the dense part's), got -1"),
 ])
 def test_bad_table_fields_are_refused_naming_the_value(changes: dict[str, object], message: str) -> None:
