@@ -45,8 +45,8 @@ class JobConfig:
     job begun before the field existed: 1, the layout such a job got)."""
     table_consistency: str | None = None
     """Consistency model of the embedding tables' rows (bsp | ssp | asp), PERSIA's hybrid: e.g. tables
-    asynchronous while the dense part runs SSP. None: the dense part's (``consistency``); so reads a
-    job begun before the field existed."""
+    asynchronous while the dense part runs SSP. None: the dense part's (``consistency``), as a job
+    begun before the field existed reads."""
     table_staleness: int | None = None
     """Staleness bound of the tables' rows (0 under BSP). None: the dense part's (``staleness``)."""
     paused: bool = False
