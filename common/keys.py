@@ -155,7 +155,9 @@ class JobKeys:
         """Hash: job configuration, written by the coordinator, read by trainers and servers.
 
         Fields: ``consistency`` (bsp|ssp|asp), ``staleness`` (int), ``codec``,
-        ``optimizer``, ``lr``, ``topic``, ``partitions``, ``paused`` (0|1).
+        ``optimizer``, ``lr``, ``topic``, ``partitions``, ``ps_groups`` (int), ``paused`` (0|1),
+        and, only while the embedding tables have their own, ``table_consistency`` and
+        ``table_staleness`` (absent: the dense part's ``consistency`` / ``staleness``).
         """
         return self.key("config")
 

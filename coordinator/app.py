@@ -44,7 +44,8 @@ def initial_config(settings: CoordinatorSettings) -> JobConfig:
     return JobConfig(consistency=settings.consistency, staleness=settings.staleness,
                      codec=settings.codec, optimizer=settings.optimizer, lr=settings.lr,
                      topic=settings.topic, partitions=settings.partitions,
-                     ps_groups=settings.ps_groups, paused=False)
+                     ps_groups=settings.ps_groups, table_consistency=settings.table_consistency,
+                     table_staleness=settings.table_staleness, paused=False)
 
 
 async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -69,8 +70,9 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
                      executor=executor)
         state, _ = await apply_event(rt, RenewLeases(now_ms=now_ms(), lease_ms=settings.lease_ms))
         logger.info("coordinator of job %s up: generation=%d members=%d partitions=%d "
-                    "consistency=%s ps_groups=%d", settings.job, state.generation, len(state.members),
-                    config.partitions, config.consistency, config.ps_groups)
+                    "consistency=%s (s=%d) tables=%s (s=%d) ps_groups=%d", settings.job, state.generation,
+                    len(state.members), config.partitions, config.consistency, config.staleness,
+                    *config.table_bound(), config.ps_groups)
         app[RUNTIME] = rt
         app[LEASE_CHECKER] = asyncio.create_task(lease_checker(rt), name="lease-checker")
         app[SAMPLER] = Sampler(settings)

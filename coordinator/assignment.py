@@ -13,7 +13,12 @@ from typing import Any
 
 from .settings import CONSISTENCY_MODELS
 
-__all__ = ["Assignment", "JobConfig", "Registration"]
+__all__ = ["FOLLOW_DENSE", "Assignment", "JobConfig", "Registration"]
+
+FOLLOW_DENSE = ("table_consistency", "table_staleness")
+"""Job config fields whose absence is itself a setting: None (not in the hash, not in the JSON) means
+"the same as the dense part". A restarted coordinator therefore does not fill them in; they are
+written when the job begins, and afterwards only ``PATCH /v1/admin/config`` changes them."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,12 @@ class JobConfig:
     """Parameter-server shard groups (shard i belongs to group ``i % ps_groups``); read by
     ``services.ParameterStore.init_model`` when it creates the model, fixed after (absent in a
     job begun before the field existed: 1, the layout such a job got)."""
+    table_consistency: str | None = None
+    """Consistency model of the embedding tables' rows (bsp | ssp | asp), PERSIA's hybrid: e.g. tables
+    asynchronous while the dense part runs SSP. None: the dense part's (``consistency``), as a job
+    begun before the field existed reads."""
+    table_staleness: int | None = None
+    """Staleness bound of the tables' rows (0 under BSP). None: the dense part's (``staleness``)."""
     paused: bool = False
     """Trainers stop consuming while set."""
 
@@ -53,10 +64,25 @@ class JobConfig:
             raise ValueError(f"partitions must be >= 1, got {self.partitions!r}")
         if self.ps_groups < 1:
             raise ValueError(f"ps_groups must be >= 1, got {self.ps_groups!r}")
+        if self.table_consistency is not None and self.table_consistency not in CONSISTENCY_MODELS:
+            raise ValueError(f"table_consistency must be one of {', '.join(CONSISTENCY_MODELS)} (or unset: "
+                             f"the dense part's), got {self.table_consistency!r}")
+        if self.table_staleness is not None and self.table_staleness < 0:
+            raise ValueError(f"table_staleness must be >= 0 (or unset: the dense part's), "
+                             f"got {self.table_staleness!r}")
+
+    def table_bound(self) -> tuple[str, int]:
+        """The embedding tables' (consistency model, staleness bound): each of the two the table
+        field where set, else the dense part's; the bound is 0 under BSP. (Under ASP the bound is
+        returned as set; what the tables make of it is ``docs/embeddings.md``'s.)"""
+        mode = self.consistency if self.table_consistency is None else self.table_consistency
+        staleness = self.staleness if self.table_staleness is None else self.table_staleness
+        return mode, 0 if mode == "bsp" else staleness
 
     def to_hash(self) -> dict[str, str]:
-        """Field -> string, as stored in Redis (``paused`` as 0|1)."""
-        out = {k: str(v) for k, v in asdict(self).items()}
+        """Field -> string, as stored in Redis (``paused`` as 0|1; a field of :data:`FOLLOW_DENSE`
+        that is None left out)."""
+        out = {k: str(v) for k, v in self.as_json().items()}
         out["paused"] = "1" if self.paused else "0"
         return out
 
@@ -69,11 +95,11 @@ class JobConfig:
         """
         d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
              for k, v in raw.items()}
-        kinds = {"staleness": int, "partitions": int, "ps_groups": int, "lr": float}
+        kinds = {"staleness": int, "partitions": int, "ps_groups": int, "lr": float, "table_staleness": int}
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in d:
-                if f.name in ("paused", "ps_groups"):  # optional: their defaults apply
+                if f.name in ("paused", "ps_groups", *FOLLOW_DENSE):  # optional: their defaults apply
                     continue
                 raise ValueError(f"job config lacks field {f.name!r}")
             text = d[f.name]
@@ -84,8 +110,23 @@ class JobConfig:
         return cls(**values)
 
     def as_json(self) -> dict[str, Any]:
-        """The JSON form sent to trainers."""
-        return asdict(self)
+        """The JSON form sent to trainers: every field, but a field of :data:`FOLLOW_DENSE` only
+        when set (so a trainer older than those fields parses the config of a job that does not
+        use them)."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in FOLLOW_DENSE}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> JobConfig:
+        """Parse :meth:`as_json`'s form. Fields this class does not know (those of a newer
+        coordinator) are ignored, so an older trainer keeps working; the ones it knows are
+        validated as always.
+
+        Raises:
+            TypeError: a required field is missing.
+            ValueError: a value is out of bounds (the message names the field).
+        """
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -108,7 +149,7 @@ class Assignment:
         """Parse a register or heartbeat reply."""
         return cls(member_id=d["member_id"], generation=int(d["generation"]),
                    partitions=tuple(int(p) for p in d["partitions"]), state=d["state"],
-                   config=JobConfig(**d["config"]))
+                   config=JobConfig.from_json(d["config"]))
 
 
 @dataclass(frozen=True)

@@ -225,8 +225,9 @@ async def resume(request: web.Request) -> web.Response:
 
 @routes.patch("/v1/admin/config")
 async def change_config(request: web.Request) -> web.Response:
-    """Change the consistency model, staleness bound or learning rate (``ps_groups``, fixed
-    with the model's layout, is refused naming the reason)."""
+    """Change the consistency model, staleness bound or learning rate, of the dense part or of the
+    embedding tables (``table_*``; null: follow the dense part's again). ``ps_groups``, fixed with
+    the model's layout, is refused naming the reason."""
     rt = _rt(request)
     authenticate(request, rt.settings.admin_token, "admin")
     changes = await _body(request, CONFIG_CHANGE, fixed=FIXED_CONFIG)

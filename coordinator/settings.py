@@ -19,9 +19,9 @@ only once ``GET /v1/model`` is first asked for (:mod:`coordinator.model_route`),
 class CoordinatorSettings:
     """Configuration of ``streamtrain coordinator``.
 
-    The job fields (``topic`` .. ``ps_groups``) seed ``JobKeys.config`` when a
-    job is first started; on a restart the configuration already stored in
-    Redis wins.
+    The job fields (``topic`` .. ``table_staleness``) seed ``JobKeys.config``
+    when a job is first started; on a restart the configuration already stored
+    in Redis wins (a table field that was unset stays unset).
     """
 
     job: str = setting("default", env="STREAMTRAIN_JOB", help="name of the training job")
@@ -56,6 +56,12 @@ class CoordinatorSettings:
     ps_groups: int = setting(1, env="STREAMTRAIN_PS_GROUPS", min=1, max=1024,
                              help="parameter-server shard groups of a new job (shard i belongs to group "
                                   "i mod N); fixed once the model exists")
+    table_consistency: str | None = setting(None, env="STREAMTRAIN_TABLE_CONSISTENCY", choices=CONSISTENCY_MODELS,
+                                            help="consistency model of a new job's embedding tables (unset: "
+                                                 "the dense part's, --consistency)")
+    table_staleness: int | None = setting(None, env="STREAMTRAIN_TABLE_STALENESS", min=0, max=1000,
+                                          help="staleness bound of a new job's embedding tables (unset: the "
+                                               "dense part's, --staleness)")
     max_request_bytes: int = setting(64 * 1024, env="STREAMTRAIN_COORDINATOR_MAX_REQUEST_BYTES",
                                      min=1024, max=16 * 1024 * 1024,
                                      help="largest request body accepted")

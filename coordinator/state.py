@@ -13,7 +13,9 @@ Layout (all names from :class:`common.keys.JobKeys`):
   than the retention are dropped by the lease checker's :class:`CheckLeases`
   (at most once a minute, :meth:`Store.forget_departed`).
 - ``config``: hash of the job configuration (:class:`JobConfig`); the fields of
-  :data:`FIXED_CONFIG` (``ps_groups``) are written once, when the job begins.
+  :data:`FIXED_CONFIG` (``ps_groups``) are written once, when the job begins;
+  those of :data:`~coordinator.assignment.FOLLOW_DENSE` (the tables' mode and
+  bound) are absent while they follow the dense part's.
 
 :meth:`Store.apply` is a compare-and-set: it WATCHes the membership keys,
 reads the state, runs the pure :func:`coordinator.membership.handle`, and
@@ -44,7 +46,7 @@ from redis.exceptions import WatchError
 from common.fence import fence_token, parse_fence_token
 from common.keys import JobKeys
 
-from .assignment import JobConfig
+from .assignment import FOLLOW_DENSE, JobConfig
 from .errors import ConflictError, FencedError, MemberGoneError, UnknownMemberError
 from .membership import (Action, CheckLeases, Departure, Event, Member, Membership, departures, forgotten,
                          handle)
@@ -92,18 +94,34 @@ class Store:
     async def ensure_config(self, initial: JobConfig) -> JobConfig:
         """Write ``initial`` field by field where absent (HSETNX); return what is stored.
 
-        A restarted coordinator therefore continues with the stored configuration. When the
-        job's model already exists, ``ps_groups`` is the model's group count, whatever
-        ``initial`` says (a job begun before the field was written gains the true value).
+        A restarted coordinator therefore continues with the stored configuration. The fields of
+        :data:`~coordinator.assignment.FOLLOW_DENSE` are written only when the job begins (no
+        config is stored yet): for them absence is a value (follow the dense part), which a
+        restart keeps. When the job's model already exists, ``ps_groups`` is the model's group
+        count, whatever ``initial`` says (a job begun before the field was written gains the true
+        value).
+
+        Raises:
+            ConflictError: the config changed under it :data:`MAX_CAS_ATTEMPTS` times.
         """
         groups = await self.model_groups()
         if groups is not None:
             initial = replace(initial, ps_groups=groups)
         async with self.redis.pipeline(transaction=True) as pipe:
-            for k, v in initial.to_hash().items():
-                pipe.hsetnx(self.keys.config, k, v)
-            await pipe.execute()
-        return await self.config()
+            for _ in range(MAX_CAS_ATTEMPTS):
+                try:
+                    await pipe.watch(self.keys.config)
+                    # HLEN, not EXISTS: a cluster pipeline splits EXISTS by slot and drops its reply
+                    begun = await pipe.hlen(self.keys.config) > 0
+                    pipe.multi()
+                    for k, v in initial.to_hash().items():
+                        if not (begun and k in FOLLOW_DENSE):
+                            pipe.hsetnx(self.keys.config, k, v)
+                    await pipe.execute()
+                    return await self.config()
+                except WatchError:
+                    continue
+        raise ConflictError(f"config of job {self.keys.job!r} changed concurrently {MAX_CAS_ATTEMPTS} times")
 
     async def model_groups(self) -> int | None:
         """The shard-group count of the job's model (``groups`` of the JSON at ``JobKeys.meta``,
@@ -129,6 +147,9 @@ class Store:
     async def update_config(self, **changes: Any) -> JobConfig:
         """Validate and store ``changes`` (fields of :class:`JobConfig`); return the result.
 
+        A field of :data:`~coordinator.assignment.FOLLOW_DENSE` changed to None is removed from
+        the hash (it follows the dense part again).
+
         Raises:
             ValueError: an unknown field, a bad value, or a field of :data:`FIXED_CONFIG`
                 (the message names it and says why); nothing is written.
@@ -138,10 +159,18 @@ class Store:
             raise ValueError(f"{fixed[0]} cannot change: {FIXED_CONFIG[fixed[0]]}")
         current = await self.config()
         new = replace(current, **changes)  # TypeError for unknown fields, ValueError for bad ones
-        diff = {k: v for k, v in new.to_hash().items() if current.to_hash()[k] != v}
-        if diff:
-            await self.redis.hset(self.keys.config, mapping=diff)
-            logger.info("job config of %s changed: %s", self.keys.job, diff)
+        before, after = current.to_hash(), new.to_hash()
+        diff = {k: v for k, v in after.items() if before.get(k) != v}
+        unset = sorted(set(before) - set(after))
+        if diff or unset:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                if diff:
+                    pipe.hset(self.keys.config, mapping=diff)
+                if unset:
+                    pipe.hdel(self.keys.config, *unset)
+                await pipe.execute()
+            logger.info("job config of %s changed: %s%s", self.keys.job, diff,
+                        f", unset (following the dense part): {', '.join(unset)}" if unset else "")
         return new
 
     # -- membership -------------------------------------------------------------

@@ -111,7 +111,9 @@ def summary(state: Membership, config: JobConfig, versions: Sequence[bytes | Non
 
     Measured staleness is the spread between the furthest live member's pushed
     clock and the slowest live member's applied clock (absent while the
-    parameter plane has written no clocks).
+    parameter plane has written no clocks). ``tables`` is the embedding tables'
+    consistency model and bound as resolved by :meth:`JobConfig.table_bound`
+    (the dense part's where the job sets none of its own).
     """
     live = set(state.members)
     pushed = {m: c for m, c in _ints(clocks).items() if m in live}
@@ -119,9 +121,11 @@ def summary(state: Membership, config: JobConfig, versions: Sequence[bytes | Non
     stats = [m.stats for m in state.members.values()]
     reported = [s["staleness"] for s in stats if "staleness" in s]
     measured = max(pushed.values()) - min(done.values()) if pushed and done else None
+    table_mode, table_bound = config.table_bound()
     return {
         "versions": versions_view(versions),
         "staleness": {"consistency": config.consistency, "bound": config.staleness,
+                      "tables": {"consistency": table_mode, "bound": table_bound},
                       "clock_spread": measured, "reported_max": max(reported, default=None),
                       "clocks": pushed, "applied_clocks": done},
         "throughput_records_per_s": sum(s.get("records_per_s", 0.0) for s in stats),

@@ -39,12 +39,22 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def _tables(status: dict[str, Any]) -> str:
+    """``"  tables asp (s=8)"`` when the job gives its embedding tables a mode or bound of their
+    own, else nothing (they follow the dense part's)."""
+    cfg = status["config"]
+    if cfg.get("table_consistency") is None and cfg.get("table_staleness") is None:
+        return ""
+    tables = status["staleness"]["tables"]
+    return f"  tables {tables['consistency']} (s={tables['bound']})"
+
+
 def render(status: dict[str, Any], console: Console) -> None:
     """Print the job summary, the members and the partitions."""
     cfg = status["config"]
     console.print(
         f"[bold]job {status['job']}[/bold]  generation {status['generation']}  "
-        f"{cfg['consistency']} (s={cfg['staleness']})  lr {cfg['lr']}  codec {cfg['codec']}  "
+        f"{cfg['consistency']} (s={cfg['staleness']}){_tables(status)}  lr {cfg['lr']}  codec {cfg['codec']}  "
         f"ps groups {cfg.get('ps_groups', 1)}"
         f"{'  [red]PAUSED[/red]' if cfg['paused'] else ''}\n"
         f"throughput {_fmt(status['throughput_records_per_s'])} records/s  "

@@ -41,9 +41,13 @@ class Field:
     """Longest string or list."""
     schema: Mapping[str, Field] | None = None
     """Schema of a nested object."""
+    nullable: bool = False
+    """``null`` is allowed too (and returned as None): OpenAPI's ``type: [<kind>, "null"]``."""
 
 
 def _check(path: str, spec: Field, value: Any) -> Any:
+    if value is None and spec.nullable:
+        return None
     kind = spec.kind
     if kind == "str":
         if not isinstance(value, str):
@@ -171,16 +175,21 @@ HEARTBEAT = {"stats": Field("object", schema=STATS)}
 
 def setting_field(name: str, kind: str) -> Field:
     """A :class:`Field` with the bounds and choices of :class:`CoordinatorSettings` field ``name``,
-    so a job configuration changed at run time obeys the limits it was started under."""
-    meta = next(f.metadata for f in dataclasses.fields(CoordinatorSettings) if f.name == name)
-    return Field(kind, choices=meta["choices"], min=meta["min"], max=meta["max"])
+    so a job configuration changed at run time obeys the limits it was started under; nullable
+    when the setting's default is None (unset: it follows another field)."""
+    field = next(f for f in dataclasses.fields(CoordinatorSettings) if f.name == name)
+    meta = field.metadata
+    return Field(kind, choices=meta["choices"], min=meta["min"], max=meta["max"], nullable=field.default is None)
 
 
 CONFIG_CHANGE = {
     "consistency": setting_field("consistency", "str"),
     "staleness": setting_field("staleness", "int"),
     "lr": setting_field("lr", "number"),
+    "table_consistency": setting_field("table_consistency", "str"),
+    "table_staleness": setting_field("table_staleness", "int"),
 }
-"""Body of ``PATCH /v1/admin/config``: consistency bsp/ssp/asp, staleness 0..1000, lr 0..10.
-The other job fields are fixed; ``ps_groups`` (the model's layout) is refused with its reason
+"""Body of ``PATCH /v1/admin/config``: consistency bsp/ssp/asp, staleness 0..1000, lr 0..10, and the
+embedding tables' table_consistency and table_staleness (the same bounds, or null: follow the dense
+part's). The other job fields are fixed; ``ps_groups`` (the model's layout) is refused with its reason
 (``FIXED_CONFIG`` of :mod:`coordinator.state`)."""

@@ -66,8 +66,8 @@ command lines to every user; a Redis URL may hold a password)."""
 class ClusterSpec:
     """What to run: each service's settings, and what only a cluster has.
 
-    The job's configuration (consistency, staleness, codec, optimizer, lr,
-    partitions, lease, ``ps_groups``) is ``coordinator``'s; the trainers' (model,
+    The job's configuration (consistency, staleness, the tables' own,
+    codec, optimizer, lr, partitions, lease, ``ps_groups``) is ``coordinator``'s; the trainers' (model,
     batch size, threads, top-k density, evaluation) is ``trainer``'s. Addresses,
     ports, tokens, the job and the topic in these settings are placeholders:
     :func:`service_settings` replaces them with the cluster's. Change a part with

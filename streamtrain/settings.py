@@ -44,6 +44,8 @@ class UpSettings:
     partitions: int = _as_in(_LOCAL.coordinator, "partitions")
     consistency: str = _as_in(_LOCAL.coordinator, "consistency", help="consistency model")
     staleness: int = _as_in(_LOCAL.coordinator, "staleness", help="SSP staleness bound")
+    table_consistency: str | None = _as_in(_LOCAL.coordinator, "table_consistency")
+    table_staleness: int | None = _as_in(_LOCAL.coordinator, "table_staleness")
     codec: str = _as_in(_LOCAL.coordinator, "codec", help="gradient codec")
     optimizer: str = _as_in(_LOCAL.coordinator, "optimizer")
     lr: float = _as_in(_LOCAL.coordinator, "lr", help="learning rate")

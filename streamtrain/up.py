@@ -89,7 +89,8 @@ def cluster_spec(s: UpSettings, environ: Mapping[str, str] | None = None) -> Clu
         redis_cluster=s.redis_cluster,
         coordinator=replace(base.coordinator, partitions=s.partitions, consistency=s.consistency,
                             staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr,
-                            ps_groups=s.ps_groups),
+                            ps_groups=s.ps_groups, table_consistency=s.table_consistency,
+                            table_staleness=s.table_staleness),
         trainer=replace(base.trainer, model=s.model, eval_source=s.eval_source, topk_density=s.topk_density),
         producer=replace(base.producer, source=source, limit=s.max_records or None, rate=rate or None))
 

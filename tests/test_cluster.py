@@ -34,7 +34,8 @@ SPECS = {
     "default": ClusterSpec(),
     "two groups, bsp, no producer, extra trainer flags": ClusterSpec(
         job="j2", topic="t2", trainers=3, producer=None, extra_trainer_args=("--prefetch", "8"),
-        coordinator=CoordinatorSettings(consistency="bsp", partitions=6, ps_groups=2, lease_ms=2000),
+        coordinator=CoordinatorSettings(consistency="bsp", partitions=6, ps_groups=2, lease_ms=2000,
+                                        table_consistency="asp", table_staleness=8),
         trainer=replace(ClusterSpec().trainer, batch_size=32, eval_source=""),
         ps=ServerSettings(checkpoint_every=50, metrics_port=9500)),
     "bounded, paced producer": ClusterSpec(producer=replace(LOCAL_STREAM, limit=500, rate=100.0)),
@@ -109,7 +110,8 @@ def test_up_takes_the_job_defaults_from_the_services() -> None:
     assert "--ps-groups" in build_parser("up").format_help()  # and the help (argparse %-formats it) renders
     spec = cluster_spec(up(), environ={})
     assert spec == ClusterSpec()  # nothing re-spelt: up's defaults are the local cluster's
-    for name in ("partitions", "consistency", "staleness", "codec", "optimizer", "lr", "ps_groups"):
+    for name in ("partitions", "consistency", "staleness", "codec", "optimizer", "lr", "ps_groups",
+                 "table_consistency", "table_staleness"):
         mine = next(f for f in dataclasses.fields(UpSettings) if f.name == name)
         theirs = next(f for f in dataclasses.fields(CoordinatorSettings) if f.name == name)
         assert (mine.default, mine.metadata["env"]) == (theirs.default, theirs.metadata["env"]), name
@@ -126,6 +128,28 @@ def test_up_flags_reach_the_services() -> None:
         == (3, 3, 0.05, "mlp-2m", "")
     assert (spec.producer.source, spec.producer.limit, spec.producer.rate) == ("synthetic?seed=1", 700, None)
     assert len([k for k in commands(spec, AT) if k.startswith("ps")]) == 3
+    assert (c.table_consistency, c.table_staleness) == (None, None)  # unset: the tables follow the dense part
+
+
+def test_up_table_flags_reach_the_coordinators_command_line() -> None:
+    """``up --table-consistency asp --table-staleness 8``, parsed by up's real parser, reaches the
+    coordinator's command line, which its real parser reads back."""
+    parsed = build_parser("up").parse_args(["--table-consistency", "asp", "--table-staleness", "8"])
+    spec = cluster_spec(cfg.from_args(UpSettings, parsed, environ={}), environ={})
+    assert (spec.coordinator.table_consistency, spec.coordinator.table_staleness) == ("asp", 8)
+    args, env = commands(spec, AT)["coordinator"]
+    assert "--table-consistency=asp" in args and "--table-staleness=8" in args
+    coordinator = cfg.from_args(CoordinatorSettings, build_parser("coordinator").parse_args(args[1:]), environ=env)
+    assert (coordinator.table_consistency, coordinator.table_staleness) == ("asp", 8)
+    from_env = cfg.from_args(UpSettings, build_parser("up").parse_args([]), environ={
+        "STREAMTRAIN_TABLE_CONSISTENCY": "bsp", "STREAMTRAIN_TABLE_STALENESS": "0"})
+    assert (from_env.table_consistency, from_env.table_staleness) == ("bsp", 0)
+    default = commands(ClusterSpec(), AT)["coordinator"][0]
+    assert not any(a.startswith("--table-") for a in default)  # unset stays unset, not a flag
+    with pytest.raises(SystemExit):
+        build_parser("up").parse_args(["--table-consistency", "eventual"])
+    with pytest.raises(cfg.SettingsError, match="--table-staleness / STREAMTRAIN_TABLE_STALENESS: must be >= 0"):
+        cfg.from_args(UpSettings, build_parser("up").parse_args(["--table-staleness", "-1"]), environ={})
 
 
 def test_up_passes_the_services_variables_on_over_the_local_defaults() -> None:

@@ -296,6 +296,79 @@ async def test_a_job_older_than_ps_groups_takes_its_models_group_count(redis_url
     finally:
         await store.redis.aclose()
 
+async def test_the_tables_own_consistency_is_written_when_the_job_begins_and_kept_on_restart(
+        settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    """``--table-consistency asp --table-staleness 8`` reach the job config, a trainer's assignment
+    and the status; a restart keeps them, whatever its own flags say."""
+    async with running_coordinator(replace(settings, table_consistency="asp", table_staleness=8)) as client:
+        assert (redis.hget(KEYS.config, "table_consistency"), redis.hget(KEYS.config, "table_staleness")) == (
+            b"asp", b"8")
+        reg = await CoordinatorClient(str(client.make_url("")), "job-secret",
+                                      session=client.session).register({"device": "cpu"})
+        config = reg.assignment.config
+        assert (config.consistency, config.staleness, config.table_consistency, config.table_staleness) == (
+            "ssp", 2, "asp", 8)
+        assert config.table_bound() == ("asp", 8)
+        status = await (await client.get("/v1/status")).json()
+        assert (status["config"]["table_consistency"], status["config"]["table_staleness"]) == ("asp", 8)
+        assert status["staleness"]["tables"] == {"consistency": "asp", "bound": 8}
+        assert (status["staleness"]["consistency"], status["staleness"]["bound"]) == ("ssp", 2)
+    async with running_coordinator(replace(settings, table_consistency="bsp")) as client:
+        status = await (await client.get("/v1/status")).json()
+        assert status["staleness"]["tables"] == {"consistency": "asp", "bound": 8}
+
+
+async def test_a_job_whose_tables_follow_the_dense_part_keeps_following_it_on_restart(
+        settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    """Unset table fields are absent from the hash and from the assignment (so a trainer older than
+    them parses it), and a restart with table flags does not fill them in: absence is the job's
+    setting (follow the dense part), as a stored value is."""
+    async with running_coordinator(settings) as client:
+        a = await register(client)
+        assert "table_consistency" not in a["config"] and "table_staleness" not in a["config"]
+        assert not redis.hexists(KEYS.config, "table_consistency")
+        assert not redis.hexists(KEYS.config, "table_staleness")
+        status = await (await client.get("/v1/status")).json()
+        assert status["staleness"]["tables"] == {"consistency": "ssp", "bound": 2}
+    async with running_coordinator(replace(settings, table_consistency="asp", table_staleness=8)) as client:
+        hb = await (await client.post(f"/v1/members/{a['member_id']}/heartbeat", headers=JOB_AUTH)).json()
+        assert "table_consistency" not in hb["config"] and "table_staleness" not in hb["config"]
+        assert not redis.hexists(KEYS.config, "table_consistency")
+
+
+async def test_patch_changes_the_tables_own_consistency_and_null_follows_the_dense_part_again(
+        settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    async with running_coordinator(settings) as client:
+        a = await register(client)
+        resp = await client.patch("/v1/admin/config", headers=ADMIN_AUTH,
+                                  json={"table_consistency": "asp", "table_staleness": 8})
+        assert resp.status == 200, await resp.text()
+        body = await resp.json()
+        assert (body["consistency"], body["table_consistency"], body["table_staleness"]) == ("ssp", "asp", 8)
+        assert redis.hget(KEYS.config, "table_consistency") == b"asp"
+        hb = await (await client.post(f"/v1/members/{a['member_id']}/heartbeat", headers=JOB_AUTH)).json()
+        assert JobConfig.from_json(hb["config"]).table_bound() == ("asp", 8)
+        # the dense part changes on its own; the tables keep theirs
+        resp = await client.patch("/v1/admin/config", headers=ADMIN_AUTH, json={"consistency": "bsp"})
+        assert (await resp.json())["table_consistency"] == "asp"
+        status = await (await client.get("/v1/status")).json()
+        assert (status["staleness"]["consistency"], status["staleness"]["tables"]) == (
+            "bsp", {"consistency": "asp", "bound": 8})
+        # null: the tables follow the dense part again (the field leaves the hash)
+        resp = await client.patch("/v1/admin/config", headers=ADMIN_AUTH, json={"table_consistency": None})
+        assert resp.status == 200, await resp.text()
+        body = await resp.json()
+        assert "table_consistency" not in body and body["table_staleness"] == 8
+        assert not redis.hexists(KEYS.config, "table_consistency")
+        hb = await (await client.post(f"/v1/members/{a['member_id']}/heartbeat", headers=JOB_AUTH)).json()
+        assert JobConfig.from_json(hb["config"]).table_bound() == ("bsp", 0)
+        resp = await client.patch("/v1/admin/config", headers=ADMIN_AUTH,
+                                  json={"consistency": "ssp", "table_staleness": None})
+        assert resp.status == 200
+        assert JobConfig.from_hash(redis.hgetall(KEYS.config)).table_bound() == ("ssp", 2)
+        assert not any(k.startswith(b"table_") for k in redis.hkeys(KEYS.config))
+
+
 async def test_fencing_of_stale_generation(settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
     async with running_coordinator(settings) as client:
         client_a = CoordinatorClient(str(client.make_url("")), "job-secret",
@@ -360,6 +433,12 @@ async def test_drain_pause_resume(settings: CoordinatorSettings, redis: redis_li
      + b"x" * 5000 + b'"}}', 413, "request body too large: the limit is 4096 bytes"),
     ("PATCH", "/v1/admin/config", ADMIN_AUTH, {"consistency": "eventual"}, 400,
      "consistency: must be one of bsp, ssp, asp"),
+    ("PATCH", "/v1/admin/config", ADMIN_AUTH, {"table_consistency": "eventual"}, 400,
+     "table_consistency: must be one of bsp, ssp, asp, got 'eventual'"),
+    ("PATCH", "/v1/admin/config", ADMIN_AUTH, {"lr": 0.1, "table_staleness": -1}, 400,
+     "table_staleness: must be >= 0, got -1"),
+    ("PATCH", "/v1/admin/config", ADMIN_AUTH, {"table_staleness": "8"}, 400,
+     "table_staleness: expected an integer, got str"),
     ("PATCH", "/v1/admin/config", ADMIN_AUTH, {"momentum": 0.9}, 400, "unknown field(s) 'momentum'"),
     ("PATCH", "/v1/admin/config", ADMIN_AUTH, {"lr": 0.1, "ps_groups": 4}, 400,
      "ps_groups cannot change: the parameter-server shard groups are fixed"),
@@ -457,8 +536,9 @@ def _limit_problems(doc: dict[str, Any], where: str, fields: dict[str, Field],
         if name not in props:
             continue
         path, prop = f"{where}.{name}", _resolve(doc, props[name])
-        if prop.get("type") != _OPENAPI_TYPES[field.kind]:
-            problems.append(f"{path}: type {prop.get('type')!r}, validated as {field.kind!r}")
+        kind = [_OPENAPI_TYPES[field.kind], "null"] if field.nullable else _OPENAPI_TYPES[field.kind]
+        if prop.get("type") != kind:
+            problems.append(f"{path}: type {prop.get('type')!r}, validated as {kind!r}")
         if field.kind == "object":
             problems += _limit_problems(doc, path, dict(field.schema or {}), prop)
             continue
@@ -471,7 +551,7 @@ def _limit_problems(doc: dict[str, Any], where: str, fields: dict[str, Field],
                 problems.append(f"{path}: items must be numbers")
         elif field.kind == "str" and field.choices is None and prop.get("maxLength") != field.max_len:
             problems.append(f"{path}: maxLength {prop.get('maxLength')} != {field.max_len}")
-        choices = list(field.choices) if field.choices is not None else None
+        choices = None if field.choices is None else [*field.choices, *([None] if field.nullable else [])]
         for key, want in (("enum", choices), ("minimum", field.min), ("maximum", field.max)):
             if bounded.get(key) != want:
                 problems.append(f"{path}: {key} {bounded.get(key)!r} != enforced {want!r}")
@@ -499,6 +579,7 @@ def test_openapi_declares_the_enforced_limits() -> None:
         "type": "object", "additionalProperties": False,
         "properties": {k: job_config[k] for k in CONFIG_CHANGE}})
     assert job_config["consistency"]["enum"] == list(CONSISTENCY_MODELS)
+    assert job_config["table_consistency"]["enum"] == [*CONSISTENCY_MODELS, None]
     assert job_config["optimizer"]["enum"] == list(OPTIMIZERS)
     limit = CoordinatorSettings.__dataclass_fields__["max_request_bytes"]
     assert doc["info"]["x-max-request-bytes"] == {"default": limit.default, "minimum": limit.metadata["min"],

@@ -1,19 +1,22 @@
-"""Pure tests of the control plane: assignment, the membership state machine, body validation."""
+"""Pure tests of the control plane: assignment, the membership state machine, the job config, body
+validation."""
 
 from __future__ import annotations
 
 import itertools
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from coordinator.runtime import next_check_s
 from coordinator.assign import assign, capability_weight, quotas
+from coordinator.assignment import Assignment, JobConfig
 from coordinator.errors import MemberGoneError, UnknownMemberError
 from coordinator.membership import (CheckLeases, Drain, Heartbeat, Leave, Member, MemberExpired,
                                     MemberState, Rebalanced, Register, RenewLeases, empty, handle)
-from coordinator.validation import HEARTBEAT, REGISTER, InvalidBody, parse_json
+from coordinator.validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, InvalidBody, parse_json
 
 P12 = list(range(12))
 
@@ -196,6 +199,75 @@ def test_member_json_roundtrip_and_errors() -> None:
         Member.from_json('{"member_id": "a"}')
 
 
+# -- job config -------------------------------------------------------------------
+
+DENSE = JobConfig(consistency="ssp", staleness=2, codec="topk+fp16", optimizer="lazyadam", lr=0.005,
+                  topic="train", partitions=4)
+
+
+def test_the_tables_follow_the_dense_part_unless_the_job_sets_their_own() -> None:
+    assert DENSE.table_bound() == ("ssp", 2)
+    assert replace(DENSE, table_consistency="asp", table_staleness=8).table_bound() == ("asp", 8)
+    assert replace(DENSE, table_consistency="asp").table_bound() == ("asp", 2)  # each field on its own
+    assert replace(DENSE, table_staleness=0).table_bound() == ("ssp", 0)
+    assert replace(DENSE, table_consistency="bsp", table_staleness=8).table_bound() == ("bsp", 0)  # BSP is s = 0
+    assert replace(DENSE, consistency="bsp").table_bound() == ("bsp", 0)
+    assert replace(DENSE, consistency="bsp", table_consistency="ssp").table_bound() == ("ssp", 2)
+    assert replace(DENSE, consistency="asp", staleness=5, table_consistency="ssp").table_bound() == ("ssp", 5)
+
+
+@pytest.mark.parametrize("config", [DENSE, replace(DENSE, table_consistency="asp", table_staleness=8),
+                                    replace(DENSE, table_staleness=0), replace(DENSE, table_consistency="bsp"),
+                                    replace(DENSE, ps_groups=3, paused=True)])
+def test_job_config_round_trips_through_its_hash_and_its_json(config: JobConfig) -> None:
+    raw = {k.encode(): v.encode() for k, v in config.to_hash().items()}
+    assert JobConfig.from_hash(raw) == config
+    assert JobConfig.from_json(config.as_json()) == config
+    reply = {"member_id": "m-1", "generation": 3, "partitions": [0, 2], "state": "active",
+             "config": config.as_json()}
+    assert Assignment.from_json(reply).config == config
+
+
+def test_unset_table_fields_are_left_out_of_the_hash_and_the_json() -> None:
+    for form in (DENSE.to_hash(), DENSE.as_json()):
+        assert "table_consistency" not in form and "table_staleness" not in form
+    own = replace(DENSE, table_consistency="asp", table_staleness=8)
+    assert (own.to_hash()["table_consistency"], own.to_hash()["table_staleness"]) == ("asp", "8")
+    assert (own.as_json()["table_consistency"], own.as_json()["table_staleness"]) == ("asp", 8)
+    # a job begun before the fields existed: its hash has neither, and reads as following the dense part
+    older = {k: v for k, v in DENSE.to_hash().items() if k not in ("ps_groups", "paused")}
+    assert JobConfig.from_hash(older) == DENSE
+
+
+def test_a_config_from_a_newer_coordinator_parses_without_its_new_fields() -> None:
+    newer = {**replace(DENSE, table_consistency="asp").as_json(), "table_codec": "int8"}
+    assert JobConfig.from_json(newer) == replace(DENSE, table_consistency="asp")
+    with pytest.raises(ValueError, match="table_consistency must be one of bsp, ssp, asp .* got 'eventual'"):
+        JobConfig.from_json({**DENSE.as_json(), "table_consistency": "eventual"})  # known fields still checked
+    with pytest.raises(TypeError):
+        JobConfig.from_json({k: v for k, v in DENSE.as_json().items() if k != "topic"})
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"table_consistency": "eventual"},
+     "table_consistency must be one of bsp, ssp, asp (or unset: the dense part's), got 'eventual'"),
+    ({"table_consistency": ""}, "table_consistency must be one of bsp, ssp, asp (or unset: the dense part's), got ''"),
+    ({"table_staleness": -1}, "table_staleness must be >= 0 (or unset: the dense part's), got -1"),
+])
+def test_bad_table_fields_are_refused_naming_the_value(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        replace(DENSE, **changes)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(("field", "text"), [("table_staleness", "eight"), ("table_staleness", "")])
+def test_a_malformed_table_field_in_the_hash_is_named(field: str, text: str) -> None:
+    with pytest.raises(ValueError, match=f"job config field '{field}' is malformed: '{text}'"):
+        JobConfig.from_hash({**DENSE.to_hash(), field: text})
+    with pytest.raises(ValueError, match="table_consistency must be one of"):
+        JobConfig.from_hash({**DENSE.to_hash(), "table_consistency": "eventual"})
+
+
 # -- validation -----------------------------------------------------------------
 
 @pytest.mark.parametrize(("raw", "message"), [
@@ -237,6 +309,21 @@ def test_heartbeat_body_checks_stats() -> None:
         parse_json(b'{"stats": {"freshness_s": [0.5, "x"]}}', HEARTBEAT)
     with pytest.raises(InvalidBody, match="stats.loss: expected a finite number"):
         parse_json(b'{"stats": {"loss": NaN}}', HEARTBEAT)
+
+
+def test_a_config_change_may_set_or_unset_the_tables_own_mode_and_bound() -> None:
+    assert parse_json(b'{"table_consistency": "asp", "table_staleness": 8}', CONFIG_CHANGE) == {
+        "table_consistency": "asp", "table_staleness": 8}
+    assert parse_json(b'{"table_consistency": null, "table_staleness": null}', CONFIG_CHANGE) == {
+        "table_consistency": None, "table_staleness": None}  # null: follow the dense part again
+    for raw, message in [(b'{"table_consistency": "eventual"}', "table_consistency: must be one of bsp, ssp, asp"),
+                         (b'{"table_staleness": -1}', "table_staleness: must be >= 0"),
+                         (b'{"table_staleness": 1001}', "table_staleness: must be <= 1000"),
+                         (b'{"table_staleness": 2.5}', "table_staleness: expected an integer, got 2.5"),
+                         # the dense part's own fields take no null: they have no part to follow
+                         (b'{"consistency": null}', "consistency: expected a string, got NoneType")]:
+        with pytest.raises(InvalidBody, match=message):
+            parse_json(raw, CONFIG_CHANGE)
 
 
 def test_lease_checker_wakes_at_the_soonest_expiry() -> None:

@@ -27,17 +27,20 @@ def test_coordinator_process_serves_and_status_prints(redis_url: str,
                                                       redis: redis_lib.Redis) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "STREAMTRAIN_JOB_TOKEN": "jt", "STREAMTRAIN_ADMIN_TOKEN": "at"}
+    env = {**os.environ, "STREAMTRAIN_JOB_TOKEN": "jt", "STREAMTRAIN_ADMIN_TOKEN": "at",
+           "STREAMTRAIN_TABLE_STALENESS": "8"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamtrain.cli", "coordinator", "--job", "clijob",
-         "--redis-url", redis_url, "--port", str(port), "--partitions", "3",
+         "--redis-url", redis_url, "--port", str(port), "--partitions", "3", "--table-consistency", "asp",
          "--kafka-bootstrap", f"127.0.0.1:{free_port()}", "--kafka-timeout-ms", "200"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: _healthy(url) or proc.poll() is not None, timeout_s=30,
                    what="coordinator /healthz")
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        assert redis.hget(JobKeys("clijob").config, "partitions") == b"3"
+        config = redis.hgetall(JobKeys("clijob").config)
+        assert (config[b"partitions"], config[b"table_consistency"], config[b"table_staleness"]) == (
+            b"3", b"asp", b"8")
         req = urllib.request.Request(url + "/v1/members", method="POST",
                                      data=json.dumps({"capabilities": {"device": "cpu"}}).encode(),
                                      headers={"Authorization": "Bearer jt",
@@ -49,6 +52,7 @@ def test_coordinator_process_serves_and_status_prints(redis_url: str,
                              env={**os.environ, "COLUMNS": "200"})
         assert out.returncode == 0, out.stderr
         assert "job clijob" in out.stdout and member in out.stdout
+        assert "ssp (s=2)  tables asp (s=8)  lr" in out.stdout, out.stdout
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

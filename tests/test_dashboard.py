@@ -206,6 +206,15 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(  # t
                                          ".map(tr => tr.children[6].textContent)")
             assert all(float(v) > 0 for v in losses), losses  # a tiny loss keeps its digits
             assert any(float(v) < 3e-5 for v in losses), losses
+            summary = await page.evaluate("document.getElementById('summary').textContent")
+            assert summary.startswith("ssp (s=2) · lazyadam") and "tables" not in summary, summary
+            # the embedding tables' own mode and bound, once the job has them, beside the dense part's
+            resp = await client.patch("/v1/admin/config", headers={"Authorization": "Bearer admin-secret"},
+                                      json={"table_consistency": "asp", "table_staleness": 8})
+            assert resp.status == 200, await resp.text()
+            summary = await page.wait_for("(t => t.includes('tables') && t)"
+                                          "(document.getElementById('summary').textContent)", timeout_s=30)
+            assert summary.startswith("ssp (s=2) · tables asp (s=8) · lazyadam"), summary
             png = await page.screenshot()
             assert page.errors() == []
     assert png.startswith(b"\x89PNG\r\n\x1a\n")

@@ -311,8 +311,11 @@ async def test_coordinator_registers_heartbeats_and_fences_on_the_cluster(
     job = fresh_job()
     settings = CoordinatorSettings(job=job, redis_url=redis_cluster.url, kafka_bootstrap=silent_broker,
                                    topic="train", partitions=4, lease_ms=30_000, heartbeat_interval_ms=1000,
-                                   admin_token="admin-secret", job_token="job-secret", kafka_timeout_ms=200)
+                                   admin_token="admin-secret", job_token="job-secret", kafka_timeout_ms=200,
+                                   table_consistency="asp")
     async with running_coordinator(settings) as http:
+        # the job's first start writes the fields a restart leaves alone (a WATCH/MULTI on the cluster)
+        assert client.hget(JobKeys(job).config, "table_consistency") == b"asp"
         a = CoordinatorClient(str(http.make_url("")), "job-secret", session=http.session)
         reg = await a.register({"device": "cpu", "threads": 1})
         assert list(reg.partitions) == [0, 1, 2, 3]
