@@ -27,6 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from datastream import load_source  # noqa: E402
+from datastream.sources import one_pass  # noqa: E402
 from streamtrain.launcher import free_port  # noqa: E402
 from trainers.models import build_model  # noqa: E402
 
@@ -120,13 +121,6 @@ def ddp_throughput(model: str, batch: int, *, procs: int = 2, threads: int = 1, 
     if results.empty():
         raise RuntimeError("DDP rank 0 exited without reporting")
     return results.get()
-
-
-def one_pass(spec: str) -> str:
-    """``spec`` with any ``repeat=`` option removed (one pass of a repeated data set)."""
-    base, _, query = spec.partition("?")
-    kept = [kv for kv in query.split("&") if kv and not kv.startswith("repeat=")]
-    return base + ("?" + "&".join(kept) if kept else "")
 
 
 def local_time_to_accuracy(model: str, batch: int, *, threads: int, source: str, target: float,

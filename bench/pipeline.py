@@ -64,8 +64,9 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench.peers import ddp_throughput, local_throughput, local_time_to_accuracy, one_pass  # noqa: E402
+from bench.peers import ddp_throughput, local_throughput, local_time_to_accuracy  # noqa: E402
 from datastream import load_source, produce  # noqa: E402
+from datastream.sources import one_pass  # noqa: E402
 from services import LayoutError, ParameterStore, Snapshot, connect  # noqa: E402
 from services.protocol import AccountingRecord  # noqa: E402
 from coordinator.settings import CoordinatorSettings  # noqa: E402
@@ -137,7 +138,7 @@ def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Pat
         entries = [e for e in applied_entries(cluster) if e.batch_size > 0]
         phases = step_phases(cluster)
     samples = sum(e.batch_size for e in entries)
-    span = (int(entries[-1][b"applied_ms"]) - int(entries[0][b"applied_ms"])) / 1000
+    span = (entries[-1].applied_ms - entries[0].applied_ms) / 1000
     assert samples == report.records, f"applied {samples} samples of {report.records} produced"
     return {"samples": samples, "samples_per_s": samples / span, "span_s": span,
             "wall_with_startup_s": wall, "updates": len(entries), "step_ms": phases,

@@ -398,6 +398,14 @@ def _plugin_block(target: str, item: Any) -> Examples:
 _FILES = {"csv": _csv_file, "npz": _npz_file, "jsonl": _jsonl_file}
 
 
+def one_pass(spec: str) -> str:
+    """``spec`` with any ``repeat=`` option removed: one pass of a repeated data set (its held-out
+    split is then each held-out record once)."""
+    base, _, query = spec.partition("?")
+    kept = [kv for kv in query.split("&") if kv and not kv.startswith("repeat=")]
+    return base + ("?" + "&".join(kept) if kept else "")
+
+
 def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -> Source:
     """The source named by ``spec`` (see the module docstring), restricted to ``split``.
 

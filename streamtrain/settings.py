@@ -24,14 +24,17 @@ _LOCAL = ClusterSpec()
 aside): ``up``'s job flags take their defaults, variables, bounds and help from there."""
 
 
-def _as_in(settings: Any, name: str, **changes: Any) -> Any:
+_SAME = object()
+
+
+def _as_in(settings: Any, name: str, default: Any = _SAME, **changes: Any) -> Any:
     """An :class:`UpSettings` field declared like field ``name`` of a service's settings dataclass
-    (environment variable, bounds, choices, help), its default the value ``settings`` holds; ``changes``
-    override parts of the declaration."""
+    (environment variable, bounds, choices, help), its default the value ``settings`` holds (or
+    ``default``); ``changes`` override parts of the declaration."""
     meta = next(f.metadata for f in dataclasses.fields(settings) if f.name == name)
     declared = {"env": meta["env"], "help": meta["help"], "min": meta["min"], "max": meta["max"],
                 "choices": meta["choices"], **changes}
-    return cfg.setting(getattr(settings, name), **declared)
+    return cfg.setting(getattr(settings, name) if default is _SAME else default, **declared)
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class UpSettings:
     topk_density: float = _as_in(_LOCAL.trainer, "topk_density")
     source: str = _as_in(LOCAL_STREAM, "source", help="what the producer streams (its train split)")
     model: str = _as_in(_LOCAL.trainer, "model")
-    eval_source: str = _as_in(_LOCAL.trainer, "eval_source", help="held-out data (its test split)")
+    eval_source: str = _as_in(_LOCAL.trainer, "eval_source", "",
+                              help="held-out data (its test split; default: one pass of --source)")
     target_accuracy: float = cfg.setting(0.95, env="STREAMTRAIN_TARGET_ACCURACY", min=0.0, max=1.0,
                                          help="stop once the held-out accuracy reaches this (classification)")
     target_loss: float | None = cfg.setting(None, env="STREAMTRAIN_TARGET_LOSS", min=0.0,

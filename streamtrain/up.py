@@ -42,6 +42,7 @@ from rich.text import Text
 
 from common import settings as cfg
 from common.outage import REDIS_DOWN, Outage
+from datastream.sources import one_pass
 
 from .cluster import ClusterSpec, LocalCluster
 from .overload import LagWindow, Trend, Verdict, sample_from_status
@@ -91,8 +92,14 @@ def cluster_spec(s: UpSettings, environ: Mapping[str, str] | None = None) -> Clu
                             staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr,
                             ps_groups=s.ps_groups, table_consistency=s.table_consistency,
                             table_staleness=s.table_staleness),
-        trainer=replace(base.trainer, model=s.model, eval_source=s.eval_source, topk_density=s.topk_density),
+        trainer=replace(base.trainer, model=s.model, eval_source=held_out(s), topk_density=s.topk_density),
         producer=replace(base.producer, source=source, limit=s.max_records or None, rate=rate or None))
+
+
+def held_out(s: UpSettings) -> str:
+    """The held-out data the job is scored on: ``--eval-source``, or one pass of ``--source``
+    (both through their test split)."""
+    return s.eval_source or one_pass(s.source)
 
 
 def has_target(s: UpSettings, *, classification: bool) -> bool:
@@ -254,7 +261,7 @@ def _score(cluster: LocalCluster, s: UpSettings, outage: Outage | None = None) -
     from .scoring import score_job
 
     try:
-        result = score_job(cluster.redis_url, cluster.spec.job, s.model, s.eval_source)
+        result = score_job(cluster.redis_url, cluster.spec.job, s.model, held_out(s))
     except LayoutError:  # no model stored yet
         return None
     except REDIS_DOWN as exc:
