@@ -24,12 +24,14 @@ is not recorded yet (the restored server records it on load,
    persisted cursor, plan, shards, bases, delta floors, deltas, optimizer
    state and steps, and its blobs of the updates read in 1 (atomically with
    ``P_g``: those after it are all there, or were missing when it read them);
+   with embedding tables, it takes the cut of the group's tables (below);
 3. reads the job's slot in one MULTI/EXEC: meta, log, offsets, clocks,
    applied clocks, ``applied_samples``, ``audit_floor``, ``unapplied``, the
    groups' accounted and persisted cursors, and the ``applied_by`` hash of
    every update pushed before 3 began (a log read just before names them);
 4. reads, from each group's slot, its blobs of the updates pushed after 1
-   (with its persisted cursor, in one MULTI/EXEC).
+   (with its persisted cursor, in one MULTI/EXEC);
+5. writes each group's tables as of its cut, in pieces.
 
 Everything a group applied by its read in 2 was pushed before 3, so the job's
 slot holds it, its offsets and its log entry (the log keeps every update
@@ -56,19 +58,44 @@ recorded for one whose groups disagreed may name another group's verdict, and
 a departed member's clocks removed on its completion stay removed (the
 consistency rules read live members' clocks only).
 
+**Embedding tables.** A group's rows are written with its version by its
+applies, but a table can be far larger than a MULTI/EXEC may read, and a scan
+while the servers apply is no cut. So step 2 also *takes the cut* of the
+group's tables in its MULTI/EXEC (``GroupKeys.table_cut``: the version V it
+reads, the save's token, an expiry the save renews; one save at a time, another
+waits up to ``wait_s``), reads the tables' counters (``table_stats``) and the
+group's row-gradient blobs of the updates read in 1, and deletes the shadows a
+save that died left. While the cut is held, the applies and the sweeps copy
+every row record of version at most V and every sighting record into the
+tables' shadows before they overwrite or delete it, and the row-gradient blobs
+they delete into ``rows_blob_shadow`` (an apply deletes the blob of each update
+it applies, so step 4 finds there those of updates pushed after 1 and applied
+after the cut; the save then stops that copying). After the cut is settled, each
+table of each group is read as of its cut, HSCAN step by step, and written piece
+by piece (``services.checkpoint_tables``, ``services.embeddings.cut``); the
+group's cut is dropped, with its shadows, once its tables are written. A row
+gradient is applied with its row's optimizer state and never replayed, so the
+blobs kept are those of the updates after ``C_g`` (not ``P_g``).
+
 **Restore** (:func:`restore_checkpoint`), into a Redis without the job's
-model, under the init lock that ``ParameterStore.init_model`` takes: each
-group's slot in one MULTI/EXEC, then the job's slot with the meta last, so a
-reader that sees the model finds everything in place. Trainers resume at the
+model, under the init lock that ``ParameterStore.init_model`` takes (renewed
+while tables are written): the tables folder is checked whole first (every
+piece there, with its counts); then each group's slot in one MULTI/EXEC and its
+tables piece by piece, then the job's slot with the meta last, so a reader that
+sees the model finds everything in place. Trainers resume at the
 committed offsets; each server finishes its plan, replays ``(P_g, C_g]`` and
 applies the pending updates. The ``applied_samples`` history (bounded by the
 servers' audit horizon) and ``audit_floor`` are part of a checkpoint, so the
 restored job's audit goes on; the coordinator's keys (membership, config) and
 ``staleness`` are not.
 
-Format ``streamtrain-checkpoint-3``: ``torch.save`` of a dict of tensors,
+Format ``streamtrain-checkpoint-4``: ``torch.save`` of a dict of tensors,
 strings, bytes and numbers, loaded with ``weights_only=True`` (no pickled
-code). Files of older formats (one MULTI/EXEC of a one-slot job) are refused.
+code), and, for a model with tables, the folder ``<file>.tables`` of their
+pieces (``services.checkpoint_tables``), which the file names: both are written
+under temporary names, the folder renamed into place, the file last.
+``streamtrain-checkpoint-3`` files (no tables) are restored too; files of older
+formats (one MULTI/EXEC of a one-slot job) are refused.
 """
 
 from __future__ import annotations
@@ -77,28 +104,38 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 import torch
 
 from common.keys import JobKeys
+from common.outage import REDIS_DOWN
 
-from .errors import LayoutError, ParameterPlaneError, PayloadError
+from .checkpoint_tables import TABLES_FORMAT, SavedPiece, check_tables, restore_tables, save_tables, tables_folder
+from .embeddings.cut import CUT_TTL_MS, CutBusy, drop_cut, keep_cut, take_call, took
+from .embeddings.pieces import install_folder, new_folder, read_manifest, remove_folder
+from .errors import CheckpointError, LayoutError, ParameterPlaneError, PayloadError
 from .export import version_name
 from .optim import slots
 from .protocol import AccountingRecord, AccountPlan, StreamId, Update, after, group_of, own_shards
+from .scripts import execute_with_script
 from .store import ModelMeta
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_checkpoint", "restore_checkpoint", "CheckpointError", "FORMAT"]
+__all__ = ["save_checkpoint", "restore_checkpoint", "CheckpointError", "SavedPiece", "FORMAT", "ROWS_PER_PIECE"]
 
-FORMAT = "streamtrain-checkpoint-3"
+FORMAT = "streamtrain-checkpoint-4"
 """Format tag stored in every checkpoint."""
+_READABLE = ("streamtrain-checkpoint-3", FORMAT)
+"""Formats a restore reads (3: before tables were saved; a file of it holds no table)."""
+ROWS_PER_PIECE = 65536
+"""Default entries per piece of a table (``save_checkpoint``'s ``rows_per_piece``)."""
 
 _ATTEMPTS = 20
 _RESTORE_LOCK_MS = 600_000
@@ -106,11 +143,6 @@ _RESTORE_LOCK_MS = 600_000
 
 _GROUP_HASHES = ("versions", "bases", "delta_floors", "optimizer_steps")
 _JOB_HASHES = ("offsets", "clocks", "applied_clocks", "audit_floor")
-
-
-class CheckpointError(ParameterPlaneError):
-    """A checkpoint file is unreadable or of another format, the target Redis already has the job,
-    or no consistent cut could be read."""
 
 
 class _Moved(Exception):
@@ -150,6 +182,10 @@ class _GroupCut:
     deltas: dict[int, list[tuple[str, bytes]]]
     blobs: dict[tuple[str, int], bytes | None]
     """(token, shard) -> the blob, of the updates read in step 1."""
+    table_stats: dict[str, str] = field(default_factory=dict)
+    """Its tables' counters (``GroupKeys.table_stats``) at the cut."""
+    row_blobs: dict[str, bytes | None] = field(default_factory=dict)
+    """token -> the row-gradient blob, of the updates read in step 1 that name the group."""
 
     def verdicts(self) -> dict[str, str]:
         """Update -> the group's verdict on it ('' applied), of the updates its plan covers."""
@@ -279,22 +315,48 @@ def _settle(groups: Sequence[_GroupCut], job: _JobCut) -> _JobState:
 
 
 def _read_group(client: redis.Redis, job: str, meta: ModelMeta, group: int,
-                known: Mapping[str, Update | None]) -> _GroupCut:
-    """Step 2: the group's slot in one MULTI/EXEC, with its blobs of the ``known`` updates."""
+                known: Mapping[str, Update | None], owner: str) -> _GroupCut:
+    """Step 2: the group's slot in one MULTI/EXEC, with its blobs of the ``known`` updates; with
+    tables, the same MULTI/EXEC takes the cut of the group's tables for the save ``owner``, reads their
+    counters and its row-gradient blobs of the ``known`` updates.
+
+    Raises:
+        CutBusy: another save holds the cut of the group's tables.
+    """
     gk, own, k = JobKeys(job).group(group), own_shards(meta.layout, meta.groups, group), slots(meta.optimizer)
     wanted = [(u.token, i) for u in known.values() if u is not None for i in u.shards
               if group_of(i, meta.groups) == group]
-    pipe = client.pipeline(transaction=True)
-    for key in (gk.version, gk.cursor, gk.persisted, gk.unaccounted):
-        pipe.get(key)
-    for name in _GROUP_HASHES:
-        pipe.hgetall(getattr(gk, name))
-    pipe.mget([gk.shard(i) for i in own] or [gk.version])
-    pipe.mget([gk.optimizer_state(i, s) for i in own for s in range(k)] or [gk.version])
-    pipe.mget([gk.update_blob(t, i) for t, i in wanted] or [gk.version])
-    for i in own:
-        pipe.xrange(gk.deltas(i))
-    version, cursor, persisted, plan, *rest = pipe.execute()
+    row_tokens = [u.token for u in known.values() if u is not None and group in u.row_groups]
+    take = take_call(job, group, meta.tables, owner) if meta.tables else None
+
+    def build(pipe: redis.client.Pipeline, sha: str | None = None) -> None:
+        for key in (gk.version, gk.cursor, gk.persisted, gk.unaccounted):
+            pipe.get(key)
+        for name in _GROUP_HASHES:
+            pipe.hgetall(getattr(gk, name))
+        pipe.mget([gk.shard(i) for i in own] or [gk.version])
+        pipe.mget([gk.optimizer_state(i, s) for i in own for s in range(k)] or [gk.version])
+        pipe.mget([gk.update_blob(t, i) for t, i in wanted] or [gk.version])
+        for i in own:
+            pipe.xrange(gk.deltas(i))
+        if take is not None:
+            pipe.hgetall(gk.table_stats)
+            pipe.mget([gk.rows_blob(t) for t in row_tokens] or [gk.version])
+            take.queue(pipe, sha)
+
+    if take is None:
+        pipe = client.pipeline(transaction=True)
+        build(pipe)
+        replies = pipe.execute()
+        stats, row_blobs = {}, {}
+    else:
+        replies = execute_with_script(client, take.SCRIPT, build)
+        *replies, raw_stats, rblobs, cut = replies
+        if took(cut, job, group) != int(replies[0] or 0):
+            raise CheckpointError(f"job {job} group {group}: the cut of its tables is not at the version read "
+                                  "with it")
+        stats, row_blobs = _b2s(raw_stats), dict(zip(row_tokens, rblobs, strict=False))
+    version, cursor, persisted, plan, *rest = replies
     hashes = {name: _b2s(h) for name, h in zip(_GROUP_HASHES, rest, strict=False)}
     shards, opt, blobs, *streams = rest[len(_GROUP_HASHES):]
     return _GroupCut(
@@ -302,7 +364,7 @@ def _read_group(client: redis.Redis, job: str, meta: ModelMeta, group: int,
         shards=dict(zip(own, shards, strict=False)),
         optimizer={(i, s): opt[j * k + s] for j, i in enumerate(own) for s in range(k)},
         deltas={i: [(_text(eid), f[b"d"]) for eid, f in stream] for i, stream in zip(own, streams, strict=True)},
-        blobs=dict(zip(wanted, blobs, strict=False)))
+        blobs=dict(zip(wanted, blobs, strict=False)), table_stats=stats, row_blobs=row_blobs)
 
 
 def _read_job(client: redis.Redis, job: str, named: Sequence[str]) -> _JobCut:
@@ -331,16 +393,21 @@ def _read_job(client: redis.Redis, job: str, named: Sequence[str]) -> _JobCut:
 
 
 def _group_blobs(client: redis.Redis, job: str, meta: ModelMeta, group: int, cut: _GroupCut,
-                 log: Sequence[tuple[str, Mapping[bytes, bytes]]]) -> dict[tuple[str, int], bytes]:
-    """The group's blobs of the logged updates after its persisted cursor: those step 2 read, and
-    (step 4) those of updates pushed since step 1.
+                 log: Sequence[tuple[str, Mapping[bytes, bytes]]]
+                 ) -> tuple[dict[tuple[str, int], bytes], dict[str, bytes]]:
+    """The group's blobs of the logged updates after its persisted cursor, and its row-gradient blobs
+    of those after its cursor: those step 2 read, and (step 4) those of updates pushed since step 1.
+    A row-gradient blob is deleted by the apply of its update, so one the group applied since its cut
+    is read from ``rows_blob_shadow``, where the cut had the applies copy it.
 
     Raises:
-        _Moved: one of the latter is gone because the group persisted past it meanwhile.
+        _Moved: a blob of the former is gone because the group persisted past it meanwhile.
     """
     gk = JobKeys(job).group(group)
     out: dict[tuple[str, int], bytes] = {}
+    rows: dict[str, bytes] = {}
     late: list[tuple[str, int]] = []
+    late_rows: list[str] = []
     for eid, fields in log:
         update = _parse(eid, fields)
         if update is None or StreamId.parse(eid) <= StreamId.parse(cut.persisted):
@@ -354,23 +421,40 @@ def _group_blobs(client: redis.Redis, job: str, meta: ModelMeta, group: int, cut
                     out[(update.token, i)] = blob
             else:
                 late.append((update.token, i))
-    if late:
+        if group in update.row_groups and StreamId.parse(eid) > StreamId.parse(cut.cursor):
+            if update.token in cut.row_blobs:
+                if cut.row_blobs[update.token] is not None:
+                    rows[update.token] = cut.row_blobs[update.token]
+            else:
+                late_rows.append(update.token)
+    if late or late_rows:
         pipe = client.pipeline(transaction=True)
         pipe.get(gk.persisted)
-        pipe.mget([gk.update_blob(t, i) for t, i in late])
-        persisted, blobs = pipe.execute()
+        pipe.mget([gk.update_blob(t, i) for t, i in late] or [gk.version])
+        pipe.mget([gk.rows_blob(t) for t in late_rows] or [gk.version])
+        pipe.hmget(gk.rows_blob_shadow, [gk.rows_blob(t) for t in late_rows] or [gk.version])
+        persisted, blobs, live_rows, shadowed_rows = pipe.execute()
+        blobs = blobs[:len(late)]
         if _text(persisted) != cut.persisted and None in blobs:
             raise _Moved(f"group {group} persisted past an update pushed during the save")
         out.update({key: blob for key, blob in zip(late, blobs, strict=True) if blob is not None})
-    return out
+        for token, live, shadowed in zip(late_rows, live_rows, shadowed_rows, strict=False):
+            if live is not None or shadowed is not None:  # neither: missing at the cut, refused anyway
+                rows[token] = live if live is not None else shadowed
+    return out, rows
 
 
-def _read_cut(client: redis.Redis, job: str, raw_meta: bytes, meta: ModelMeta
-              ) -> tuple[list[_GroupCut], _JobState, list[dict[tuple[str, int], bytes]]]:
-    """One attempt: steps 1-4 and the rollback."""
+def _read_cut(client: redis.Redis, job: str, raw_meta: bytes, meta: ModelMeta, owner: str
+              ) -> tuple[list[_GroupCut], _JobState, list[dict[tuple[str, int], bytes]], list[dict[str, bytes]]]:
+    """One attempt: steps 1-4 and the rollback.
+
+    Raises:
+        _Moved: what the cut needs changed under it.
+        CutBusy: another save holds a group's cut of its tables.
+    """
     keys = JobKeys(job)
     known = {_text(eid): _parse(_text(eid), fields) for eid, fields in client.xrange(keys.update_log)}
-    groups = [_read_group(client, job, meta, g, known) for g in range(meta.groups)]
+    groups = [_read_group(client, job, meta, g, known, owner) for g in range(meta.groups)]
     last = max(known, key=StreamId.parse, default="")
     named = [*known, *(_text(eid) for eid, _ in client.xrange(keys.update_log, min=after(last)))]
     cut = _read_job(client, job, named)
@@ -378,8 +462,12 @@ def _read_cut(client: redis.Redis, job: str, raw_meta: bytes, meta: ModelMeta
         raise CheckpointError(f"job {job}: the model's meta changed while checkpointing (removed or "
                               "restored meanwhile)")
     state = _settle(groups, cut)
-    blobs = [_group_blobs(client, job, meta, g, group, cut.log) for g, group in enumerate(groups)]
-    return groups, state, blobs
+    both = [_group_blobs(client, job, meta, g, group, cut.log) for g, group in enumerate(groups)]
+    for g in range(meta.groups if meta.tables else 0):
+        # the row-gradient blobs are read: the applies stop copying them; a cut lost before is read again
+        if not keep_cut(client, job, g, meta.tables, owner, blobs=False):
+            raise _Moved(f"the cut of group {g}'s tables expired")
+    return groups, state, [b for b, _ in both], [r for _, r in both]
 
 
 # -- save ------------------------------------------------------------------------------------------
@@ -388,8 +476,49 @@ def _floats(blob: bytes | None) -> torch.Tensor | None:
     return None if blob is None else torch.frombuffer(bytearray(blob), dtype=torch.float32)
 
 
-def save_checkpoint(client: redis.Redis, job: str, path: str) -> tuple[int, ...]:
-    """Write a consistent cut of ``job`` to ``path`` (atomically via a temp file).
+def _let_go(client: redis.Redis, job: str, meta: ModelMeta, owner: str) -> None:
+    """Drop every cut of the save ``owner`` still holds (each expires by itself if Redis is away)."""
+    for g in range(meta.groups if meta.tables else 0):
+        try:
+            drop_cut(client, job, g, meta.tables, owner)
+        except REDIS_DOWN as exc:
+            logger.warning("job %s: could not let go of the cut of group %d's tables (it expires in %d s): %s",
+                           job, g, CUT_TTL_MS // 1000, exc)
+
+
+def _consistent_cut(client: redis.Redis, job: str, raw_meta: bytes, meta: ModelMeta, owner: str, wait_s: float
+                    ) -> tuple[list[_GroupCut], _JobState, list[dict[tuple[str, int], bytes]], list[dict[str, bytes]],
+                               int]:
+    """Steps 1-4 until a cut fits (``_ATTEMPTS`` reads), waiting up to ``wait_s`` for another save that
+    holds a group's cut of its tables. Returns the cut and the attempts it took."""
+    deadline = time.monotonic() + wait_s
+    attempt, why = 0, ""
+    while True:
+        try:
+            return (*_read_cut(client, job, raw_meta, meta, owner), attempt + 1)
+        except _Moved as exc:
+            attempt, why = attempt + 1, str(exc)
+            logger.debug("job %s: checkpoint attempt %d read again: %s", job, attempt, why)
+            if attempt >= _ATTEMPTS:
+                raise CheckpointError(f"job {job}: no consistent checkpoint in {_ATTEMPTS} attempts; last: {why}") \
+                    from None
+        except CutBusy as exc:
+            _let_go(client, job, meta, owner)  # the groups taken so far: the other save goes on meanwhile
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CheckpointError(f"job {job}: {exc}; wait for it to end (wait_s, --wait-s) and save again") \
+                    from None
+            time.sleep(min(0.2, left, max(exc.pttl_ms, 1) / 1000))
+
+
+def save_checkpoint(client: redis.Redis, job: str, path: str, *, rows_per_piece: int = ROWS_PER_PIECE,
+                    wait_s: float = 0.0, progress: Callable[[SavedPiece], None] | None = None) -> tuple[int, ...]:
+    """Write a consistent cut of ``job`` to ``path``, and its embedding tables, in pieces of
+    ``rows_per_piece`` entries, to the folder ``<path>.tables`` (atomically: both are written under
+    temporary names, the folder renamed into place, the file last).
+
+    ``wait_s``: how long to wait for another save that holds a group's cut of its tables (0: refuse at
+    once). ``progress`` is called after each piece of a table is written.
 
     Returns:
         The model version it holds: each group's version (``services.export.version_name``
@@ -397,55 +526,97 @@ def save_checkpoint(client: redis.Redis, job: str, path: str) -> tuple[int, ...]
 
     Raises:
         LayoutError: the job has no model.
-        CheckpointError: no consistent cut in ``_ATTEMPTS`` attempts, or the slots contradict
-            each other.
+        CheckpointError: no consistent cut in ``_ATTEMPTS`` attempts, the slots contradict each
+            other, another save holds a cut longer than ``wait_s``, or a cut was lost while the
+            tables were read.
+        OSError: the file or the folder cannot be written.
     """
+    if rows_per_piece < 1:
+        raise ValueError(f"rows_per_piece must be >= 1, got {rows_per_piece!r}")
     raw_meta = client.get(JobKeys(job).meta)
     if raw_meta is None:
         raise LayoutError(f"job {job} has no model to checkpoint")
     meta = ModelMeta.from_json(raw_meta)
-    why = ""
-    for attempt in range(1, _ATTEMPTS + 1):
-        try:
-            groups, state, blobs = _read_cut(client, job, raw_meta, meta)
-            break
-        except _Moved as exc:
-            why = str(exc)
-            logger.debug("job %s: checkpoint attempt %d read again: %s", job, attempt, why)
-    else:
-        raise CheckpointError(f"job {job}: no consistent checkpoint in {_ATTEMPTS} attempts; last: {why}")
-    version = tuple(group.version for group in groups)
-    data: dict[str, Any] = {
-        "format": FORMAT, "job": job, "meta": raw_meta.decode(), "version": list(version),
-        "groups": [{
-            "version": group.version, "cursor": group.cursor, "persisted": group.persisted,
-            "unaccounted": group.plan, "hashes": group.hashes,
-            "shards": {str(i): _floats(b) for i, b in group.shards.items()},
-            "optimizer": {f"{i}:{s}": _floats(b) for (i, s), b in group.optimizer.items() if b is not None},
-            "deltas": {str(i): [[eid, blob] for eid, blob in stream] for i, stream in group.deltas.items()},
-            "blobs": [[token, i, blob] for (token, i), blob in group_blobs.items()],
-        } for group, group_blobs in zip(groups, blobs, strict=True)],
-        "log": [[eid, [[f, v] for f, v in fields.items()]] for eid, fields in state.log],
-        "hashes": state.hashes, "unapplied": state.unapplied,
-        "group_accounted": {str(g): c for g, c in state.accounted.items()},
-        "group_persisted": {str(g): c for g, c in state.persisted.items()},
-        "applied_samples": [[eid, fields] for eid, fields in state.applied_samples],
-        "applied_by": state.applied_by,
-    }
+    owner = uuid.uuid4().hex
+    tmp_tables = None
+    try:
+        groups, state, blobs, row_blobs, attempt = _consistent_cut(client, job, raw_meta, meta, owner, wait_s)
+        version = tuple(group.version for group in groups)
+        data: dict[str, Any] = {
+            "format": FORMAT, "job": job, "meta": raw_meta.decode(), "version": list(version),
+            "groups": [{
+                "version": group.version, "cursor": group.cursor, "persisted": group.persisted,
+                "unaccounted": group.plan, "hashes": group.hashes,
+                "shards": {str(i): _floats(b) for i, b in group.shards.items()},
+                "optimizer": {f"{i}:{s}": _floats(b) for (i, s), b in group.optimizer.items() if b is not None},
+                "deltas": {str(i): [[eid, blob] for eid, blob in stream] for i, stream in group.deltas.items()},
+                "blobs": [[token, i, blob] for (token, i), blob in group_blobs.items()],
+                "table_stats": group.table_stats,
+                "row_blobs": [[token, blob] for token, blob in group_rows.items()],
+            } for group, group_blobs, group_rows in zip(groups, blobs, row_blobs, strict=True)],
+            "log": [[eid, [[f, v] for f, v in fields.items()]] for eid, fields in state.log],
+            "hashes": state.hashes, "unapplied": state.unapplied,
+            "group_accounted": {str(g): c for g, c in state.accounted.items()},
+            "group_persisted": {str(g): c for g, c in state.persisted.items()},
+            "applied_samples": [[eid, fields] for eid, fields in state.applied_samples],
+            "applied_by": state.applied_by,
+            "tables": None,
+        }
+        records = 0
+        if meta.tables:
+            tmp_tables = new_folder(tables_folder(path))
+            manifest = save_tables(client, job, meta, version, owner, tmp_tables, rows_per_piece=rows_per_piece,
+                                   progress=progress)
+            records = sum(e[kind]["records"] for e in manifest["tables"] for kind in ("rows", "seen"))
+            data["tables"] = {"folder": os.path.basename(tables_folder(path)), "save": owner}
+    except BaseException:
+        remove_folder(tmp_tables)
+        raise
+    finally:
+        _let_go(client, job, meta, owner)
+    _write(path, data, tmp_tables)
+    logger.info("job %s: checkpoint of version %s (%d logged updates, %d un-completed to fit the groups' cut, "
+                "%d attempt(s); %d table record(s)) saved to %s", job, version_name(version), len(state.log),
+                state.uncompleted, attempt, records, path)
+    return version
+
+
+def _write(path: str, data: Mapping[str, Any], tables: str | None) -> None:
+    """``data`` to ``path`` via a temporary file, once the finished tables folder ``tables`` (None:
+    the model has no tables) is renamed into place; a tables folder of an earlier save to ``path`` is
+    deleted once the file no longer names it."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(data, fh)
+    except BaseException:
+        os.unlink(tmp)
+        remove_folder(tables)
+        raise
+    dest = tables_folder(path)
+    old = install_folder(tables, dest) if tables is not None else None
+    try:
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
+        if tables is not None:  # put the earlier save's folder back: its file still names it
+            remove_folder(dest)
+            if old is not None:
+                os.rename(old, dest)
         raise
-    logger.info("job %s: checkpoint of version %s (%d logged updates, %d un-completed to fit the groups' cut, "
-                "%d attempt(s)) saved to %s", job, version_name(version), len(state.log), state.uncompleted,
-                attempt, path)
-    return version
+    remove_folder(old)
+    if tables is None and _ours(dest):
+        remove_folder(dest)
+
+
+def _ours(folder: str) -> bool:
+    """``folder`` is a checkpoint's tables folder."""
+    try:
+        return read_manifest(folder).get("format") == TABLES_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 # -- restore ---------------------------------------------------------------------------------------
@@ -456,7 +627,7 @@ def _load(path: str) -> dict[str, Any]:
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
         reason = str(exc).splitlines()[0]
         raise CheckpointError(f"cannot read checkpoint {path}: {reason}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") not in _READABLE:
         found = data.get("format") if isinstance(data, dict) else None
         older = (f" (it is {found}, written before a job's keys were split into one hash slot per shard group; "
                  "restore it with the streamtrain version that wrote it)" if isinstance(found, str)
@@ -470,12 +641,16 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 
 def _restore_group(client: redis.Redis, job: str, meta: ModelMeta, group: int, saved: Mapping[str, Any]) -> None:
-    """One MULTI/EXEC writing the group's slot (replacing what a failed restore may have left)."""
+    """One MULTI/EXEC writing the group's slot (replacing what a failed restore may have left) but its
+    tables' rows and sighting records, which it empties (:func:`restore_tables` writes them)."""
     gk, own, k = JobKeys(job).group(group), own_shards(meta.layout, meta.groups, group), slots(meta.optimizer)
     pipe = client.pipeline(transaction=True)
     pipe.delete(gk.version, gk.cursor, gk.persisted, gk.unaccounted, *(getattr(gk, h) for h in _GROUP_HASHES),
                 *(gk.shard(i) for i in own), *(gk.deltas(i) for i in own),
-                *(gk.optimizer_state(i, s) for i in own for s in range(k)))
+                *(gk.optimizer_state(i, s) for i in own for s in range(k)), gk.table_stats, gk.table_cut)
+    if meta.tables:  # possibly large: freed off Redis's main thread
+        pipe.unlink(gk.rows_blob_shadow, *(key for t in meta.tables for key in (
+            gk.table_rows(t.name), gk.table_seen(t.name), gk.table_shadow(t.name), gk.seen_shadow(t.name))))
     for i in own:
         pipe.set(gk.shard(i), _bytes(saved["shards"][str(i)]))
         for eid, blob in saved["deltas"][str(i)]:
@@ -488,6 +663,10 @@ def _restore_group(client: redis.Redis, job: str, meta: ModelMeta, group: int, s
         pipe.set(gk.optimizer_state(int(i), int(s)), _bytes(t))
     for token, i, blob in saved["blobs"]:
         pipe.set(gk.update_blob(token, i), blob)
+    for token, blob in saved.get("row_blobs", []):
+        pipe.set(gk.rows_blob(token), blob)
+    if saved.get("table_stats"):
+        pipe.hset(gk.table_stats, mapping=saved["table_stats"])
     for key, value in ((gk.cursor, saved["cursor"]), (gk.persisted, saved["persisted"]),
                        (gk.unaccounted, saved["unaccounted"])):
         if value:
@@ -521,8 +700,26 @@ def _restore_job(client: redis.Redis, job: str, data: Mapping[str, Any]) -> None
     pipe.execute()
 
 
+def _tables(path: str, data: Mapping[str, Any], meta: ModelMeta) -> dict[str, Any] | None:
+    """The checked manifest of the file's tables (None: the model has none).
+
+    Raises:
+        CheckpointError: a file of a format that did not save tables, of a model with tables; or the
+            tables folder is incomplete or disagrees with the file (``check_tables``).
+    """
+    if not meta.tables:
+        return None
+    saved = data.get("tables")
+    if not saved:
+        raise CheckpointError(f"{path} is a {data['format']} file of a model with embedding tables "
+                              f"{[t.name for t in meta.tables]}, but it holds none of their rows (written before "
+                              f"checkpoints saved tables); restore it with the streamtrain version that wrote it")
+    return check_tables(path, saved, meta, [int(v) for v in data["version"]])
+
+
 def restore_checkpoint(client: redis.Redis, path: str, *, job: str | None = None) -> tuple[int, ...]:
-    """Restore the checkpoint at ``path`` into a Redis that has no model for the job.
+    """Restore the checkpoint at ``path`` (and its tables folder) into a Redis that has no model for
+    the job. The tables folder is checked whole before anything is written.
 
     ``job`` restores under another job name (default: the checkpoint's).
 
@@ -530,26 +727,37 @@ def restore_checkpoint(client: redis.Redis, path: str, *, job: str | None = None
         The restored model version (each group's version).
 
     Raises:
-        CheckpointError: unreadable file, another format, the job already has a model, or
-            another writer is creating it.
+        CheckpointError: unreadable file, another format, missing or disagreeing pieces of its
+            tables (named), the job already has a model, or another writer is creating it.
     """
     data = _load(path)
     job = job or data["job"]
     keys = JobKeys(job)
     meta = ModelMeta.from_json(data["meta"])
+    manifest = _tables(path, data, meta)
     token = uuid.uuid4().hex
     if not client.set(keys.init_lock, token, nx=True, px=_RESTORE_LOCK_MS):
         raise CheckpointError(f"job {job}: another writer is creating its model (init lock {keys.init_lock})")
+
+    def still_ours() -> None:  # a large table takes a while: the lock is renewed after each piece
+        if client.get(keys.init_lock) != token.encode() or not client.pexpire(keys.init_lock, _RESTORE_LOCK_MS):
+            raise CheckpointError(f"job {job}: the init lock {keys.init_lock} expired while restoring; restore "
+                                  "again")
+
+    records = 0
     try:
         if client.exists(keys.meta):
             raise CheckpointError(f"job {job} already has a model in this Redis; restore into an empty one")
         for g, saved in enumerate(data["groups"]):
             _restore_group(client, job, meta, g, saved)
+            if manifest is not None:
+                folder = os.path.join(os.path.dirname(os.path.abspath(path)), data["tables"]["folder"])
+                records += restore_tables(client, job, g, folder, manifest, between=still_ours)
         _restore_job(client, job, data)
     finally:
         if client.get(keys.init_lock) == token.encode():
             client.delete(keys.init_lock)
     version = tuple(int(v) for v in data["version"])
-    logger.info("job %s: restored version %s from %s (%d logged updates, %d unapplied)", job,
-                version_name(version), path, len(data["log"]), data["unapplied"])
+    logger.info("job %s: restored version %s from %s (%d logged updates, %d unapplied, %d table record(s))", job,
+                version_name(version), path, len(data["log"]), data["unapplied"], records)
     return version

@@ -133,7 +133,7 @@ def _renumber(text: str, line: str, new: str) -> str:
     # the header moves two keys, the locals and the class stay
     (PushCall, lambda s: _swap_lines(s, "-- KEYS[3] offsets", "-- KEYS[4] update_log")),
     # a local moves, the header and the class stay
-    (ApplyCall, lambda s: _renumber(s, "local K_RENAMES = 10", "local K_RENAMES = 11")),
+    (ApplyCall, lambda s: _renumber(s, "local K_RENAMES = 12", "local K_RENAMES = 13")),
     (AccountCall, lambda s: _renumber(s, "local A_PLAN = 1", "local A_PLAN = 2")),
     # the tail starts later in the header only
     (AccountCall, lambda s: _renumber(s, "-- KEYS[11..] applied_by", "-- KEYS[12..] applied_by")),
