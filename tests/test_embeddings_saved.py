@@ -21,7 +21,7 @@ from test_services_util import accounting_left, small_model
 
 from common.keys import JobKeys
 from services import (
-    ParameterServer, ParameterStore, Pusher, ServerSettings, checkpoint, restore_checkpoint, save_checkpoint,
+    ParameterServer, ParameterStore, Pusher, ServerSettings, checkpoint_cut, restore_checkpoint, save_checkpoint,
 )
 from services.checkpoint_tables import SavedPiece, tables_folder
 from services.embeddings import TableSpec
@@ -232,7 +232,7 @@ def test_gradient_rows_of_an_update_applied_just_after_the_cut_are_saved(
     saved, calm = servers(redis, redis_url, JOB), servers(redis, redis_url, CALM)
     drain(saved)
     drain(calm)
-    real = checkpoint._read_job
+    real = checkpoint_cut._read_job
     attempts = []
 
     def racing(client: redis_lib.Redis, job: str, named: list[str]) -> object:
@@ -242,7 +242,7 @@ def test_gradient_rows_of_an_update_applied_just_after_the_cut_are_saved(
             assert saved[0].step() == 1
         return real(client, job, named)
 
-    monkeypatch.setattr(checkpoint, "_read_job", racing)
+    monkeypatch.setattr(checkpoint_cut, "_read_job", racing)
     path = tmp_path / "late.pt"
     assert save_checkpoint(redis, JOB, str(path), rows_per_piece=5) == (UPDATES - 1, UPDATES - 1)
     assert attempts == [1] and leftovers(redis, JOB) == []
