@@ -88,8 +88,8 @@ def save_checkpoint(client: redis.Redis, job: str, path: str, *, rows_per_piece:
     Raises:
         LayoutError: the job has no model.
         CheckpointError: no consistent cut in ``_ATTEMPTS`` attempts, the slots contradict each
-            other, another save holds a cut longer than ``wait_s``, or a cut was lost while the
-            tables were read.
+            other, another save holds a cut longer than ``wait_s``, a cut was lost while the
+            tables were read, or ``<path>.tables`` is something else than a checkpoint's tables.
         OSError: the file or the folder cannot be written.
     """
     if rows_per_piece < 1:
@@ -98,6 +98,9 @@ def save_checkpoint(client: redis.Redis, job: str, path: str, *, rows_per_piece:
     if raw_meta is None:
         raise LayoutError(f"job {job} has no model to checkpoint")
     meta = ModelMeta.from_json(raw_meta)
+    if meta.tables and os.path.lexists(tables_folder(path)) and not _ours(tables_folder(path)):
+        raise CheckpointError(f"{tables_folder(path)} exists and is not a checkpoint's tables folder (no "
+                              f"{TABLES_FORMAT} manifest): the tables of {path} go there; move it or save elsewhere")
     owner = uuid.uuid4().hex
     tmp_tables = None
     try:

@@ -254,7 +254,8 @@ def test_gradient_rows_of_an_update_applied_just_after_the_cut_are_saved(
 
 
 def test_a_save_waits_out_the_cut_of_a_save_that_died(
-        redis: redis_lib.Redis, redis_url: str, fresh: tuple[redis_lib.Redis, str], tmp_path: Path) -> None:
+        redis: redis_lib.Redis, redis_url: str, fresh: tuple[redis_lib.Redis, str], tmp_path: Path,
+        capsys: pytest.CaptureFixture) -> None:
     fresh_client, _ = fresh
     setup(redis, job=JOB, groups=GROUPS)
     push(redis, (JOB,), range(1, 5))
@@ -273,8 +274,11 @@ def test_a_save_waits_out_the_cut_of_a_save_that_died(
     assert not path.exists() and not os.path.exists(tables_folder(str(path)))
     assert redis.get(JobKeys(JOB).group(0).table_cut) is None  # the group it had taken is let go
     redis.pexpire(gk.table_cut, 300)  # the dead save's cut expires: a save that waits takes it
-    assert save_checkpoint(redis, JOB, str(path), wait_s=30) == (4, 4)
+    assert cli.main(["checkpoint", "save", str(path), "--redis-url", redis_url, "--job", JOB, "--wait-s", "30",
+                     "--rows-per-piece", "3"]) == 0
+    assert f"saved version 4.4 of job {JOB}" in capsys.readouterr().out
     assert leftovers(redis, JOB) == []  # the dead save's shadows went with the new cut
+    assert max(len(e["rows"]["pieces"]) for e in manifest(path)["tables"]) > 1
     restore_checkpoint(fresh_client, str(path))
     assert tables_state(fresh_client, JOB) == cut
 
@@ -325,11 +329,24 @@ def test_files_of_format_3_restore_and_incomplete_tables_are_refused_naming_what
     folder.rename(tmp_path / "elsewhere")
     refused(f"its tables folder {folder} is missing")
     (tmp_path / "elsewhere").rename(folder)
+    mine = tmp_path / "mine.pt.tables"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="mine.pt.tables exists and is not a checkpoint's tables folder"):
+        save_checkpoint(redis, JOB, str(tmp_path / "mine.pt"))
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and not (tmp_path / "mine.pt").exists()
     data = torch.load(path, weights_only=True)
     data["format"], data["tables"] = "streamtrain-checkpoint-3", None
     torch.save(data, tmp_path / "t3.pt")
     with pytest.raises(CheckpointError, match=r"model with embedding tables \['user', 'item'\], but it holds none"):
         restore_checkpoint(fresh_client, str(tmp_path / "t3.pt"))
+    # saved again to the same path: the file and its folder are replaced together, nothing else is left
+    save_checkpoint(redis, JOB, str(path), rows_per_piece=1000)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["manifest.json", *(p["file"] for e in manifest(path)["tables"] for k in ("rows", "seen")
+                            for p in e[k]["pieces"])])
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".") or p.suffix == ".tmp"]
+    assert restore_checkpoint(fresh_client, str(path)) == (3, 3)
 
 
 def test_a_servers_automatic_checkpoint_saves_the_tables(redis: redis_lib.Redis, redis_url: str,

@@ -6,7 +6,7 @@ locals (``local K_CURSOR = 1``; ``S_``/``U_`` for the fields of plan entries). T
 both and check them against the script's call class, and check what the class renders against
 the positions the header declares; moving a position on one side only fails them (shown below
 on altered copies of the scripts and classes). The records: their wire forms are pinned to what
-running jobs and ``streamtrain-checkpoint-3`` files hold.
+running jobs and ``streamtrain-checkpoint-3`` and ``-4`` files hold.
 """
 
 from __future__ import annotations
