@@ -279,6 +279,37 @@ class GroupKeys:
         with their optimizer state), or swept with the shard blobs of an abandoned push."""
         return self.key("grad", token, "rows")
 
+    @property
+    def table_cut(self) -> str:
+        """String ``"<version> <owner> <blobs>"``: a checkpoint is saving this group's tables as of
+        group version ``<version>`` (``services.checkpoint``). While it is set, the applies and the
+        sweeps copy every row record of at most that version, and every sighting record, into the
+        shadows (:meth:`table_shadow`, :meth:`seen_shadow`) before they overwrite or delete it, and
+        with ``<blobs>`` = 1 the row-gradient blobs they delete into :attr:`rows_blob_shadow`. Set
+        (``PX``, renewed by its owner as it goes) in the MULTI/EXEC that reads the group's cut, by one
+        save at a time; deleted by its owner when done, or expired when it died."""
+        return self.key("table_cut")
+
+    def table_shadow(self, table: str) -> str:
+        """Hash: ID -> the record its row of table ``table`` had at the :attr:`table_cut`, for the rows
+        written or removed since (HSETNX: the first old record after the cut). Bounded by the rows
+        changed while a checkpoint saves; deleted with the cut (or by the next save, or a sweep, once
+        the cut of a save that died has expired)."""
+        return self.key("shadow", table)
+
+    def seen_shadow(self, table: str) -> str:
+        """Hash: ID -> its sighting record of table ``table`` at the :attr:`table_cut` (``""``: it had
+        none), for the IDs whose sighting record was written or removed since. Bounded and deleted
+        as :meth:`table_shadow`."""
+        return self.key("seen_shadow", table)
+
+    @property
+    def rows_blob_shadow(self) -> str:
+        """Hash: :meth:`rows_blob` key -> the blob, of the row-gradient blobs the group's applies
+        deleted while the :attr:`table_cut` asked for them (the first moments of a save, until it has
+        read the blobs of the updates pending at its cut). Deleted as soon as the save has read them."""
+        return self.key("rows_blob_shadow")
+
     def staging(self, token: str, slot: int) -> str:
         """A server's staged value ``slot`` of apply ``token``, renamed into place by the atomic apply
         (or deleted when it loses the compare-and-set)."""

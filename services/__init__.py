@@ -68,13 +68,13 @@ __all__ = [
 ]
 
 lazy_exports(__name__, __all__, {
-    ".checkpoint": ("CheckpointError", "restore_checkpoint", "save_checkpoint"),
+    ".checkpoint": ("restore_checkpoint", "save_checkpoint"),
     ".codecs": ("CodecChain", "Sent", "decode_gradient", "decode_sent", "get_codec"),
     ".clocks": ("ClockWait", "JobClocks"),
     ".consistency": ("Consistency", "StalenessTimeout", "read_job_clocks", "starting_clock", "wait_for_clock"),
     ".encoder": ("Feedback", "Prepared", "Pusher", "PushResult"),
-    ".errors": ("BackpressureError", "BadGradientError", "FencedError", "LayoutError", "OffsetConflictError",
-                "ParameterPlaneError", "PayloadError", "UnknownCodecError"),
+    ".errors": ("BackpressureError", "BadGradientError", "CheckpointError", "FencedError", "LayoutError",
+                "OffsetConflictError", "ParameterPlaneError", "PayloadError", "UnknownCodecError"),
     ".layout": ("Layout", "ShardSpec", "TensorSpec"),
     ".optim": ("OPTIMIZERS", "OptimizerConfig"),
     ".server": ("ParameterServer", "ServerStatus"),

@@ -1,11 +1,12 @@
-"""``streamtrain checkpoint save|restore``: a consistent snapshot of a job to a file, and back."""
+"""``streamtrain checkpoint save|restore``: a consistent snapshot of a job to a file (and its embedding
+tables to the folder ``PATH.tables``), and back."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .checkpoint import restore_checkpoint, save_checkpoint
+from .checkpoint import ROWS_PER_PIECE, restore_checkpoint, save_checkpoint
 from .errors import ParameterPlaneError
 from .export import version_name
 from .store import connect
@@ -17,6 +18,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="checkpoint file")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis of the job")
     parser.add_argument("--job", default=None, help="job name (restore: default the checkpoint's)")
+    parser.add_argument("--rows-per-piece", type=_positive, default=ROWS_PER_PIECE,
+                        help="save: entries of an embedding table per piece file (in PATH.tables/)")
+    parser.add_argument("--wait-s", type=float, default=300.0,
+                        help="save: how long to wait for another save of the job's tables to end")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     client = connect(args.redis_url)
     try:
         if args.action == "save":
-            version = save_checkpoint(client, args.job, args.path)
+            version = save_checkpoint(client, args.job, args.path, rows_per_piece=args.rows_per_piece,
+                                      wait_s=args.wait_s)
             print(f"saved version {version_name(version)} of job {args.job} to {args.path}")
         else:
             version = restore_checkpoint(client, args.path, job=args.job)

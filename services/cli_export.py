@@ -1,4 +1,5 @@
-"""``streamtrain export``: write a job's model (a consistent version) to a safetensors file."""
+"""``streamtrain export``: write a job's model (a consistent version) to a safetensors file, and with
+``--tables-dir`` its embedding tables in pieces (``services.table_export``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .errors import ParameterPlaneError
 from .export import export_model, version_name
 from .settings import ExportSettings
 from .store import connect
+from .table_export import export_tables
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +33,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"streamtrain export: bad --redis-url: {exc}", file=sys.stderr)
         return 1
     where = redis_name(client)
+    tables = None
+    target = settings.out
     try:
         version = export_model(client, settings.job, settings.out, settings.version)
+        if settings.tables_dir is not None:
+            target = settings.tables_dir
+            tables = export_tables(client, settings.job, settings.tables_dir, rows_per_piece=settings.rows_per_piece)
     except ParameterPlaneError as exc:  # no model, a version not (or no longer) there, or of another form
         print(f"streamtrain export: {exc}", file=sys.stderr)
         return 1
@@ -43,9 +50,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"streamtrain export: {where} is unreachable: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"streamtrain export: cannot write {settings.out}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"streamtrain export: cannot write {target}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     finally:
         client.close()
     print(f"exported version {version_name(version)} of job {settings.job} to {settings.out}")
+    if tables is not None:
+        print(f"exported {tables.rows} row(s) of {tables.tables} embedding table(s) of job {settings.job} to "
+              f"{settings.tables_dir} in {tables.pieces} piece(s)")
     return 0

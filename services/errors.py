@@ -16,6 +16,7 @@ __all__ = [
     "PayloadError",
     "LayoutError",
     "BackpressureError",
+    "CheckpointError",
 ]
 
 
@@ -63,3 +64,8 @@ class BackpressureError(ParameterPlaneError):
     """The update log is full: parameter servers are behind. Retry later."""
 
     retriable = True
+
+
+class CheckpointError(ParameterPlaneError):
+    """A checkpoint file (or its tables' pieces) is unreadable, incomplete or of another format, the
+    target Redis already has the job, or no consistent cut could be read."""

@@ -21,8 +21,8 @@ the checkpoint and the audit share is written here once.
 Elsewhere: Redis key names in :mod:`common.keys`; the fence token (the value of
 ``JobKeys.assignment``) in :mod:`common.fence`; the KEYS and ARGV of each Lua
 script in :mod:`services.scripts`. The wire forms are those of
-``streamtrain-checkpoint-3`` files and of running jobs: change them only with a
-new checkpoint format.
+``streamtrain-checkpoint-3`` and ``-4`` files and of running jobs: change them only
+with a new checkpoint format.
 """
 
 from __future__ import annotations

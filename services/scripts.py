@@ -6,8 +6,9 @@ Each script in ``services/lua`` declares, in its header, every position it reads
 once in locals (``local K_CURSOR = 1``, ``local A_PLAN = 1``; ``S_``/``U_`` for the fields of the
 plan entries it reads by position). Its :class:`ScriptCall` lists the same names (``KEYS``,
 ``ARGV``, ``KEYS_TAIL``, ``ARGV_TAIL``, ``ENTRIES``) and renders the arguments from them, so a
-call never counts positions: :class:`PushCall` (``push.lua``), :class:`ApplyCall` (``apply.lua``)
-and :class:`AccountCall` (``account.lua``). ``tests/test_protocol.py`` reads each header and its
+call never counts positions: :class:`PushCall` (``push.lua``), :class:`ApplyCall` (``apply.lua``),
+:class:`AccountCall` (``account.lua``), :class:`RowsReadCall`, :class:`RowsSweepCall`,
+:class:`TableCutCall` and :class:`RowsScanCall`. ``tests/test_protocol.py`` reads each header and its
 locals and fails when they and the class disagree on any position.
 
 On a Redis Cluster client (``common.redis_client``) SCRIPT LOAD goes to every master and an
@@ -33,7 +34,8 @@ from .protocol import AccountPlan, PlanUpdate, Update
 from .wire import pack
 
 __all__ = ["ScriptCall", "PushCall", "ApplyCall", "ShardPublish", "ShardPlan", "TablePublish", "TablePlan",
-           "AccountCall", "RowsAsk", "RowsReadCall", "RowsSweepCall", "CALLS", "script",
+           "AccountCall", "RowsAsk", "RowsReadCall", "RowsSweepCall", "TableCutCall", "RowsScanCall", "CALLS",
+           "script",
            "execute_with_script"]
 
 
@@ -279,6 +281,10 @@ class TablePlan(NamedTuple):
     """Rows born."""
     dropped: int
     """Gradient rows dropped."""
+    rows_shadow: int
+    """KEYS index of its rows shadow (a checkpoint's cut)."""
+    seen_shadow: int
+    """KEYS index of its seen shadow."""
 
 
 @dataclass(frozen=True)
@@ -288,7 +294,7 @@ class ApplyCall(ScriptCall):
 
     SCRIPT: ClassVar[str] = "apply"
     KEYS: ClassVar[tuple[str, ...]] = ("cursor", "versions", "version", "optimizer_steps", "bases", "delta_floors",
-                                       "persisted", "unaccounted", "table_stats")
+                                       "persisted", "unaccounted", "table_stats", "table_cut", "rows_blob_shadow")
     KEYS_TAIL: ClassVar[str | None] = "renames"
     ARGV: ClassVar[tuple[str, ...]] = ("plan", "accounting")
     ARGV_TAIL: ClassVar[str | None] = "deltas"
@@ -329,10 +335,12 @@ class ApplyCall(ScriptCall):
 
     def key_tail(self) -> list[str]:
         """The renames' pairs, the changed shards' delta streams, the blobs, the row-gradient blobs,
-        then each table's rows and seen hashes."""
+        then each table's rows, seen, rows shadow and seen shadow hashes."""
         return [*(k for pair in self.renames for k in pair), *(self.group.deltas(s.index) for s in self.shards),
                 *self.blobs, *self.row_blobs,
-                *(k for t in self.tables for k in (self.group.table_rows(t.table), self.group.table_seen(t.table)))]
+                *(k for t in self.tables for k in (self.group.table_rows(t.table), self.group.table_seen(t.table),
+                                                   self.group.table_shadow(t.table),
+                                                   self.group.seen_shadow(t.table)))]
 
     def _plan(self) -> dict[str, Any]:
         first_stream = self.key_index(self.KEYS_TAIL) + 2 * len(self.renames)
@@ -359,9 +367,10 @@ class ApplyCall(ScriptCall):
             records = arg(t.records) if row_ids else 0
             seen_ids = arg(t.seen_ids)
             seen = arg(t.seen) if seen_ids else 0
-            tables.append(list(TablePlan(t.table, first_table + 2 * j, first_table + 2 * j + 1, row_ids, records,
-                                         t.record_size, seen_ids, seen, t.seen_size, arg(t.unseen_ids), t.steps,
-                                         t.admitted, t.dropped)))
+            at = first_table + 4 * j
+            tables.append(list(TablePlan(t.table, at, at + 1, row_ids, records, t.record_size, seen_ids, seen,
+                                         t.seen_size, arg(t.unseen_ids), t.steps, t.admitted, t.dropped, at + 2,
+                                         at + 3)))
         return {"cursor": self.cursor, "last": self.last, "version": self.version, "renames": len(self.renames),
                 "shards": shards,
                 "persist": 0 if self.steps is None else {
@@ -465,7 +474,7 @@ class RowsSweepCall(ScriptCall):
     beyond a row cap; the group's slot)."""
 
     SCRIPT: ClassVar[str] = "rows_sweep"
-    KEYS: ClassVar[tuple[str, ...]] = ("rows", "seen", "table_stats")
+    KEYS: ClassVar[tuple[str, ...]] = ("rows", "seen", "table_stats", "table_cut", "rows_shadow", "seen_shadow")
     ARGV: ClassVar[tuple[str, ...]] = ("table", "written_at", "cutoff_ms", "cursor", "seen_cursor", "count", "cap",
                                        "most_evicted")
 
@@ -490,7 +499,8 @@ class RowsSweepCall(ScriptCall):
 
     def named_keys(self) -> dict[str, str]:
         return {"rows": self.group.table_rows(self.table), "seen": self.group.table_seen(self.table),
-                "table_stats": self.group.table_stats}
+                "table_stats": self.group.table_stats, "table_cut": self.group.table_cut,
+                "rows_shadow": self.group.table_shadow(self.table), "seen_shadow": self.group.seen_shadow(self.table)}
 
     def named_argv(self) -> dict[str, Any]:
         return {"table": self.table, "written_at": self.written_at, "cutoff_ms": self.cutoff_ms,
@@ -498,5 +508,80 @@ class RowsSweepCall(ScriptCall):
                 "most_evicted": self.most_evicted}
 
 
-CALLS: tuple[type[ScriptCall], ...] = (PushCall, ApplyCall, AccountCall, RowsReadCall, RowsSweepCall)
+@dataclass(frozen=True)
+class TableCutCall(ScriptCall):
+    """``table_cut.lua``: take, keep or drop a checkpoint's cut of a group's tables (the group's slot)."""
+
+    SCRIPT: ClassVar[str] = "table_cut"
+    KEYS: ClassVar[tuple[str, ...]] = ("version", "table_cut", "rows_blob_shadow")
+    KEYS_TAIL: ClassVar[str | None] = "shadows"
+    ARGV: ClassVar[tuple[str, ...]] = ("op", "owner", "ttl_ms", "blobs")
+    OPS: ClassVar[tuple[str, ...]] = ("take", "keep", "drop")
+
+    group: GroupKeys
+    """The group's keys."""
+    tables: Sequence[str]
+    """The model's tables (their shadows)."""
+    op: str
+    """One of :attr:`OPS`."""
+    owner: str
+    """The save's token (no spaces)."""
+    ttl_ms: int = 0
+    """The cut expires unless renewed within this (``take``, ``keep``)."""
+    blobs: bool = False
+    """The applies copy the row-gradient blobs they delete (``take``, ``keep``)."""
+
+    def __post_init__(self) -> None:
+        if self.op not in self.OPS:
+            raise ValueError(f"table_cut.lua: op must be one of {self.OPS}, got {self.op!r}")
+        if not self.owner or any(c.isspace() for c in self.owner):
+            raise ValueError(f"table_cut.lua: owner must be a token without spaces, got {self.owner!r}")
+
+    def named_keys(self) -> dict[str, str]:
+        return _named(self.group, self.KEYS)
+
+    def key_tail(self) -> list[str]:
+        """Each table's rows shadow and seen shadow."""
+        return [k for t in self.tables for k in (self.group.table_shadow(t), self.group.seen_shadow(t))]
+
+    def named_argv(self) -> dict[str, Any]:
+        return {"op": self.op, "owner": self.owner, "ttl_ms": self.ttl_ms, "blobs": 1 if self.blobs else 0}
+
+
+@dataclass(frozen=True)
+class RowsScanCall(ScriptCall):
+    """``rows_scan.lua``: one step of a scan of a table's hash (rows, sighting records or a shadow), as
+    bulk bytes (the group's slot)."""
+
+    SCRIPT: ClassVar[str] = "rows_scan"
+    KEYS: ClassVar[tuple[str, ...]] = ("version", "hash", "skip")
+    ARGV: ClassVar[tuple[str, ...]] = ("cursor", "count", "width", "prefix", "newest", "skip_present")
+
+    group: GroupKeys
+    """The group's keys."""
+    hash: str
+    """The hash scanned (one of the group's table hashes)."""
+    cursor: bytes | str
+    """Where this step starts (``'0'``: from the start)."""
+    count: int
+    """Entries this step looks at."""
+    width: int
+    """Bytes of each record (entries of another size are left out)."""
+    prefix: int
+    """Bytes of each record returned."""
+    newest: int = -1
+    """Leave out rows whose version is above this (-1: none)."""
+    skip: str | None = None
+    """Leave out the IDs present in this hash of the group (None: none)."""
+
+    def named_keys(self) -> dict[str, str]:
+        return {"version": self.group.version, "hash": self.hash, "skip": self.skip or self.hash}
+
+    def named_argv(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "count": self.count, "width": self.width, "prefix": self.prefix,
+                "newest": self.newest, "skip_present": 0 if self.skip is None else 1}
+
+
+CALLS: tuple[type[ScriptCall], ...] = (PushCall, ApplyCall, AccountCall, RowsReadCall, RowsSweepCall, TableCutCall,
+                                       RowsScanCall)
 """The call class of every script in ``services/lua``."""

@@ -99,6 +99,12 @@ class ExportSettings:
                                   help="model version to export (default: the current one): an integer, or "
                                        "with several shard groups each group's version joined by '.' "
                                        "(e.g. 12.7); it must still be retained in Redis")
+    tables_dir: str | None = setting(None, env=None,
+                                     help="also write the embedding tables, in pieces, to this folder (safetensors "
+                                          "<table>-<group>-<n>.safetensors and manifest.json; replaced atomically). "
+                                          "Each row as its group last wrote it: not one version, unlike --out")
+    rows_per_piece: int = setting(65536, env=None, min=1, max=2**31 - 1,
+                                  help="rows of a table per piece file of --tables-dir")
 
     def __post_init__(self) -> None:
         validate_job(self.job)

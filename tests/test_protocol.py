@@ -6,7 +6,7 @@ locals (``local K_CURSOR = 1``; ``S_``/``U_`` for the fields of plan entries). T
 both and check them against the script's call class, and check what the class renders against
 the positions the header declares; moving a position on one side only fails them (shown below
 on altered copies of the scripts and classes). The records: their wire forms are pinned to what
-running jobs and ``streamtrain-checkpoint-3`` files hold.
+running jobs and ``streamtrain-checkpoint-3`` and ``-4`` files hold.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _renumber(text: str, line: str, new: str) -> str:
     # the header moves two keys, the locals and the class stay
     (PushCall, lambda s: _swap_lines(s, "-- KEYS[3] offsets", "-- KEYS[4] update_log")),
     # a local moves, the header and the class stay
-    (ApplyCall, lambda s: _renumber(s, "local K_RENAMES = 10", "local K_RENAMES = 11")),
+    (ApplyCall, lambda s: _renumber(s, "local K_RENAMES = 12", "local K_RENAMES = 13")),
     (AccountCall, lambda s: _renumber(s, "local A_PLAN = 1", "local A_PLAN = 2")),
     # the tail starts later in the header only
     (AccountCall, lambda s: _renumber(s, "-- KEYS[11..] applied_by", "-- KEYS[12..] applied_by")),

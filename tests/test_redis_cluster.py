@@ -8,6 +8,7 @@ of the cluster; the tests keep apart by job name (a cluster has only database 0)
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import uuid
 from collections.abc import Iterator
@@ -303,6 +304,51 @@ def test_a_table_spreads_over_the_nodes_and_servers(redis_cluster: RedisCluster,
     assert sum(sizes) == ids.size and min(sizes) > ids.size // 5  # spread, none empty
     pulled = pull_rows(client, job, {"user": table}, 3, {"user": ids})
     assert pulled.tables["user"].present.all() and sorted(pulled.group_versions) == [0, 1, 2]
+
+
+def test_a_checkpoint_and_an_export_of_a_table_on_the_cluster(redis_cluster: RedisCluster, client: ClusterClient,
+                                                               tmp_path) -> None:
+    """A two-group job whose groups sit on two masters: its table is saved in pieces (each group's cut
+    taken in its own slot), restored under another job name and exported, row for row."""
+    import numpy as np
+    import safetensors.numpy
+
+    from services import restore_checkpoint, save_checkpoint
+    from services.embeddings import RowGrads, TableSpec
+    from services.table_export import export_tables
+
+    for _ in range(200):
+        job = f"cj-{uuid.uuid4().hex[:6]}"
+        if len({client.get_node_from_key(JobKeys(job).group(g).version).name for g in range(2)}) == 2:
+            break
+    table = TableSpec("user", 4)
+    ParameterStore(client, job).init_model(small_model(), shard_elems=64, groups=2, tables=(table,))
+    set_membership(client, job, {"a": [0]}, generation=1)
+    ids = np.arange(0, 700, 7, dtype=np.int64)
+    Pusher(client, job, "a", codec="none").push(None, generation=1, clock=1, offsets={0: (0, 10)},
+                                                samples=[("prod", 0, 10)], batch_size=10,
+                                                rows=[RowGrads("user", ids, np.ones((ids.size, 4), np.float32))])
+    servers = [ParameterServer(ServerSettings(redis_url=redis_cluster.url, job=job, group=g, groups=2, block_ms=50))
+               for g in range(2)]
+    try:
+        for server in servers:
+            server.start()
+        wait_until(lambda: unapplied_updates(client, job) == 0, 60, what="the update applied by both groups")
+    finally:
+        for server in servers:
+            server.close()
+    assert save_checkpoint(client, job, str(tmp_path / "c.pt"), rows_per_piece=16) == (1, 1)
+    copy = f"{job}-copy"
+    assert restore_checkpoint(client, str(tmp_path / "c.pt"), job=copy) == (1, 1)
+    for g in range(2):
+        assert client.hgetall(JobKeys(copy).group(g).table_rows("user")) == \
+            client.hgetall(JobKeys(job).group(g).table_rows("user")) != {}
+    assert job_keys(client, job, "table_cut") == job_keys(client, job, "shadow:*") == []
+    done = export_tables(client, job, str(tmp_path / "tables"), rows_per_piece=16)
+    assert done.rows == ids.size and done.pieces > 2
+    listed = json.loads((tmp_path / "tables" / "manifest.json").read_text())["tables"][0]["pieces"]
+    got = np.concatenate([safetensors.numpy.load_file(str(tmp_path / "tables" / p["file"]))["ids"] for p in listed])
+    assert sorted(got.tolist()) == ids.tolist()
 
 
 # -- the coordinator -------------------------------------------------------------------------------

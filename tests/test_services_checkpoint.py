@@ -17,7 +17,7 @@ from services import (
     restore_checkpoint, save_checkpoint, unapplied_updates,
 )
 from services import apply as apply_module
-from services import checkpoint
+from services import checkpoint_cut
 from services.checkpoint import FORMAT, CheckpointError
 from streamtrain import cli
 from streamtrain.launcher import wait_until
@@ -212,7 +212,7 @@ def two_group_job(client: redis_lib.Redis, updates: int) -> tuple[Pusher, list[s
 def race_the_job_read(monkeypatch: pytest.MonkeyPatch, *moves: Callable[[], None]) -> list[int]:
     """Run ``moves[k]`` in save attempt k between its reads of the groups and of the job's slot;
     returns the attempts seen."""
-    real = checkpoint._read_job
+    real = checkpoint_cut._read_job
     attempts: list[int] = []
 
     def racing(client: redis_lib.Redis, job: str, named: list[str]) -> object:
@@ -221,7 +221,7 @@ def race_the_job_read(monkeypatch: pytest.MonkeyPatch, *moves: Callable[[], None
             moves[len(attempts) - 1]()
         return real(client, job, named)
 
-    monkeypatch.setattr(checkpoint, "_read_job", racing)
+    monkeypatch.setattr(checkpoint_cut, "_read_job", racing)
     return attempts
 
 
@@ -349,22 +349,22 @@ def test_a_cut_that_cannot_be_restored_is_read_again_or_refused() -> None:
     """Pure: the log trimmed past a group's persisted cursor is read again; slots that contradict
     each other (the job accounts a group behind its cursor with no plan leading there) are refused."""
 
-    def group(cursor: str, persisted: str) -> checkpoint._GroupCut:
-        return checkpoint._GroupCut(version=1, cursor=cursor, persisted=persisted, plan=None, hashes={}, shards={},
+    def group(cursor: str, persisted: str) -> checkpoint_cut.GroupCut:
+        return checkpoint_cut.GroupCut(version=1, cursor=cursor, persisted=persisted, plan=None, hashes={}, shards={},
                                     optimizer={}, deltas={}, blobs={})
 
-    def job(log: list[str], accounted: dict[int, str], persisted: dict[int, str]) -> checkpoint._JobCut:
-        return checkpoint._JobCut(meta=b"{}", log=[(eid, {}) for eid in log],
+    def job(log: list[str], accounted: dict[int, str], persisted: dict[int, str]) -> checkpoint_cut._JobCut:
+        return checkpoint_cut._JobCut(meta=b"{}", log=[(eid, {}) for eid in log],
                                   hashes={"offsets": {}, "clocks": {}, "applied_clocks": {}, "audit_floor": {}},
                                   unapplied=0, accounted=accounted, persisted=persisted, applied_samples=[],
                                   applied_by={})
 
     groups = [group("5-0", "3-0"), group("5-0", "2-0")]
-    state = checkpoint._settle(groups, job(["2-0", "3-0", "4-0", "5-0"], {0: "5-0", 1: "5-0"},
+    state = checkpoint_cut._settle(groups, job(["2-0", "3-0", "4-0", "5-0"], {0: "5-0", 1: "5-0"},
                                            {0: "3-0", 1: "2-0"}))
     assert state.accounted == {0: "5-0", 1: "5-0"} and state.persisted == {0: "3-0", 1: "2-0"}
-    with pytest.raises(checkpoint._Moved, match="trimmed past"):  # group 1 persisted 4-0 and the log lost 3-0
-        checkpoint._settle(groups, job(["4-0", "5-0"], {0: "5-0", 1: "5-0"}, {0: "4-0", 1: "4-0"}))
+    with pytest.raises(checkpoint_cut._Moved, match="trimmed past"):  # group 1 persisted 4-0 and the log lost 3-0
+        checkpoint_cut._settle(groups, job(["4-0", "5-0"], {0: "5-0", 1: "5-0"}, {0: "4-0", 1: "4-0"}))
     with pytest.raises(CheckpointError, match="group 1: the job's slot accounts this group up to '4-0', behind its "
                                               "cursor '5-0'"):
-        checkpoint._settle(groups, job(["2-0", "3-0", "4-0", "5-0"], {0: "5-0", 1: "4-0"}, {}))
+        checkpoint_cut._settle(groups, job(["2-0", "3-0", "4-0", "5-0"], {0: "5-0", 1: "4-0"}, {}))

@@ -17,9 +17,11 @@
 -- KEYS[7] persisted
 -- KEYS[8] unaccounted
 -- KEYS[9] table_stats
--- KEYS[10..] renames      plan.renames (staging key, destination) pairs, then the delta streams, the
---                         gradient blob keys, the row-gradient blob keys and the tables' rows and
---                         seen hashes, which the plan names by KEYS index
+-- KEYS[10] table_cut       a checkpoint's cut of the group's tables (absent: none; below)
+-- KEYS[11] rows_blob_shadow
+-- KEYS[12..] renames      plan.renames (staging key, destination) pairs, then the delta streams, the
+--                         gradient blob keys, the row-gradient blob keys and the tables' rows, seen,
+--                         rows shadow and seen shadow hashes, which the plan names by KEYS index
 -- ARGV[1] plan            msgpack, below
 -- ARGV[2] accounting      the accounting plan to keep in `unaccounted` ('' for none)
 -- ARGV[3..] deltas        the deltas, then the tables' IDs and records, that the plan names by ARGV
@@ -42,7 +44,17 @@
 --            seen hash, ARGV index of the IDs of the rows written (0: none), ARGV index of their
 --            records, bytes per record, ARGV index of the IDs of the seen records written (0: none),
 --            ARGV index of those records, bytes per seen record, ARGV index of the IDs whose seen
---            record goes (0: none), the table's step count, rows admitted, gradient rows dropped}
+--            record goes (0: none), the table's step count, rows admitted, gradient rows dropped,
+--            KEYS index of its rows shadow, KEYS index of its seen shadow}
+--
+-- While a checkpoint holds the group's table cut (`table_cut` = "<version> <owner> <blobs>",
+-- services.checkpoint), the old record of each row this call overwrites is first copied into the
+-- table's rows shadow when its version (its first 8 bytes) is at most the cut's: the row as the
+-- cut saw it (HSETNX: only the first copy after the cut counts; a row written after the cut has a
+-- higher version and needs none). Sighting records carry no version: the old one of each ID whose
+-- sighting record is written or deleted goes into the seen shadow, '' when there was none, once
+-- per ID. With <blobs> = 1 the row-gradient blobs this call deletes are copied into
+-- `rows_blob_shadow` first (the save reads them there).
 --
 -- Returns {'OK', group version} or {'CURSOR', cursor} / {'VERSION', index, version} / {'GROUP',
 -- version} when the state moved since the server read it (then only the staging keys are deleted).
@@ -56,7 +68,9 @@ local K_DELTA_FLOORS = 6
 local K_PERSISTED = 7
 local K_UNACCOUNTED = 8
 local K_TABLE_STATS = 9
-local K_RENAMES = 10
+local K_TABLE_CUT = 10
+local K_ROWS_BLOB_SHADOW = 11
+local K_RENAMES = 12
 local A_PLAN = 1
 local A_ACCOUNTING = 2
 local A_DELTAS = 3  -- (the plan names each delta by its ARGV index)
@@ -80,6 +94,8 @@ local T_UNSEEN = 10
 local T_STEPS = 11
 local T_ADMITTED = 12
 local T_DROPPED = 13
+local T_ROWS_SHADOW = 14
+local T_SEEN_SHADOW = 15
 
 local plan = cmsgpack.unpack(ARGV[A_PLAN])
 local function drop_staging(reply)
@@ -137,6 +153,61 @@ local function hdel_ids(hash, ids)
   end
 end
 
+-- the old records a checkpoint's cut needs, copied before anything is overwritten or deleted
+local first_row_blob, row_blobs = plan.row_blobs[1], plan.row_blobs[2]
+local cut_version, cut_blobs = -1, false
+if #plan.tables > 0 or row_blobs > 0 then
+  local cut = redis.call('GET', KEYS[K_TABLE_CUT])
+  if cut then
+    local v, b = string.match(cut, '^(%d+) %S+ (%d)$')
+    cut_version, cut_blobs = tonumber(v), b == '1'
+  end
+end
+-- the records of `ids` (8 bytes each) in `hash`, in calls of at most 4000 fields: fn(id, record or false)
+local function each_old(hash, ids, fn)
+  local n = #ids / 8
+  for i = 0, n - 1, 4000 do
+    local fields = {}
+    for k = i, math.min(i + 4000, n) - 1 do
+      fields[#fields + 1] = string.sub(ids, 8 * k + 1, 8 * k + 8)
+    end
+    local old = redis.call('HMGET', hash, unpack(fields))
+    for j = 1, #fields do
+      fn(fields[j], old[j])
+    end
+  end
+end
+if cut_version >= 0 then
+  for _, t in ipairs(plan.tables) do
+    local rows_shadow, seen_shadow = KEYS[t[T_ROWS_SHADOW]], KEYS[t[T_SEEN_SHADOW]]
+    local function keep_row(id, old)
+      if old and struct.unpack('<I8', old) <= cut_version then
+        redis.call('HSETNX', rows_shadow, id, old)
+      end
+    end
+    local function keep_seen(id, old)
+      redis.call('HSETNX', seen_shadow, id, old or '')
+    end
+    if t[T_ROW_IDS] > 0 then
+      each_old(KEYS[t[T_ROWS]], ARGV[t[T_ROW_IDS]], keep_row)
+    end
+    if t[T_SEEN_IDS] > 0 then
+      each_old(KEYS[t[T_SEEN]], ARGV[t[T_SEEN_IDS]], keep_seen)
+    end
+    if t[T_UNSEEN] > 0 then
+      each_old(KEYS[t[T_SEEN]], ARGV[t[T_UNSEEN]], keep_seen)
+    end
+  end
+  if cut_blobs then
+    for j = first_row_blob, first_row_blob + row_blobs - 1 do
+      local blob = redis.call('GET', KEYS[j])
+      if blob then
+        redis.call('HSETNX', KEYS[K_ROWS_BLOB_SHADOW], KEYS[j], blob)
+      end
+    end
+  end
+end
+
 local version
 if #plan.shards > 0 or plan.rows > 0 then
   version = redis.call('INCR', KEYS[K_VERSION])
@@ -183,7 +254,6 @@ for _, t in ipairs(plan.tables) do
     redis.call('HINCRBY', KEYS[K_TABLE_STATS], t[T_NAME] .. ':dropped', t[T_DROPPED])
   end
 end
-local first_row_blob, row_blobs = plan.row_blobs[1], plan.row_blobs[2]
 if row_blobs > 0 then
   redis.call('DEL', unpack(KEYS, first_row_blob, first_row_blob + row_blobs - 1))
 end

@@ -3,10 +3,18 @@
 -- step of a scan of the table, and evict the least recently written rows beyond the group's row cap
 -- (approximately, as Redis's own LRU does: among random samples, the oldest first).
 --
+-- While a checkpoint holds the group's table cut (`table_cut`, see apply.lua), each row removed whose
+-- version is at most the cut's is first copied into the rows shadow, and each sighting record removed
+-- into the seen shadow (HSETNX), so the save still finds what the cut held. Without a cut, shadows
+-- left by a save that died are deleted.
+--
 -- Called through services.scripts.RowsSweepCall, which renders KEYS and ARGV by the names below.
 -- KEYS[1] rows           the table's rows hash
 -- KEYS[2] seen           its seen hash
 -- KEYS[3] table_stats    the group's table counters
+-- KEYS[4] table_cut      a checkpoint's cut of the group's tables (absent: none)
+-- KEYS[5] rows_shadow    the table's rows shadow
+-- KEYS[6] seen_shadow    its seen shadow
 -- ARGV[1] table          the table's name (its counters are <table>:expired and <table>:evicted)
 -- ARGV[2] written_at     1-based byte position of `written_ms` (u64, little-endian) in a row record
 -- ARGV[3] cutoff_ms      remove what was last written (or sighted) before this; 0: no expiry
@@ -21,6 +29,9 @@
 local K_ROWS = 1
 local K_SEEN = 2
 local K_TABLE_STATS = 3
+local K_TABLE_CUT = 4
+local K_ROWS_SHADOW = 5
+local K_SEEN_SHADOW = 6
 local A_TABLE = 1
 local A_WRITTEN_AT = 2
 local A_CUTOFF_MS = 3
@@ -39,6 +50,25 @@ local function seen_at(record)  -- the SEEN_DTYPE record: count u32, then seen_m
   return (struct.unpack('<I8', record, 5))
 end
 
+local cut_version = -1
+local cut = redis.call('GET', KEYS[K_TABLE_CUT])
+if cut then
+  cut_version = tonumber(string.match(cut, '^(%d+) '))
+else
+  redis.call('UNLINK', KEYS[K_ROWS_SHADOW], KEYS[K_SEEN_SHADOW])
+end
+-- what a cut needs of a record about to be removed: a row of at most its version, any sighting record
+local function keep_row(id, record)
+  if cut_version >= 0 and struct.unpack('<I8', record) <= cut_version then
+    redis.call('HSETNX', KEYS[K_ROWS_SHADOW], id, record)
+  end
+end
+local function keep_seen(id, record)
+  if cut_version >= 0 then
+    redis.call('HSETNX', KEYS[K_SEEN_SHADOW], id, record)
+  end
+end
+
 -- delete `fields` from `hash`, in calls of at most 4000 arguments (Lua's unpack has a stack limit)
 local function hdel(hash, fields)
   for i = 1, #fields, 4000 do
@@ -46,7 +76,7 @@ local function hdel(hash, fields)
   end
 end
 
-local function expire(hash, cursor, when)
+local function expire(hash, cursor, when, keep)
   if cutoff == 0 then
     return '0', 0
   end
@@ -54,6 +84,7 @@ local function expire(hash, cursor, when)
   local entries, old = step[2], {}
   for j = 1, #entries, 2 do
     if when(entries[j + 1]) < cutoff then
+      keep(entries[j], entries[j + 1])
       old[#old + 1] = entries[j]
     end
   end
@@ -61,8 +92,8 @@ local function expire(hash, cursor, when)
   return step[1], #old
 end
 
-local cursor, expired = expire(KEYS[K_ROWS], ARGV[A_CURSOR], written)
-local seen_cursor, seen_expired = expire(KEYS[K_SEEN], ARGV[A_SEEN_CURSOR], seen_at)
+local cursor, expired = expire(KEYS[K_ROWS], ARGV[A_CURSOR], written, keep_row)
+local seen_cursor, seen_expired = expire(KEYS[K_SEEN], ARGV[A_SEEN_CURSOR], seen_at, keep_seen)
 
 local evicted = 0
 if cap > 0 then
@@ -72,13 +103,14 @@ if cap > 0 then
     local sample = redis.call('HRANDFIELD', KEYS[K_ROWS], 64, 'WITHVALUES')
     local ages = {}
     for j = 1, #sample, 2 do
-      ages[#ages + 1] = {written(sample[j + 1]), sample[j]}
+      ages[#ages + 1] = {written(sample[j + 1]), sample[j], sample[j + 1]}
     end
     table.sort(ages, function(a, b) return a[1] < b[1] end)
     local take = math.min(math.max(1, math.floor(#ages / 4)), over, most - evicted)
     local victims = {}
     for j = 1, take do
       victims[j] = ages[j][2]
+      keep_row(ages[j][2], ages[j][3])
     end
     hdel(KEYS[K_ROWS], victims)
     evicted = evicted + take

@@ -1,0 +1,235 @@
+"""A checkpoint's embedding tables: streamed in pieces into a folder beside the checkpoint file, and back.
+
+``services.checkpoint`` takes each group's cut of its tables (``services.embeddings.cut``) with the
+group's dense cut; this module writes the tables as of those cuts and reads them back.
+
+**The folder** ``<checkpoint>.tables/`` (:func:`tables_folder`) holds one safetensors file per piece
+and ``manifest.json``. A piece holds at most ``rows_per_piece`` entries of one table of one group:
+tensors ``ids`` (int64 ``[n]``) and ``records`` (uint8 ``[n, record bytes]``), each record exactly as
+Redis stores it: a row's ``row_dtype`` record (version u64, values f32[dim], written_ms u64, optimizer
+state f32[slots], little-endian) in the ``rows`` pieces, a ``SEEN_DTYPE`` record (count u32, seen_ms
+u64) of an ID not admitted yet in the ``seen`` pieces. Its metadata names the job, table, group, kind
+and the cut's version. Files are named ``<table>-<group>-<kind>-<n>.safetensors`` (n from 0). The
+manifest::
+
+    {"format": "streamtrain-checkpoint-4-tables", "save": <the save's token>, "job": ...,
+     "rows_per_piece": ..., "tables": [{"table": ..., "group": g, "version": <the cut's>,
+       "rows": {"record_bytes": ..., "records": <in all>, "pieces": [{"file": ..., "records": n}, ...]},
+       "seen": {...}}, ...]}
+
+An ID may appear in two pieces (see ``services.embeddings.cut``), always with the same record, so
+``records`` counts records, not distinct IDs; a restore writes each, the same value again.
+
+The main file names the folder and the save's token; it is written last (its presence means the
+folder is complete), and the folder's manifest must carry the same token: a folder of another save
+(a crash between renaming the folder and the file) is refused. A restore checks the whole folder
+(every piece listed is there, with the shapes and counts the manifest gives) before it writes
+anything, then writes each piece back with HSET, a piece at a time (bounded memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis
+
+from common.keys import JobKeys
+
+from .embeddings.cut import cut_pieces, drop_cut, keep_cut
+from .embeddings.pieces import piece_header, read_manifest, read_piece, write_manifest, write_piece
+from .embeddings.rows import SEEN_DTYPE, row_dtype
+from .embeddings.spec import TableSpec
+from .errors import CheckpointError
+from .store import ModelMeta
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TABLES_FORMAT", "KINDS", "SavedPiece", "tables_folder", "save_tables", "check_tables", "restore_tables"]
+
+TABLES_FORMAT = "streamtrain-checkpoint-4-tables"
+"""Format tag of a checkpoint's tables folder (its manifest)."""
+
+KINDS = ("rows", "seen")
+"""What a table's pieces hold: rows, or sighting records of IDs not admitted yet."""
+
+_HSET_CHUNK = 1000
+"""Entries per HSET of a restore (a piece is one pipeline of them)."""
+
+
+@dataclass(frozen=True)
+class SavedPiece:
+    """One piece a save wrote (what ``save_checkpoint``'s ``progress`` is called with)."""
+
+    group: int
+    """Shard group."""
+    table: str
+    """Table name."""
+    kind: str
+    """One of :data:`KINDS`."""
+    file: str
+    """Its file name in the tables folder."""
+    records: int
+    """Records in it."""
+
+
+def tables_folder(path: str) -> str:
+    """The tables folder of the checkpoint file ``path``."""
+    return f"{path}.tables"
+
+
+def _record(kind: str, spec: TableSpec) -> np.dtype:
+    return row_dtype(spec) if kind == "rows" else SEEN_DTYPE
+
+
+def _layout(dtype: np.dtype) -> str:
+    """A record's fields, for a piece's metadata: ``version <u8 | values <f4[4] | ...``."""
+    out = []
+    for name in dtype.names:
+        sub = dtype.fields[name][0]
+        shape = f"[{', '.join(map(str, sub.shape))}]" if sub.shape else ""
+        out.append(f"{name} {sub.base.str}{shape}")
+    return " | ".join(out)
+
+
+def save_tables(client: redis.Redis, job: str, meta: ModelMeta, versions: Sequence[int], owner: str, folder: str,
+                *, rows_per_piece: int, progress: Callable[[SavedPiece], None] | None = None) -> dict[str, Any]:
+    """Write every table of every group as of the group's cut (at ``versions[g]``, held by ``owner``)
+    into ``folder``, piece by piece, and its manifest; each group's cut is renewed after every piece
+    and let go once its tables are written. Returns the manifest.
+
+    Raises:
+        CheckpointError: a cut was lost meanwhile (it expired: the save stalled longer than its
+            expiry, or another save took it), so the shadows no longer hold what the cut needs.
+    """
+    entries = []
+    held = list(range(len(versions)))
+
+    def renew() -> None:
+        for g in held:
+            if not keep_cut(client, job, g, meta.tables, owner):
+                raise CheckpointError(f"job {job}: the cut of group {g}'s tables was lost while saving them "
+                                      f"(expired, or taken by another save); save again")
+
+    for g, version in enumerate(versions):
+        for spec in meta.tables:
+            entry: dict[str, Any] = {"table": spec.name, "group": g, "version": version}
+            for kind in KINDS:
+                dtype = _record(kind, spec)
+                pieces = []
+                for n, piece in enumerate(cut_pieces(client, job, g, spec, version, kind, rows_per_piece)):
+                    name = f"{spec.name}-{g}-{kind}-{n}.safetensors"
+                    write_piece(os.path.join(folder, name), {"ids": piece.ids, "records": piece.records},
+                                {"streamtrain.job": job, "streamtrain.table": spec.name, "streamtrain.group": g,
+                                 "streamtrain.kind": kind, "streamtrain.version": version,
+                                 "streamtrain.record": _layout(dtype)})
+                    pieces.append({"file": name, "records": int(piece.ids.size)})
+                    renew()
+                    if progress is not None:
+                        progress(SavedPiece(g, spec.name, kind, name, int(piece.ids.size)))
+                entry[kind] = {"record_bytes": dtype.itemsize, "records": sum(p["records"] for p in pieces),
+                               "pieces": pieces}
+            entries.append(entry)
+        renew()  # nothing the cut needs was lost while this group's tables were read
+        held.remove(g)
+        drop_cut(client, job, g, meta.tables, owner)
+    manifest = {"format": TABLES_FORMAT, "save": owner, "job": job, "rows_per_piece": rows_per_piece,
+                "tables": entries}
+    write_manifest(folder, manifest)
+    return manifest
+
+
+def check_tables(path: str, saved: Mapping[str, Any], meta: ModelMeta, versions: Sequence[int]) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``'s tables folder (``saved``: what the file says of it),
+    checked whole without reading the data: every (group, table) of the model listed once at the
+    group's version, every piece there with the records the manifest gives.
+
+    Raises:
+        CheckpointError: naming what is missing or disagrees.
+    """
+    folder = os.path.join(os.path.dirname(os.path.abspath(path)), saved["folder"])
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint {path}: its tables folder {folder} is missing (copy it with the file)")
+    try:
+        manifest = read_manifest(folder)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read the manifest of {folder}: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != TABLES_FORMAT:
+        raise CheckpointError(f"checkpoint {path}: {folder} is not a {TABLES_FORMAT} folder")
+    if manifest.get("save") != saved["save"]:
+        raise CheckpointError(f"checkpoint {path}: {folder} holds the tables of another save (its token "
+                              f"{manifest.get('save')!r}, the file's {saved['save']!r})")
+    specs = {t.name: t for t in meta.tables}
+    want = {(g, t) for g in range(meta.groups) for t in specs}
+    listed = [(e.get("group"), e.get("table")) for e in manifest.get("tables", [])]
+    if sorted(listed, key=str) != sorted(want, key=str):
+        raise CheckpointError(f"checkpoint {path}: the manifest of {folder} lists (group, table) "
+                              f"{sorted(listed, key=str)}, the model has {sorted(want)}")
+    for entry in manifest["tables"]:
+        g, spec = entry["group"], specs[entry["table"]]
+        if entry.get("version") != versions[g]:
+            raise CheckpointError(f"checkpoint {path}: table {spec.name} of group {g} is saved at version "
+                                  f"{entry.get('version')}, the group's cut at {versions[g]}")
+        for kind in KINDS:
+            _check_kind(path, folder, entry, kind, spec)
+    return manifest
+
+
+def _check_kind(path: str, folder: str, entry: Mapping[str, Any], kind: str, spec: TableSpec) -> None:
+    what = f"table {spec.name} of group {entry['group']} ({kind})"
+    part = entry.get(kind)
+    width = _record(kind, spec).itemsize
+    if not isinstance(part, dict) or part.get("record_bytes") != width:
+        raise CheckpointError(f"checkpoint {path}: {what}: the manifest gives no pieces of {width}-byte records")
+    total = 0
+    for piece in part.get("pieces", []):
+        file = os.path.join(folder, piece["file"])
+        if not os.path.isfile(file):
+            raise CheckpointError(f"checkpoint {path}: {what}: piece {piece['file']} is missing from {folder}")
+        try:
+            shapes, _ = piece_header(file)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f"checkpoint {path}: {what}: cannot read piece {piece['file']}: {exc}") from None
+        n = piece["records"]
+        if shapes.get("ids") != (n,) or shapes.get("records") != (n, width):
+            raise CheckpointError(f"checkpoint {path}: {what}: piece {piece['file']} holds ids {shapes.get('ids')} "
+                                  f"and records {shapes.get('records')}, the manifest says {n} records of "
+                                  f"{width} bytes")
+        total += n
+    if total != part.get("records"):
+        raise CheckpointError(f"checkpoint {path}: {what}: its pieces hold {total} records, the manifest says "
+                              f"{part.get('records')}")
+
+
+def restore_tables(client: redis.Redis, job: str, group: int, folder: str, manifest: Mapping[str, Any],
+                   between: Callable[[], None] = lambda: None) -> int:
+    """Write group ``group``'s pieces of every table back (a piece per pipeline of HSETs), calling
+    ``between`` after each. Returns the records written."""
+    gk = JobKeys(job).group(group)
+    written = 0
+    for entry in manifest["tables"]:
+        if entry["group"] != group:
+            continue
+        for kind in KINDS:
+            key = gk.table_rows(entry["table"]) if kind == "rows" else gk.table_seen(entry["table"])
+            for piece in entry[kind]["pieces"]:
+                tensors = read_piece(os.path.join(folder, piece["file"]))
+                ids = np.ascontiguousarray(tensors["ids"], dtype="<i8").tobytes()
+                records = np.ascontiguousarray(tensors["records"])
+                width = records.shape[1]
+                flat = records.tobytes()
+                n = len(ids) // 8
+                pipe = client.pipeline(transaction=False)
+                for i in range(0, n, _HSET_CHUNK):
+                    args: list[bytes] = []
+                    for j in range(i, min(i + _HSET_CHUNK, n)):
+                        args += [ids[8 * j:8 * j + 8], flat[width * j:width * (j + 1)]]
+                    pipe.execute_command("HSET", key, *args)
+                pipe.execute()
+                written += n
+                between()
+    return written

@@ -1,0 +1,120 @@
+"""Exporting a job's embedding tables in pieces: safetensors files of IDs and values, and a manifest.
+
+``streamtrain export --tables-dir DIR`` (``services.cli_export``) writes, beside the dense part
+(``services.export``), each table group by group, read with HSCAN while training goes on
+(``services.embeddings.cut.live_pieces``), in pieces of at most ``rows_per_piece`` rows:
+
+* ``DIR/<table>-<group>-<n>.safetensors`` (n from 0): tensors ``ids`` (int64 ``[rows]``) and
+  ``values`` (float32 ``[rows, dim]``); metadata ``streamtrain.job``, ``streamtrain.table``,
+  ``streamtrain.dim``, ``streamtrain.group`` and ``streamtrain.version``, the group's version when
+  the piece's last scan step ran (every row in it was written at or before it);
+* ``DIR/manifest.json``: ``{"format": "streamtrain-tables-1", "job", "groups", "tables": [{"table",
+  "dim", "rows", "pieces": [{"file", "group", "rows", "version"}, ...]}, ...]}``.
+
+**What it holds.** Each row as its group last wrote it when the scan read it: the table as a whole
+is no cut (rows written while it is read may be before or after, and a group's rows are read over
+many group versions); a checkpoint is a cut. An ID appears once, except when Redis resized the
+group's hash during the read (HSCAN then returns an entry twice): the later occurrence is the later
+read. IDs never admitted (or expired, or evicted) have no row: a model reads them as their initial
+value (``services.embeddings.rows.initial_rows``), which the table's spec in the model's meta fixes.
+The optimizer state is not exported.
+
+The pieces are written into a temporary folder beside ``DIR``, renamed into place when complete; a
+``DIR`` of an earlier export is replaced, any other non-empty ``DIR`` is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+
+from common.keys import JobKeys
+
+from .embeddings.cut import live_pieces
+from .embeddings.pieces import (
+    MANIFEST, install_folder, new_folder, read_manifest, remove_folder, write_manifest, write_piece,
+)
+from .embeddings.rows import pull_dtype
+from .errors import LayoutError, ParameterPlaneError
+from .store import ModelMeta
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TABLES_EXPORT_FORMAT", "TablesExported", "export_tables"]
+
+TABLES_EXPORT_FORMAT = "streamtrain-tables-1"
+"""Format tag of an export's ``manifest.json``."""
+
+
+@dataclass(frozen=True)
+class TablesExported:
+    """What :func:`export_tables` wrote."""
+
+    tables: int
+    """Tables exported."""
+    rows: int
+    """Rows in all."""
+    pieces: int
+    """Piece files."""
+
+
+def _replaceable(folder: str) -> bool:
+    """``folder`` is absent, empty, or an earlier export of tables."""
+    if not os.path.lexists(folder):
+        return True
+    if not os.path.isdir(folder):
+        return False
+    if not os.listdir(folder):
+        return True
+    try:
+        return read_manifest(folder).get("format") == TABLES_EXPORT_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def export_tables(client: redis.Redis, job: str, folder: str, *, rows_per_piece: int = 65536) -> TablesExported:
+    """Write every embedding table of ``job`` to ``folder`` in pieces (see the module docstring).
+
+    Raises:
+        LayoutError: the job has no model.
+        ParameterPlaneError: ``folder`` holds something other than an earlier export.
+        OSError: it cannot be written.
+    """
+    if rows_per_piece < 1:
+        raise ValueError(f"rows_per_piece must be >= 1, got {rows_per_piece!r}")
+    raw = client.get(JobKeys(job).meta)
+    if raw is None:
+        raise LayoutError(f"job {job} has no model in this Redis (unknown job, or no trainer has initialised it yet)")
+    meta = ModelMeta.from_json(raw)
+    if not _replaceable(folder):
+        raise ParameterPlaneError(f"{folder} exists and is not an earlier export of tables (no {MANIFEST} of "
+                                  f"{TABLES_EXPORT_FORMAT}): choose another --tables-dir")
+    tmp = new_folder(folder)
+    try:
+        tables, rows, pieces = [], 0, 0
+        for spec in meta.tables:
+            listed = []
+            for g in range(meta.groups):
+                for n, piece in enumerate(live_pieces(client, job, g, spec, rows_per_piece)):
+                    name = f"{spec.name}-{g}-{n}.safetensors"
+                    values = piece.records.view(pull_dtype(spec)).reshape(-1)["values"]
+                    write_piece(os.path.join(tmp, name), {"ids": piece.ids, "values": np.ascontiguousarray(values)},
+                                {"streamtrain.job": job, "streamtrain.table": spec.name, "streamtrain.dim": spec.dim,
+                                 "streamtrain.group": g, "streamtrain.version": piece.version})
+                    listed.append({"file": name, "group": g, "rows": int(piece.ids.size), "version": piece.version})
+            count = sum(p["rows"] for p in listed)
+            tables.append({"table": spec.name, "dim": spec.dim, "rows": count, "pieces": listed})
+            rows, pieces = rows + count, pieces + len(listed)
+        write_manifest(tmp, {"format": TABLES_EXPORT_FORMAT, "job": job, "groups": meta.groups, "tables": tables})
+        old = install_folder(tmp, folder)
+    except BaseException:
+        remove_folder(tmp)
+        raise
+    remove_folder(old)
+    logger.info("job %s: %d table(s), %d row(s) exported to %s in %d piece(s)", job, len(tables), rows, folder,
+                pieces)
+    return TablesExported(len(tables), rows, pieces)
