@@ -120,13 +120,13 @@ def test_up_takes_the_job_defaults_from_the_services() -> None:
 def test_up_flags_reach_the_services() -> None:
     spec = cluster_spec(up(consistency="asp", staleness=0, codec="int8", optimizer="adam", lr=0.001, ps_groups=3,
                            partitions=6, trainers=3, topk_density=0.05, model="mlp-2m", eval_source="",
-                           source="synthetic?seed=1", max_records=700), environ={})
+                           source="synthetic?seed=1&repeat=2", max_records=700), environ={})
     c = spec.coordinator
     assert (c.consistency, c.staleness, c.codec, c.optimizer, c.lr, c.ps_groups, c.partitions) == (
         "asp", 0, "int8", "adam", 0.001, 3, 6)
     assert (spec.trainers, spec.ps_groups, spec.trainer.topk_density, spec.trainer.model, spec.trainer.eval_source) \
-        == (3, 3, 0.05, "mlp-2m", "")
-    assert (spec.producer.source, spec.producer.limit, spec.producer.rate) == ("synthetic?seed=1", 700, None)
+        == (3, 3, 0.05, "mlp-2m", "synthetic?seed=1")  # no --eval-source: one pass of --source
+    assert (spec.producer.source, spec.producer.limit, spec.producer.rate) == ("synthetic?seed=1&repeat=2", 700, None)
     assert len([k for k in commands(spec, AT) if k.startswith("ps")]) == 3
     assert (c.table_consistency, c.table_staleness) == (None, None)  # unset: the tables follow the dense part
 
