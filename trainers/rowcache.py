@@ -21,6 +21,8 @@ a linked list per lookup).
 
 from __future__ import annotations
 
+import collections
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -64,6 +66,9 @@ class CacheStats:
 
 
 class _TableCache:
+    """One table's rows: a dict from ID to slot (looked up and filled by C-level ``map``/``update``, no
+    Python loop per ID) and arrays indexed by slot."""
+
     def __init__(self, dim: int, capacity: int) -> None:
         self.capacity = capacity
         self.slot_of: dict[int, int] = {}
@@ -72,22 +77,34 @@ class _TableCache:
         self.covers = np.zeros(capacity, dtype=np.int64)
         self.clock = np.zeros(capacity, dtype=np.int64)
         self.used = np.full(capacity, -1, dtype=np.int64)
-        self.free = list(range(capacity - 1, -1, -1))
+        self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self.nfree = capacity
 
     def find(self, ids: np.ndarray) -> np.ndarray:
-        get = self.slot_of.get
-        return np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=ids.size)
+        return np.fromiter(map(self.slot_of.get, ids.tolist(), itertools.repeat(-1, ids.size)), dtype=np.int64,
+                           count=ids.size)
+
+    def take(self, n: int) -> np.ndarray:
+        """``n`` free slots (the caller makes sure there are)."""
+        self.nfree -= n
+        return self.free[self.nfree:self.nfree + n].copy()
 
     def evict(self, need: int, step: int) -> None:
         live = np.flatnonzero((self.used >= 0) & (self.used < step))  # never a row of this step
-        count = min(max(need - len(self.free), self.capacity // 4), live.size)
+        count = min(max(need - self.nfree, self.capacity // 4), live.size)
         if count <= 0:
             return
         oldest = live[np.argpartition(self.used[live], count - 1)[:count]] if count < live.size else live
-        for s in oldest.tolist():
-            del self.slot_of[int(self.ids[s])]
+        collections.deque(map(self.slot_of.pop, self.ids[oldest].tolist()), maxlen=0)
         self.used[oldest] = -1
-        self.free.extend(oldest.tolist())
+        self.free[self.nfree:self.nfree + oldest.size] = oldest
+        self.nfree += oldest.size
+
+    def clear(self) -> None:
+        self.slot_of.clear()
+        self.used[:] = -1
+        self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)
+        self.nfree = self.capacity
 
 
 class RowCache:
@@ -135,17 +152,16 @@ class RowCache:
         slots = t.find(ids)
         new = slots < 0
         need = int(new.sum())
-        if need > len(t.free):
+        if need > t.nfree:
             t.evict(need, clock)
-        take = min(need, len(t.free))
+        take = min(need, t.nfree)
         if take < need:  # more new rows in one step than the cache holds: keep the first ones
             keep = np.flatnonzero(new)[take:]
             new[keep] = False
             slots[keep] = -2
-        fresh = [t.free.pop() for _ in range(take)]
+        fresh = t.take(take)
         slots[new] = fresh
-        for i, s in zip(ids[new].tolist(), fresh):
-            t.slot_of[i] = s
+        t.slot_of.update(zip(ids[new].tolist(), fresh.tolist()))
         ok = slots >= 0
         s = slots[ok]
         t.ids[s] = ids[ok]
@@ -157,9 +173,7 @@ class RowCache:
     def clear(self) -> None:
         """Forget every row (after an outage, or a resync: nothing cached is trusted)."""
         for t in self._tables.values():
-            t.slot_of.clear()
-            t.used[:] = -1
-            t.free = list(range(t.capacity - 1, -1, -1))
+            t.clear()
 
     def stats(self) -> CacheStats:
         """Hits and misses so far, and the rows held."""

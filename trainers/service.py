@@ -156,7 +156,8 @@ class Trainer:
     def __init__(self, settings: TrainerSettings) -> None:
         self.settings = settings
         self.plan = plan_device(settings.device, settings.threads, settings.mixed_precision)
-        self.replica = Replica(build_model(settings.model, seed=settings.seed), self.plan)
+        self.replica = Replica(build_model(settings.model, seed=settings.seed), self.plan,
+                               row_dtype=getattr(torch, settings.row_dtype))
         self.redis = connect(settings.redis_url)
         self.store = ParameterStore(self.redis, settings.job)
         # A reply slower than a second is as good as none: the lease is a few seconds.
@@ -517,7 +518,7 @@ class Trainer:
         t2 = time.monotonic()
         lookups = rows = None
         if self.rows is not None and bound is not None:
-            lookups = plan_lookups(self.tables, batch.ids, len(batch))
+            lookups = plan_lookups(self.tables, batch.ids, len(batch), groups=self.rows.groups)
             fetched = self.rows.fetch(lookups, clock=clock, bound=bound, required=table_required(bound, clock),
                                       covers=wait.min_applied if wait.min_applied is not None else -1)
             rows = fetched.rows

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,9 +38,11 @@ class Replica:
     """A trainer's local copy of the model; pulls write straight into its parameters
     (``ParameterStore.pull(out=replica.tensors)``), with no second copy."""
 
-    def __init__(self, spec: ModelSpec, plan: DevicePlan) -> None:
+    def __init__(self, spec: ModelSpec, plan: DevicePlan, *, row_dtype: torch.dtype = torch.float32) -> None:
         self.spec = spec
         self.plan = plan
+        self.row_dtype = row_dtype
+        """The dtype gradient rows of embedding tables are cast to on the device (what they travel as)."""
         self.model = spec.model.to(plan.device)
         self.model.train()
         self.params = dict(self.model.named_parameters())
@@ -62,7 +65,7 @@ class Replica:
         y = y.to(self.plan.device, non_blocking=True)
         for p in self.params.values():
             p.grad = None
-        leaves: dict[str, torch.Tensor] = {}
+        leaves: Mapping[str, Any] = {}
         with self.plan.autocast():
             if self.spec.tables:
                 if lookups is None or rows is None:
@@ -75,5 +78,5 @@ class Replica:
         loss.backward()
         grads = {name: p.grad.detach().to("cpu", torch.float32) for name, p in self.params.items()
                  if p.grad is not None}
-        row_grads = row_gradients(lookups, leaves) if leaves and lookups is not None else []
+        row_grads = row_gradients(lookups, leaves, self.row_dtype) if leaves and lookups is not None else []
         return StepResult(float(loss.detach()), grads, int(x.shape[0]), row_grads)

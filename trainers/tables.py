@@ -23,6 +23,7 @@ Per step and per table:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,7 @@ import redis
 import torch
 
 from datastream.jagged import Jagged
-from services.embeddings import RowGrads, TableSpec
+from services.embeddings import RowGrads, TableSpec, group_of_ids
 from services.embeddings.store import pull_rows
 
 from services.consistency import Consistency, required_clock
@@ -60,11 +61,15 @@ class TableLookup:
     ids: np.ndarray
     """Unique IDs, sorted (int64)."""
     features: tuple[FeatureLookup, ...]
+    owners: np.ndarray | None = None
+    """The shard group of each of :attr:`ids` (``services.embeddings.group_of_ids``), computed once
+    for the pull and the push of the step."""
 
 
-def plan_lookups(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged], n: int) -> dict[str, TableLookup]:
+def plan_lookups(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged], n: int, *,
+                 groups: int | None = None) -> dict[str, TableLookup]:
     """The lookups of a batch of ``n`` records with categorical features ``ids`` (a feature the batch
-    lacks has no ID in any record, and pools to zeros).
+    lacks has no ID in any record, and pools to zeros); with ``groups``, each ID's shard group too.
 
     Raises:
         ValueError: a feature's column does not have ``n`` records.
@@ -85,7 +90,8 @@ def plan_lookups(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged], n: 
         for f, col in columns:
             feats.append(FeatureLookup(f, inverse[at:at + col.nnz].astype(np.int64, copy=False), col.offsets[:-1]))
             at += col.nnz
-        out[name] = TableLookup(spec, unique, tuple(feats))
+        out[name] = TableLookup(spec, unique, tuple(feats),
+                                None if groups is None else group_of_ids(unique, groups))
     return out
 
 
@@ -138,7 +144,10 @@ class RowFetcher:
                 wanted[name] = lk.ids[miss]
         wire = 0
         if wanted:
-            pulled = pull_rows(self.client, self.job, self.tables, self.groups, wanted)
+            owners = {name: lookups[name].owners[miss] for name, miss in misses.items()
+                      if lookups[name].owners is not None}
+            pulled = pull_rows(self.client, self.job, self.tables, self.groups, wanted,
+                               owners=owners if len(owners) == len(wanted) else None)
             wire = pulled.wire_bytes
             self.pulled_bytes += wire
             for name, miss in misses.items():
@@ -186,26 +195,61 @@ def table_inputs(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged],
 
 def pool(lookups: Mapping[str, TableLookup], rows: Mapping[str, np.ndarray], device: torch.device
          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Each feature's rows pooled per record, and the leaf tensors (one per table, on ``device``,
-    requiring grad) they were pooled from: (feature -> ``[n, dim]``, table -> ``[ids, dim]``)."""
-    leaves, pooled = {}, {}
-    for name, lk in lookups.items():
-        leaf = torch.from_numpy(rows[name]).to(device, non_blocking=True).requires_grad_()
-        leaves[name] = leaf
-        for f in lk.features:
-            pooled[f.feature] = torch.nn.functional.embedding_bag(
-                torch.from_numpy(f.index).to(device, non_blocking=True), leaf,
-                torch.from_numpy(f.offsets).to(device, non_blocking=True), mode=lk.spec.pooling)
+    """Each feature's rows pooled per record, and the leaf tensors they were pooled from (on
+    ``device``, requiring grad): (feature -> ``[n, dim]``, table -> its ``[ids, dim]`` rows, views of
+    the leaf).
+
+    Tables of one dimension and pooling share one leaf and one ``embedding_bag`` call (their rows
+    stacked, each feature's bags one after the other), so a step with 26 tables runs one kernel, not
+    26, forward and backward."""
+    kinds: dict[tuple[int, str], list[TableLookup]] = {}
+    for lk in lookups.values():
+        kinds.setdefault((lk.spec.dim, lk.spec.pooling), []).append(lk)
+    pooled, leaves = {}, {}
+    for (_, mode), group in kinds.items():
+        base, at, index, offsets, feats = 0, 0, [], [], []
+        for lk in group:
+            for f in lk.features:
+                index.append(f.index + base)
+                offsets.append(f.offsets + at)
+                at += f.index.size
+                feats.append(f.feature)
+            base += lk.ids.size
+        stacked = np.concatenate([rows[lk.spec.name] for lk in group]) if len(group) > 1 else rows[group[0].spec.name]
+        leaf = torch.from_numpy(stacked).to(device, non_blocking=True).requires_grad_()
+        out = torch.nn.functional.embedding_bag(
+            torch.from_numpy(np.concatenate(index)).to(device, non_blocking=True), leaf,
+            torch.from_numpy(np.concatenate(offsets)).to(device, non_blocking=True), mode=mode)
+        n = out.shape[0] // max(len(feats), 1)
+        for j, f in enumerate(feats):
+            pooled[f] = out[j * n:(j + 1) * n]
+        start = 0
+        for lk in group:
+            leaves[lk.spec.name] = _Rows(leaf, start, start + lk.ids.size)
+            start += lk.ids.size
     return pooled, leaves
 
 
-def row_gradients(lookups: Mapping[str, TableLookup], leaves: Mapping[str, torch.Tensor]) -> list[RowGrads]:
-    """The gradient rows the backward pass left on ``leaves``, one part per table that has any (only
-    these ``[ids, dim]`` rows leave the device)."""
+class _Rows:
+    """Rows ``start:stop`` of a shared leaf: one table's part of it."""
+
+    def __init__(self, leaf: torch.Tensor, start: int, stop: int) -> None:
+        self.leaf, self.start, self.stop = leaf, start, stop
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        g = self.leaf.grad
+        return None if g is None else g[self.start:self.stop]
+
+
+def row_gradients(lookups: Mapping[str, TableLookup], leaves: Mapping[str, Any],
+                  dtype: torch.dtype = torch.float32) -> list[RowGrads]:
+    """The gradient rows the backward pass left on ``leaves``, one part per table that has any, cast to
+    ``dtype`` where they are (on the GPU: only the cast ``[ids, dim]`` rows cross to the host)."""
     out = []
     for name, lk in lookups.items():
         grad = leaves[name].grad
         if grad is None or lk.ids.size == 0:
             continue
-        out.append(RowGrads(name, lk.ids, grad.detach().to("cpu", torch.float32).numpy()))
+        out.append(RowGrads(name, lk.ids, grad.detach().to(dtype).cpu().numpy(), lk.owners))
     return out

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..errors import BadGradientError, PayloadError
 from ..wire import DEFAULT_MAX_BYTES, pack, unpack
@@ -26,6 +27,7 @@ __all__ = ["RowGrads", "WIRE_DTYPES", "encode_row_grads", "decode_row_grads", "s
 
 WIRE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 """How gradient rows may travel."""
+_TORCH = {"float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -37,18 +39,23 @@ class RowGrads:
     ids: np.ndarray
     """Unique IDs, int64, strictly increasing."""
     grads: np.ndarray
-    """``[len(ids), dim]`` float32 gradient rows."""
+    """``[len(ids), dim]`` gradient rows: float32, or already float16 (cast where they were computed)."""
+    owners: np.ndarray | None = None
+    """The shard group of each ID, when the caller has it (else :func:`split_by_group` computes it)."""
 
 
 def split_by_group(part: RowGrads, groups: int) -> dict[int, RowGrads]:
     """``part`` split into the rows each group owns (each group's IDs stay increasing)."""
     if groups == 1:
         return {0: part}
-    owner = group_of_ids(part.ids, groups)
+    owner = part.owners if part.owners is not None else group_of_ids(part.ids, groups)
+    order = np.argsort(owner, kind="stable")  # each group's IDs stay increasing
+    cuts = np.searchsorted(owner[order], np.arange(groups + 1))
     out = {}
-    for g in np.unique(owner).tolist():
-        mask = owner == g
-        out[g] = RowGrads(part.table, part.ids[mask], part.grads[mask])
+    for g in range(groups):
+        at = order[cuts[g]:cuts[g + 1]]
+        if at.size:
+            out[g] = RowGrads(part.table, part.ids[at], part.grads[at])
     return out
 
 
@@ -66,13 +73,14 @@ def encode_row_grads(parts: Sequence[RowGrads], *, wire_dtype: str = "float32") 
     for p in parts:
         if p.grads.ndim != 2 or p.grads.shape[0] != p.ids.shape[0]:
             raise ValueError(f"table {p.table}: {p.ids.shape[0]} IDs but gradient rows of shape {p.grads.shape}")
-        with np.errstate(over="ignore"):  # an overflow is refused below, by table
-            wire = np.ascontiguousarray(p.grads, dtype=dt)
-        if not np.isfinite(wire).all():
-            bad = int((~np.isfinite(wire)).sum())
-            what = "NaN or infinite" if not np.isfinite(p.grads).all() else f"overflowing {wire_dtype}"
+        grads = torch.from_numpy(np.ascontiguousarray(p.grads))  # torch casts float16 ~10x faster than numpy
+        wire = grads.to(_TORCH[wire_dtype])
+        finite = torch.isfinite(wire)
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            what = "NaN or infinite" if not bool(torch.isfinite(grads).all()) else f"overflowing {wire_dtype}"
             raise BadGradientError(f"gradient rows of table {p.table!r}: {bad} value(s) {what}")
-        out.append([p.table, np.ascontiguousarray(p.ids, dtype="<i8").tobytes(), wire.tobytes(), wire_dtype])
+        out.append([p.table, np.ascontiguousarray(p.ids, dtype="<i8").tobytes(), wire.numpy().tobytes(), wire_dtype])
     return pack({"t": out})
 
 
@@ -110,9 +118,10 @@ def decode_row_grads(blob: bytes, tables: Mapping[str, TableSpec], *, max_bytes:
                                f"{ids.size * spec.dim * dt.itemsize} bytes of {dtype}, got {len(raw_grads)}")
         if ids.size > 1 and not (ids[1:] > ids[:-1]).all():
             raise BadGradientError(f"{what}: table {name!r}: IDs must be unique and increasing")
-        grads = np.frombuffer(raw_grads, dtype=dt).reshape(ids.size, spec.dim).astype(np.float32)
-        if not np.isfinite(grads).all():
-            raise BadGradientError(f"{what}: table {name!r}: {int((~np.isfinite(grads)).sum())} NaN or "
-                                   "infinite value(s)")
+        wire = torch.from_numpy(np.frombuffer(raw_grads, dtype=dt).reshape(ids.size, spec.dim).copy())
+        finite = torch.isfinite(wire)
+        if not bool(finite.all()):
+            raise BadGradientError(f"{what}: table {name!r}: {int((~finite).sum())} NaN or infinite value(s)")
+        grads = wire.float().numpy()
         out.append(RowGrads(name, ids, grads))
     return out

@@ -89,9 +89,10 @@ def _check(mask: bytes, n: int, what: str) -> np.ndarray:
 
 
 def pull_rows(client: redis.Redis, job: str, tables: Mapping[str, TableSpec], groups: int,
-              wanted: Mapping[str, np.ndarray]) -> RowPull:
+              wanted: Mapping[str, np.ndarray], *, owners: Mapping[str, np.ndarray] | None = None) -> RowPull:
     """The version and values of each row of ``wanted`` (table -> int64 IDs), one round trip per
-    group that owns any of them. An ID without a row reads as its initial value.
+    group that owns any of them. An ID without a row reads as its initial value. ``owners``: each
+    ID's group, when the caller has it (``rows.group_of_ids``).
 
     Raises:
         LayoutError: a table is not in ``tables``, or a reply does not fit what was asked.
@@ -99,7 +100,8 @@ def pull_rows(client: redis.Redis, job: str, tables: Mapping[str, TableSpec], gr
     for name in wanted:
         if name not in tables:
             raise LayoutError(f"job {job}: no embedding table {name!r} (tables: {sorted(tables)})")
-    owners = {name: group_of_ids(np.asarray(ids, dtype=np.int64), groups) for name, ids in wanted.items()}
+    if owners is None:
+        owners = {name: group_of_ids(np.asarray(ids, dtype=np.int64), groups) for name, ids in wanted.items()}
     out = {name: PulledRows(ids, np.empty((len(ids), tables[name].dim), dtype=np.float32),
                             np.zeros(len(ids), dtype=np.uint64), np.zeros(len(ids), dtype=bool))
            for name, ids in wanted.items()}

@@ -1,0 +1,324 @@
+"""Embedding tables in the parameter plane against a plain local PyTorch loop, in one run.
+
+The stream: the ``clicks`` source shaped like Criteo (26 categorical features with
+Zipf-distributed IDs, exponent 1.1, from a vocabulary of 10 million IDs in all; 13
+dense features; a hidden logistic truth that drifts slowly). The model: the built-in
+ranking model (``dlrm``, embedding dimension 16), batch 512, tables updated by lazy
+Adam (the rows' ``SparseAdam``), the dense part by Adam.
+
+1. **Peer**: a plain local PyTorch loop over the same training records, in memory:
+   one ``nn.EmbeddingBag(sparse=True)`` per feature holding every row the stream
+   touches (IDs mapped to rows up front, as a user with data at rest would), the
+   same dense module, ``SparseAdam`` for the tables and ``Adam`` for the dense part,
+   one thread. Samples/s over the pass (data loading excluded).
+2. **Pipeline, one trainer** (one thread) and **two trainers** (one thread each):
+   everything real (Kafka, Redis, the coordinator, two parameter servers, one per
+   shard group); the data is produced first, so the producer is not what is
+   measured; samples/s counts the samples the servers applied, from the first to the
+   last applied update. Dense part SSP s = 2; tables ASP with a cached row used for
+   at most 4 more steps (``--table-consistency asp --table-staleness 4``).
+3. What moves and what it costs: the bytes the trainer's row pulls read per step
+   over the rows the batch needs (unique IDs x dim x 4), Redis's memory of the rows
+   (``MEMORY USAGE``) over their raw bytes (values and optimizer state), and the
+   trainer's peak RSS at two table sizes (a short run and the full one).
+4. Quality: held-out AUC and log loss, on the test-split records of the last 10 % of
+   the stream, of the pipeline's parameters (dense snapshot and rows read from Redis)
+   and of the local loop's.
+
+Writes ``bench/results/embeddings.json``; prints the ratios last.
+
+    .venv/bin/python bench/embeddings.py [--records 200000] [--vocab 10000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shutil
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+# Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import numpy as np  # noqa: E402
+import redis as redis_lib  # noqa: E402
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from common.keys import JobKeys  # noqa: E402
+from coordinator.settings import CoordinatorSettings  # noqa: E402
+from datastream import load_source, produce  # noqa: E402
+from datastream.examples import Examples  # noqa: E402
+from services.embeddings.rows import row_dtype  # noqa: E402
+from services.protocol import AccountingRecord  # noqa: E402
+from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec, LocalCluster  # noqa: E402
+from streamtrain.launcher import free_port  # noqa: E402
+from services import ParameterStore, connect  # noqa: E402
+from services.embeddings.store import pull_rows  # noqa: E402
+from trainers.tables import plan_lookups, pool  # noqa: E402
+from trainers.models import build_model  # noqa: E402
+from trainers.progress import PHASE_LOG  # noqa: E402
+
+RESULTS = _HERE / "results" / "embeddings.json"
+console = Console(width=120)
+
+BATCH = 512
+DIM = 16
+ROW_LR = 0.01
+DENSE_LR = 0.001
+
+
+def source_spec(vocab: int, limit: int) -> str:
+    return f"clicks?features=26&dense=13&vocab={vocab}&zipf=1.1&seed=7&limit={limit}"
+
+
+def model_spec() -> str:
+    return f"dlrm?features=26&dense=13&dim={DIM}&row_lr={ROW_LR}"
+
+
+def held_out(vocab: int, limit: int) -> Examples:
+    """The test-split records of the last 10 % of the stream's ``limit`` records."""
+    test = load_source(source_spec(vocab, limit), split="test").read()
+    return test.slice(int(0.9 * len(test)), len(test))
+
+
+# -- the peer: a plain local loop --------------------------------------------------------------------
+
+def local_loop(vocab: int, limit: int, threads: int) -> dict[str, object]:
+    """One pass of a plain local PyTorch loop over the training records in memory."""
+    torch.set_num_threads(threads)
+    train = load_source(source_spec(vocab, limit), split="train").read()
+    evals = held_out(vocab, limit)
+    spec = build_model(model_spec())
+    model = spec.model
+    names = [t.name for t in spec.tables]
+    bags, maps = {}, {}
+    rows = 0
+    for name in names:  # every ID the stream touches gets a row (the eval set's too): a vocabulary
+        ids = np.unique(np.concatenate([train.ids[name].values, evals.ids[name].values]))
+        maps[name] = ids
+        rows += ids.size
+        bag = torch.nn.EmbeddingBag(ids.size, DIM, mode="sum", sparse=True)
+        with torch.no_grad():  # the same initial rows the parameter plane gives each ID
+            from services.embeddings import initial_rows
+            bag.weight.copy_(torch.from_numpy(initial_rows(spec.tables[names.index(name)], ids)))
+        bags[name] = bag
+    index = {name: torch.from_numpy(np.searchsorted(maps[name], train.ids[name].values)) for name in names}
+    offsets = {name: train.ids[name].offsets for name in names}
+    x = torch.from_numpy(train.x).float()
+    y = torch.from_numpy(train.y)
+    sparse = torch.optim.SparseAdam([b.weight for b in bags.values()], lr=ROW_LR)
+    dense = torch.optim.Adam(model.parameters(), lr=DENSE_LR)
+    n = len(train)
+    t0 = time.perf_counter()
+    for start in range(0, n - BATCH + 1, BATCH):
+        stop = start + BATCH
+        pooled = {}
+        for name in names:
+            lo, hi = int(offsets[name][start]), int(offsets[name][stop])
+            pooled[name] = bags[name](index[name][lo:hi],
+                                      torch.from_numpy(offsets[name][start:stop] - lo))
+        loss = spec.loss_fn(model(x[start:stop], pooled), y[start:stop])
+        sparse.zero_grad()
+        dense.zero_grad()
+        loss.backward()
+        sparse.step()
+        dense.step()
+    seconds = time.perf_counter() - t0
+    steps = n // BATCH
+    auc, logloss = _score_local(model, bags, maps, names, evals, spec)
+    return {"samples": steps * BATCH, "samples_per_s": steps * BATCH / seconds, "seconds": seconds, "rows": rows,
+            "auc": auc, "log_loss": logloss}
+
+
+@torch.no_grad()
+def _score_local(model: torch.nn.Module, bags: dict, maps: dict, names: list[str], evals: Examples,
+                 spec: object) -> tuple[float, float]:
+    from sklearn.metrics import log_loss, roc_auc_score
+    pooled = {name: bags[name](torch.from_numpy(np.searchsorted(maps[name], evals.ids[name].values)),
+                               torch.from_numpy(evals.ids[name].offsets[:-1])) for name in names}
+    logits = model(torch.from_numpy(evals.x).float(), pooled).numpy()
+    p = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    return float(roc_auc_score(evals.y, logits)), float(log_loss(evals.y, p, labels=[0, 1]))
+
+
+# -- the pipeline ---------------------------------------------------------------------------------
+
+def job(name: str, threads: int, metrics_port: int) -> ClusterSpec:
+    return ClusterSpec(job=name, topic=name, trainers=0, producer=None,
+                       coordinator=CoordinatorSettings(partitions=4, ps_groups=2, optimizer="adam", lr=DENSE_LR,
+                                                       codec="none", table_consistency="asp", table_staleness=4),
+                       trainer=replace(LOCAL_TRAINER, model=model_spec(), batch_size=BATCH, threads=threads,
+                                       eval_source="", prefetch=8, metrics_port=metrics_port))
+
+
+def _metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _rows(cluster: LocalCluster) -> tuple[int, int]:
+    """(rows of every table over both groups, Redis bytes of their hashes by MEMORY USAGE)."""
+    client = redis_lib.Redis.from_url(cluster.redis_url)
+    try:
+        keys = [JobKeys(cluster.spec.job).group(g).table_rows(f"c{i}") for g in (0, 1) for i in range(1, 27)]
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.hlen(k)
+            pipe.memory_usage(k, samples=0)
+        got = pipe.execute()
+    finally:
+        client.close()
+    return sum(got[0::2]), sum(v or 0 for v in got[1::2])
+
+
+def _phases(cluster: LocalCluster) -> dict[str, float]:
+    sums: dict[str, list[float]] = {}
+    for trainer in cluster.trainers:
+        for line in trainer.log_path.read_text(errors="replace").splitlines():
+            if PHASE_LOG in line:
+                for part in line.split(PHASE_LOG, 1)[1].strip().split(", "):
+                    name, value = part.rsplit(" ", 1)
+                    sums.setdefault(name, []).append(float(value))
+    return {k: sum(v) / len(v) for k, v in sorted(sums.items())}
+
+
+def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path) -> dict[str, object]:
+    """Samples/s the servers applied with ``trainers`` trainers on pre-produced records, and what it moved."""
+    port = free_port() if trainers == 1 else 0  # trainers of one cluster share their settings: one port
+    spec = job("emb", threads, port)
+    with LocalCluster(spec, workdir=workdir) as cluster:
+        report = produce(cluster.bootstrap, spec.topic, source_spec(vocab, limit), partitions=spec.partitions,
+                         shard_size=BATCH, split="train")
+        for _ in range(trainers):
+            cluster.add_trainer()
+        cluster.wait_consumed(timeout_s=1800)
+        metrics = _metrics(port) if port else {}
+        rss = _rss_mb(cluster.trainers[0].pid)
+        phases = _phases(cluster)
+        cluster.quiesce()
+        client = redis_lib.Redis.from_url(cluster.redis_url)
+        try:
+            entries = [AccountingRecord.from_fields(f) for _, f in client.xrange(JobKeys(spec.job).applied_samples)]
+        finally:
+            client.close()
+        entries = [e for e in entries if e.batch_size > 0]
+        rows, redis_bytes = _rows(cluster)
+        score = _score_pipeline(cluster, held_out(vocab, limit)) if trainers == 1 else None
+    samples = sum(e.batch_size for e in entries)
+    span = (entries[-1].applied_ms - entries[0].applied_ms) / 1000
+    lookups = metrics.get("streamtrain_row_cache_hits_total", 0) + metrics.get("streamtrain_row_cache_misses_total", 0)
+    out: dict[str, object] = {
+        "trainers": trainers, "samples": samples, "produced": report.records, "samples_per_s": samples / span,
+        "span_s": span, "updates": len(entries), "rows": rows, "redis_bytes": redis_bytes,
+        "pull_bytes": metrics.get("streamtrain_row_pull_bytes_total", 0.0), "row_lookups": lookups,
+        "cache_hit_rate": metrics.get("streamtrain_row_cache_hit_rate"), "trainer_peak_rss_mb": rss,
+        "step_ms": phases}
+    if score is not None:
+        out.update(auc=score[0], log_loss=score[1])
+    return out
+
+
+@torch.no_grad()
+def _score_pipeline(cluster: LocalCluster, evals: Examples) -> tuple[float, float]:
+    """AUC and log loss of the parameters the job stores (a dense snapshot, and the rows of the held-out
+    records' IDs as they are now), scored like the local loop's."""
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    spec = build_model(model_spec())
+    tables = {t.name: t for t in spec.tables}
+    client = connect(cluster.redis_url)
+    try:
+        store = ParameterStore(client, cluster.spec.job)
+        spec.model.load_state_dict(store.pull().tensors)
+        groups = store.meta().groups
+        lookups = plan_lookups(tables, evals.ids, len(evals))
+        got = pull_rows(client, cluster.spec.job, tables, groups, {n: lk.ids for n, lk in lookups.items()})
+    finally:
+        client.close()
+    pooled, _ = pool(lookups, {n: r.values for n, r in got.tables.items()}, torch.device("cpu"))
+    logits = spec.model(torch.from_numpy(evals.x).float(), pooled).numpy()
+    p = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    return float(roc_auc_score(evals.y, logits)), float(log_loss(evals.y, p, labels=[0, 1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--records", type=int, default=250_000, help="records of the stream (its train split is trained on)")
+    ap.add_argument("--vocab", type=int, default=10_000_000, help="IDs in all, over the 26 features")
+    ap.add_argument("--small", type=int, default=50_000, help="records of the short run (the smaller tables)")
+    ap.add_argument("--threads", type=int, default=1, help="threads of the local loop and of each trainer")
+    ap.add_argument("--workdir", default="/tmp/streamtrain-bench-embeddings")
+    args = ap.parse_args()
+    workdir = Path(args.workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+    console.print(f"[bold]local loop[/] over {args.records:,} records (train split), vocabulary {args.vocab:,}")
+    local = local_loop(args.vocab, args.records, args.threads)
+    console.print(local)
+    runs = {}
+    for name, trainers, limit in (("small", 1, args.small), ("one", 1, args.records), ("two", 2, args.records)):
+        console.print(f"[bold]pipeline[/] {name}: {trainers} trainer(s), {limit:,} records")
+        runs[name] = pipeline(args.vocab, limit, trainers, args.threads, workdir / name)
+        console.print(runs[name])
+    one, two, small = runs["one"], runs["two"], runs["small"]
+    raw = row_dtype(build_model(model_spec()).tables[0])
+    raw_bytes = raw.fields["values"][0].itemsize + raw.fields["state"][0].itemsize  # values + optimizer state
+    ratios = {
+        "pull_bytes_per_needed": one["pull_bytes"] / (one["row_lookups"] * DIM * 4),
+        "redis_bytes_per_raw_row": one["redis_bytes"] / one["rows"] / raw_bytes,
+        "two_over_one": two["samples_per_s"] / one["samples_per_s"],
+        "one_over_local": one["samples_per_s"] / local["samples_per_s"],
+        "auc_gap": local["auc"] - one["auc"],
+    }
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"machine": platform.platform(), "cpus": torch.get_num_threads(),
+                                   "records": args.records, "vocab": args.vocab, "local": local, "runs": runs,
+                                   "ratios": ratios}, indent=2, default=str))
+    table = Table(title="embeddings: the pipeline against a plain local loop (one run)")
+    for col in ("", "samples/s", "rows", "AUC", "log loss", "peak RSS MB", "cache hits"):
+        table.add_column(col)
+    table.add_row("local loop", f"{local['samples_per_s']:,.0f}", f"{local['rows']:,}", f"{local['auc']:.4f}",
+                  f"{local['log_loss']:.4f}", "", "")
+    for name, r in runs.items():
+        table.add_row(f"pipeline {name} ({r['trainers']} trainer)", f"{r['samples_per_s']:,.0f}", f"{r['rows']:,}",
+                      f"{r['auc']:.4f}" if r.get("auc") is not None else "",
+                      f"{r['log_loss']:.4f}" if r.get("log_loss") is not None else "",
+                      f"{r['trainer_peak_rss_mb']:.0f}", f"{r['cache_hit_rate']:.2f}" if r["cache_hit_rate"] else "")
+    console.print(table)
+    console.print(f"one trainer, ms per step: {one['step_ms']}")
+    print(f"trainer peak RSS: {small['trainer_peak_rss_mb']:.0f} MB at {small['rows']:,} rows")
+    print(f"trainer peak RSS: {one['trainer_peak_rss_mb']:.0f} MB at {one['rows']:,} rows")
+    print(f"pull bytes per step / (unique ids x dim x 4): {ratios['pull_bytes_per_needed']:.3f}")
+    print(f"redis bytes per row / raw row bytes: {ratios['redis_bytes_per_raw_row']:.3f}")
+    print(f"held-out AUC: pipeline {one['auc']:.4f}, local loop {local['auc']:.4f}; "
+          f"log loss: pipeline {one['log_loss']:.4f}, local loop {local['log_loss']:.4f}")
+    print(f"auc gap, local loop - pipeline, embeddings: {ratios['auc_gap']:.4f}")
+    print(f"ratio 2 trainers / 1 trainer, embeddings: {ratios['two_over_one']:.3f}")
+    print(f"ratio 1 trainer / local loop, embeddings: {ratios['one_over_local']:.3f}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    assert math.isfinite(ratios["one_over_local"])
+
+
+if __name__ == "__main__":
+    main()
