@@ -36,13 +36,13 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from bench.pipeline import time_to_accuracy  # noqa: E402
-from coordinator.settings import CoordinatorSettings  # noqa: E402
-from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec  # noqa: E402
-from trainers import build_model  # noqa: E402
+from bench.pipeline import time_to_accuracy
+from coordinator.settings import CoordinatorSettings
+from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec
+from trainers import build_model
 
 RESULTS = _HERE / "results" / "compression.json"
 SOURCE = "digits?repeat=0"
@@ -113,7 +113,8 @@ def main() -> None:
     for label, settings in jobs:
         r = run(settings, args.records, args.workdir / f"speed-{label.replace(' ', '').replace(',', '-')}")
         results["time_to_95"][label] = {k: v for k, v in r.items() if k != "curve"} | {"settings": settings}
-        console.print(f"{label}: 95% after {r['seconds']:.2f} s (reached: {r['reached']}), final {r['final_accuracy']:.4f}")
+        console.print(f"{label}: 95% after {r['seconds']:.2f} s (reached: {r['reached']}), "
+                      f"final {r['final_accuracy']:.4f}")
         speed.add_row(label, str(settings["lr"]), f"{r['seconds']:.2f}" if r["reached"] else "not reached",
                       "-" if r["lowest_after_target"] is None else f"{r['lowest_after_target']:.2%}",
                       f"{r['final_accuracy']:.2%}")

@@ -34,14 +34,14 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import redis  # noqa: E402
-from aiohttp import web  # noqa: E402
+import redis
+from aiohttp import web
 
-from coordinator import CoordinatorClient, CoordinatorSettings  # noqa: E402
-from coordinator.app import create_app  # noqa: E402
-from coordinator.state import parse_assignment  # noqa: E402
-from common.keys import JobKeys  # noqa: E402
-from streamtrain.launcher import RedisServer, free_port  # noqa: E402
+from common.keys import JobKeys
+from coordinator import CoordinatorClient, CoordinatorSettings
+from coordinator.app import create_app
+from coordinator.state import parse_assignment
+from streamtrain.launcher import RedisServer, free_port
 
 RESULTS = _HERE / "results" / "coordinator.json"
 

@@ -32,14 +32,13 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from kafka import KafkaConsumer, TopicPartition  # noqa: E402
+import numpy as np
+import torch
+from kafka import KafkaConsumer, TopicPartition
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce  # noqa: E402
-from datastream.topics import MAX_MESSAGE_BYTES  # noqa: E402
-from streamtrain.launcher import KafkaBroker  # noqa: E402
+from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce
+from datastream.topics import MAX_MESSAGE_BYTES
+from streamtrain.launcher import KafkaBroker
 
 RESULTS = Path(__file__).resolve().parent / "results" / "datastream.json"
 FETCH = {"fetch_max_bytes": 64 << 20, "max_partition_fetch_bytes": MAX_MESSAGE_BYTES,

@@ -48,16 +48,23 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import redis  # noqa: E402
-import torch  # noqa: E402
+import redis
+import torch
 
-from services import (  # noqa: E402
-    OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, Update, connect, get_codec,
+from common.keys import JobKeys
+from services import (
+    OptimizerConfig,
+    ParameterServer,
+    ParameterStore,
+    Pusher,
+    ServerSettings,
+    Update,
+    connect,
+    get_codec,
     push_update,
 )
-from services.protocol import group_of  # noqa: E402
-from common.keys import JobKeys  # noqa: E402
-from streamtrain.launcher import RedisServer  # noqa: E402
+from services.protocol import group_of
+from streamtrain.launcher import RedisServer
 
 RESULTS = _HERE / "results" / "paramserver.json"
 MB = 1024 * 1024

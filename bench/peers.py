@@ -21,14 +21,15 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 
-from datastream import load_source  # noqa: E402
-from streamtrain.launcher import free_port  # noqa: E402
-from trainers.models import build_model  # noqa: E402
+from datastream import load_source
+from streamtrain.launcher import free_port
+from trainers.models import build_model
+
 
 def local_throughput(model: str, batch: int, threads: int, source: str, records: int, lr: float = 0.001) -> float:
     """Samples/s of a plain local loop (the ceiling): forward, backward, Adam step, data in memory."""

@@ -59,20 +59,20 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import redis as redis_lib  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import redis as redis_lib
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from bench.peers import ddp_throughput, local_throughput, local_time_to_accuracy, one_pass  # noqa: E402
-from datastream import load_source, produce  # noqa: E402
-from services import LayoutError, ParameterStore, Snapshot, connect  # noqa: E402
-from services.protocol import AccountingRecord  # noqa: E402
-from coordinator.settings import CoordinatorSettings  # noqa: E402
-from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster  # noqa: E402
-from common.keys import JobKeys  # noqa: E402
-from trainers import build_model, evaluate  # noqa: E402
-from trainers.progress import PHASE_LOG  # noqa: E402
+from bench.peers import ddp_throughput, local_throughput, local_time_to_accuracy, one_pass
+from common.keys import JobKeys
+from coordinator.settings import CoordinatorSettings
+from datastream import load_source, produce
+from services import LayoutError, ParameterStore, Snapshot, connect
+from services.protocol import AccountingRecord
+from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster
+from trainers import build_model, evaluate
+from trainers.progress import PHASE_LOG
 
 RESULTS = _HERE / "results" / "pipeline.json"
 console = Console(width=120)
@@ -354,8 +354,8 @@ def main() -> None:
                   f"accuracy {ours['final_accuracy']:.3f} after {args.records_accuracy:,} records)")
     console.print(f"recovery after kill -9, median of {len(rf['recovery_s'])}: {rf['recovery_median_s']:.2f} s "
                   f"({', '.join(f'{r:.2f}' for r in rf['recovery_s'])}) until its partitions were consumed again")
-    console.print(f"frozen trainer (SIGSTOP) fenced and its partitions consumed again after {rf['frozen_replaced_s']:.2f} s "
-                  f"(lease {rf['lease_s']:.1f} s)")
+    console.print(f"frozen trainer (SIGSTOP) fenced and its partitions consumed again after "
+                  f"{rf['frozen_replaced_s']:.2f} s (lease {rf['lease_s']:.1f} s)")
     console.print(f"freshness at {args.rate:,.0f} records/s, steady state: p50 {rf['freshness_p50_s']:.3f} s, "
                   f"p99 {rf['freshness_p99_s']:.3f} s over {rf['freshness_batches']} batches; "
                   f"including the kill: p50 {rf['freshness_with_kill_p50_s']:.3f} s, "

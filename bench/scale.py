@@ -60,21 +60,27 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import redis
+import torch
 
-from common.keys import JobKeys  # noqa: E402
-from coordinator.settings import CoordinatorSettings  # noqa: E402
-from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce  # noqa: E402
-from services import (  # noqa: E402
-    OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, connect, read_job_clocks,
+from common.keys import JobKeys
+from coordinator.settings import CoordinatorSettings
+from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce
+from services import (
+    OptimizerConfig,
+    ParameterServer,
+    ParameterStore,
+    Pusher,
+    ServerSettings,
+    connect,
+    read_job_clocks,
     unapplied_updates,
 )
-from services.protocol import own_shards  # noqa: E402
-from streamtrain.launcher import KafkaBroker, RedisCluster, ServiceProcess  # noqa: E402
-from trainers import build_model  # noqa: E402
-from trainers.settings import TrainerSettings  # noqa: E402
+from services.protocol import own_shards
+from streamtrain.launcher import KafkaBroker, RedisCluster, ServiceProcess
+from trainers import build_model
+from trainers.settings import TrainerSettings
 
 RESULTS = _HERE / "results" / "scale.json"
 MODEL = "mlp-2m"
@@ -190,7 +196,7 @@ class Trainer:
         self.encode_cpu_s = 0.0
         encode = self.pusher.encode
 
-        def timed(grads: Mapping[str, torch.Tensor]):  # noqa: ANN202 - Pusher.encode's tuple
+        def timed(grads: Mapping[str, torch.Tensor]):
             t = time.process_time()
             try:
                 return encode(grads)

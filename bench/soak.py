@@ -39,13 +39,13 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import redis as redis_lib  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import redis as redis_lib
+from rich.console import Console
+from rich.table import Table
 
-from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster  # noqa: E402
-from common.keys import JobKeys  # noqa: E402
-from services import ParameterStore  # noqa: E402
+from common.keys import JobKeys
+from services import ParameterStore
+from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster
 
 RESULTS = _HERE / "results" / "soak.json"
 TARGET_PCT_PER_HOUR = 5.0

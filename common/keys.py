@@ -172,7 +172,8 @@ class GroupKeys:
     """Key names of parameter-server shard group ``group`` of job ``job`` (hash tag ``{job:g<group>}``).
 
     Group g owns shards ``i`` with ``i % groups == g`` (``services.protocol.group_of``); its version,
-    cursors and optimizer state are its own. Shard ``i`` at group version V is :meth:`shard` plus its deltas in (base, V].
+    cursors and optimizer state are its own. Shard ``i`` at group version V is :meth:`shard` plus its
+    deltas in (base, V].
     """
 
     job: str

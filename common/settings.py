@@ -39,8 +39,9 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def setting(default: Any, *, env: str | None, help: str, min: float | None = None,  # noqa: A002
-            max: float | None = None, choices: Sequence[Any] | None = None, hidden: bool = False) -> Any:
+def setting(default: Any, *, env: str | None, help: str,  # noqa: A002 - `help` as in argparse
+            min: float | None = None, max: float | None = None,  # noqa: A002 - the bounds, as the docs name them
+            choices: Sequence[Any] | None = None, hidden: bool = False) -> Any:
     """Declare a settings field with its environment variable, bounds and help.
 
     ``hidden``: a switch for the tests, not the user: its flag and variable work as any other's,

@@ -46,8 +46,7 @@ from common.keys import JobKeys
 
 from .assignment import JobConfig
 from .errors import ConflictError, FencedError, MemberGoneError, UnknownMemberError
-from .membership import (Action, CheckLeases, Departure, Event, Member, Membership, departures, forgotten,
-                         handle)
+from .membership import Action, CheckLeases, Departure, Event, Member, Membership, departures, forgotten, handle
 from .settings import CoordinatorSettings
 
 logger = logging.getLogger(__name__)

@@ -130,7 +130,7 @@ class _Acks:
         self.records = self.shards = self.failed = 0
         self.errors: list[str] = []
 
-    def sent(self, n: int):  # noqa: ANN201 - returns the two callbacks
+    def sent(self, n: int):
         def ok(_metadata: object) -> None:
             with self.lock:
                 self.records += n

@@ -424,7 +424,7 @@ def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -
         blocks = _clicks(opts)
     elif base == "stdin":
         blocks = _stdin(opts, stdin)
-    elif colon and prefix in _FILES or not colon and Path(base).suffix[1:] in _FILES:
+    elif (colon and prefix in _FILES) or (not colon and Path(base).suffix[1:] in _FILES):
         kind, path = (prefix, Path(arg)) if colon else (Path(base).suffix[1:], Path(base))
         if not path.is_file():
             raise SourceError(f"source {spec!r}: no such file {path}")

@@ -9,7 +9,6 @@ may die without losing an acknowledged record, stopping writes, or duplicating a
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 from kafka import KafkaProducer

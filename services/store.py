@@ -54,6 +54,7 @@ from .errors import LayoutError
 from .layout import DEFAULT_SHARD_ELEMS, Layout, ShardSpec, make_layout
 from .optim import OptimizerConfig, slots
 from .protocol import own_shards
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParameterStore", "Snapshot", "ModelMeta", "connect"]
@@ -77,8 +78,8 @@ def connect(url: str, **kwargs: object) -> redis.Redis:
     parser and uses redis-py's serializer for commands; see
     ``docs/parameter-plane.md`` and ``bench/paramserver.py``.
     """
-    from redis.connection import PythonRespSerializer
     from redis._parsers import Encoder
+    from redis.connection import PythonRespSerializer
 
     from common import redis_client
 

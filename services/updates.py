@@ -36,7 +36,12 @@ from common.outage import REDIS_DOWN
 
 from .codecs import Sent, decode_sent
 from .errors import (
-    BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterPlaneError,
+    BackpressureError,
+    BadGradientError,
+    FencedError,
+    LayoutError,
+    OffsetConflictError,
+    ParameterPlaneError,
     PayloadError,
 )
 from .layout import Layout

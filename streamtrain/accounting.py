@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 
 from kafka import KafkaConsumer, TopicPartition
 
-from datastream import DecodeError, decode_record, dlq_topic, parse_dlq_headers
-
 from common.keys import JobKeys
 from common.redis_client import connect
+from datastream import DecodeError, decode_record, dlq_topic, parse_dlq_headers
 from services.protocol import AccountingRecord, Status
 
 Sample = tuple[str, int]

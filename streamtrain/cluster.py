@@ -342,7 +342,7 @@ class LocalCluster:
             if proc is not None:
                 try:
                     proc.stop()
-                except Exception:  # noqa: BLE001 - keep stopping the rest
+                except Exception:  # keep stopping the rest
                     logger.exception("could not stop %s", proc.name)
 
     def cleanup(self) -> None:
@@ -359,7 +359,7 @@ class LocalCluster:
 
     # -- observing ----------------------------------------------------------------------------------
     def _get(self, path: str, timeout_s: float = 2.0) -> Any:
-        with urllib.request.urlopen(self.coordinator_url + path, timeout=timeout_s) as resp:  # noqa: S310
+        with urllib.request.urlopen(self.coordinator_url + path, timeout=timeout_s) as resp:
             return json.loads(resp.read())
 
     def _coordinator_up(self) -> bool:

@@ -82,7 +82,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 @contextlib.contextmanager
 def _subnet_lock() -> Iterator[None]:
-    with open(_LOCK, "a") as fh:  # noqa: PTH123 - a lock file, held open while locked
+    with open(_LOCK, "a") as fh:  # a lock file, held open while locked
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

@@ -250,6 +250,7 @@ def _score(cluster: LocalCluster, s: UpSettings, outage: Outage | None = None) -
     start and end, and raises once it outlasts its limit).
     """
     from services import LayoutError
+
     from .scoring import score_job
 
     try:

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import leaks
-
 import pytest
 import redis as redis_lib
 from kafka.admin import KafkaAdminClient

@@ -8,11 +8,23 @@ from collections import Counter
 
 import pytest
 
-from coordinator.runtime import next_check_s
 from coordinator.assign import assign, capability_weight, quotas
 from coordinator.errors import MemberGoneError, UnknownMemberError
-from coordinator.membership import (CheckLeases, Drain, Heartbeat, Leave, Member, MemberExpired,
-                                    MemberState, Rebalanced, Register, RenewLeases, empty, handle)
+from coordinator.membership import (
+    CheckLeases,
+    Drain,
+    Heartbeat,
+    Leave,
+    Member,
+    MemberExpired,
+    MemberState,
+    Rebalanced,
+    Register,
+    RenewLeases,
+    empty,
+    handle,
+)
+from coordinator.runtime import next_check_s
 from coordinator.validation import HEARTBEAT, REGISTER, InvalidBody, parse_json
 
 P12 = list(range(12))
@@ -85,7 +97,7 @@ def test_stale_previous_entries_are_ignored() -> None:
 
 
 def test_more_members_than_partitions() -> None:
-    result = assign({m: 1 for m in "abcdef"}, [0, 1, 2], {})
+    result = assign(dict.fromkeys("abcdef", 1), [0, 1, 2], {})
     assert sorted(result) == [0, 1, 2]
     assert set(counts(result).values()) == {1}
 
@@ -225,7 +237,7 @@ def test_an_integer_field_takes_an_integral_number_as_json_schema_does() -> None
         parse_json(b'{"stats": {"staleness": 229.5}}', HEARTBEAT)
     with pytest.raises(InvalidBody, match=r"capabilities.threads: must be <= 4096, got 5000"):
         parse_json(b'{"capabilities": {"device": "cpu", "threads": 5e3}}', REGISTER)  # bounds after the cast
-    with pytest.raises(InvalidBody, match="stats.clock: expected an integer, got inf"):
+    with pytest.raises(InvalidBody, match=r"stats\.clock: expected an integer, got inf"):
         parse_json(b'{"stats": {"clock": Infinity}}', HEARTBEAT)
 
 
@@ -235,7 +247,7 @@ def test_heartbeat_body_checks_stats() -> None:
         "stats": {"loss": 0.1, "freshness_s": [0.5, 1]}}
     with pytest.raises(InvalidBody, match=r"stats.freshness_s\[1\]: expected a number"):
         parse_json(b'{"stats": {"freshness_s": [0.5, "x"]}}', HEARTBEAT)
-    with pytest.raises(InvalidBody, match="stats.loss: expected a finite number"):
+    with pytest.raises(InvalidBody, match=r"stats\.loss: expected a finite number"):
         parse_json(b'{"stats": {"loss": NaN}}', HEARTBEAT)
 
 

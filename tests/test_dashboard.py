@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import redis as redis_lib
 from aiohttp.test_utils import TestClient
+from cdp import CHROMIUM, chromium
 from kafka import KafkaProducer
 
-from cdp import CHROMIUM, chromium
+from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
-from common.keys import JobKeys
 from streamtrain.launcher import await_until
 
 pytestmark = pytest.mark.timeout(180)  # the first Kafka test of a session starts the broker

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_services_server import grads_for
 from test_services_server import setup as setup_job
 
+from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
 from datastream import produce
@@ -39,7 +40,6 @@ from services import OptimizerConfig, ParameterServer, Pusher, ServerSettings
 from services.apply import Outcome
 from services.metrics import MetricsServer, ServerMetrics
 from services.protocol import Update
-from common.keys import JobKeys
 from streamtrain.launcher import wait_until
 from trainers.evaluate import EvalResult
 from trainers.metrics import TrainerMetrics, TrainerReport

@@ -70,7 +70,8 @@ def optimizer_state(client: redis_lib.Redis, job: str, shards: int, slots: int) 
     """Every persisted optimizer state value of ``job`` (shard by shard, slot by slot), each read from
     its shard's group."""
     keys, groups = JobKeys(job), stored_groups(client, job)
-    return [client.get(keys.group(group_of(i, groups)).optimizer_state(i, s)) for i in range(shards) for s in range(slots)]
+    return [client.get(keys.group(group_of(i, groups)).optimizer_state(i, s))
+            for i in range(shards) for s in range(slots)]
 
 
 def accounting_left(client: redis_lib.Redis, job: str) -> list[bytes]:

@@ -256,7 +256,7 @@ class KafkaBroker(ManagedProcess):
             logger.debug("kafka not ready yet: %s", exc)
             return False
 
-    def stop(self) -> None:  # noqa: D102 - see ManagedProcess.stop
+    def stop(self) -> None:  # see ManagedProcess.stop
         if self._admin is not None:
             with contextlib.suppress(Exception):
                 self._admin.close()
@@ -417,7 +417,7 @@ class KafkaCluster(ServerFolder):
         for node in reversed(self.nodes):
             try:
                 node.stop()
-            except Exception:  # noqa: BLE001 - keep stopping the rest
+            except Exception:  # keep stopping the rest
                 logger.exception("could not stop kafka node %d", node.node_id)
 
     def cleanup(self) -> None:

@@ -291,18 +291,17 @@ class ManagedProcess(ServerFolder):
         Idempotent; removes the temporary folder this object created.
         """
         proc, self._proc = self._proc, None
-        if proc is not None:
-            if proc.poll() is None:
-                logger.debug("stopping %s (pid %s)", self.name, proc.pid)
+        if proc is not None and proc.poll() is None:
+            logger.debug("stopping %s (pid %s)", self.name, proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s (pid %s) ignored SIGTERM; killing", self.name, proc.pid)
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=self.stop_timeout_s)
-                except subprocess.TimeoutExpired:
-                    logger.warning("%s (pid %s) ignored SIGTERM; killing", self.name, proc.pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         if self._log_fh is not None:
             self._log_fh.close()
             self._log_fh = None

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from urllib.parse import quote
 
 from common.urls import redact_url
+
 from .process import LaunchError, ManagedProcess, free_port
 
 logger = logging.getLogger(__name__)

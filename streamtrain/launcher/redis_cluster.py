@@ -258,7 +258,7 @@ class RedisCluster(ServerFolder):
         for node in reversed(self.nodes):  # replicas first: a master stopping waits for its replicas
             try:
                 node.stop()
-            except Exception:  # noqa: BLE001 - keep stopping the rest
+            except Exception:  # keep stopping the rest
                 logger.exception("could not stop %s %s", node.name, node.address)
         if self.state is not ServerState.STARTING:
             self.cleanup()
