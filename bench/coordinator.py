@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
@@ -65,8 +66,8 @@ async def one_round(url: str, r: redis.Redis, keys: JobKeys, members: int,
         tasks = [asyncio.create_task(beat(c)) for c in clients[:-1]]
         await clients[-1].heartbeat({})
         last_beat_ms = time.time() * 1000
-        gen = int(r.get(keys.generation))
-        expires_ms = json.loads(r.hget(keys.members, victim))["lease_expires_ms"]
+        gen = int(cast(bytes, r.get(keys.generation)))
+        expires_ms = json.loads(cast(bytes, r.hget(keys.members, victim)))["lease_expires_ms"]
         while True:
             owners = parse_assignment(r.hgetall(keys.assignment))
             if all(m != victim and g > gen for m, g in owners.values()):
@@ -85,7 +86,7 @@ async def one_round(url: str, r: redis.Redis, keys: JobKeys, members: int,
             await c.close()
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, object]:
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with RedisServer() as server:
         settings = CoordinatorSettings(
             job="bench", redis_url=server.url, kafka_bootstrap=f"127.0.0.1:{free_port()}",

@@ -27,9 +27,12 @@ import os
 import types
 import typing
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class SettingsError(ValueError):
@@ -100,8 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
                                 action=argparse.BooleanOptionalAction, help=help_text)
         else:
             parser.add_argument(_flag(f.name), dest=f.name, default=None,
-                                choices=meta.get("choices"), type=str if kind is str else None,
-                                metavar=f.name.upper(), help=help_text)
+                                choices=meta.get("choices"), metavar=f.name.upper(), help=help_text)
 
 
 def from_args(cls: type[T], args: argparse.Namespace | Mapping[str, Any] | None = None,

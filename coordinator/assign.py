@@ -98,7 +98,7 @@ def assign(members: Mapping[str, float], partitions: Sequence[int],
     orphans: list[int] = []
     for p in parts:
         owner = previous.get(p)
-        if owner in members and count[owner] < quota[owner]:
+        if owner is not None and owner in members and count[owner] < quota[owner]:
             result[p] = owner
             count[owner] += 1
         else:

@@ -40,6 +40,7 @@ from typing import Any
 import redis as redis_sync
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
+from redis.typing import FieldT
 
 from common.fence import fence_token, parse_fence_token
 from common.keys import JobKeys
@@ -137,7 +138,7 @@ class Store:
             raise ValueError(f"{fixed[0]} cannot change: {FIXED_CONFIG[fixed[0]]}")
         current = await self.config()
         new = replace(current, **changes)  # TypeError for unknown fields, ValueError for bad ones
-        diff = {k: v for k, v in new.to_hash().items() if current.to_hash()[k] != v}
+        diff: dict[FieldT, str] = {k: v for k, v in new.to_hash().items() if current.to_hash()[k] != v}
         if diff:
             await self.redis.hset(self.keys.config, mapping=diff)
             logger.info("job config of %s changed: %s", self.keys.job, diff)

@@ -28,6 +28,7 @@ import re
 import time
 import uuid
 from collections.abc import Sequence
+from typing import cast
 
 import redis
 
@@ -245,5 +246,5 @@ def load_gradients(client: redis.Redis, job: str, updates: Sequence[Update], *, 
         if missing:
             out.append(PayloadError(f"update {u.log_id}: gradient blob of shard(s) {missing} missing"))
         else:
-            out.append(dataclasses.replace(u, gradients=dict(zip(shards, got, strict=True))))
+            out.append(dataclasses.replace(u, gradients=dict(zip(shards, cast("list[bytes]", got), strict=True))))
     return out

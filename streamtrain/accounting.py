@@ -135,7 +135,7 @@ def audit(bootstrap: str, topic: str, redis_url: str, job: str) -> AuditReport:
         if offset < floors.get(partition, 0):
             below += rec.count
             continue
-        if rec.producer_id is None:
+        if rec.producer_id is None or rec.first_seq is None:  # a shard names both
             expected.add((f"{topic}/{partition}", offset))
         else:
             expected.update((rec.producer_id, rec.first_seq + i) for i in range(rec.count))

@@ -131,7 +131,7 @@ _higher_scoped = leaks.Allowance()
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
     """Record what a module-, class-, package- or session-scoped fixture starts as it sets up."""
     if fixturedef.scope == "function":
         return (yield)

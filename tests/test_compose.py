@@ -83,10 +83,10 @@ def interpolate(value: str, env: Mapping[str, str]) -> str:
         if op is None:
             return given or ""
         if op.endswith("-"):
-            return arg if missing else given  # type: ignore[return-value]
+            return arg if missing else given  # type: ignore[return-value]  # given is set unless missing
         if missing:
             raise MissingVariable(f"{name}: {arg}")
-        return given  # type: ignore[return-value]
+        return given  # type: ignore[return-value]  # given is set unless missing
 
     if "$" in _VAR.sub("", value):
         raise AssertionError(f"unsupported interpolation in {value!r}")

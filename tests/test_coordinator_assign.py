@@ -144,7 +144,7 @@ def test_capability_weight_formula() -> None:
 
 # -- membership state machine -------------------------------------------------
 
-def register(state, member_id, now=0, lease=1000, weight=1.0):  # type: ignore[no-untyped-def]
+def register(state, member_id, now=0, lease=1000, weight=1.0):
     return handle(state, Register(member_id, {"device": "cpu"}, weight, now, lease))
 
 

@@ -10,7 +10,7 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
 
 
-async def test_readyz_and_partition_lag(kafka, redis_url: str, redis: redis_lib.Redis) -> None:  # type: ignore[no-untyped-def]
+async def test_readyz_and_partition_lag(kafka, redis_url: str, redis: redis_lib.Redis) -> None:
     topic = kafka.create_topic(partitions=3)
     producer = KafkaProducer(bootstrap_servers=kafka.bootstrap)
     try:

@@ -169,7 +169,7 @@ async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis,
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed "
                                              "(scripts/setup.sh installs it: apt-get install chromium)")
-async def test_dashboard_plots_the_live_history_in_chromium_without_errors(  # type: ignore[no-untyped-def]
+async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
         redis_url: str, redis: redis_lib.Redis, kafka, tmp_path: Path) -> None:
     topic = kafka.create_topic(partitions=2, prefix="dash")
     producer = KafkaProducer(bootstrap_servers=kafka.bootstrap)

@@ -66,7 +66,7 @@ def test_resolve_version_names_the_versions_available() -> None:
     assert (gone.value.oldest, gone.value.current) == ((5,), (8,))
     for bad in ((-1,), (True,), (1.0,), "3", 3, (3, 4), ()):
         with pytest.raises(ValueError, match="non-negative integer"):
-            resolve_version(JOB, bad, kept)  # type: ignore[arg-type]
+            resolve_version(JOB, bad, kept)  # type: ignore[arg-type]  # not a version, on purpose
 
 
 def test_a_version_of_several_groups_is_each_groups_version_joined_by_dots() -> None:

@@ -76,7 +76,7 @@ def test_up_kafka_brokers_reaches_the_cluster_spec() -> None:
 
 
 def _idempotent_with_acks_all(producer: object) -> bool:
-    config = producer.config  # type: ignore[attr-defined]
+    config = producer.config  # type: ignore[attr-defined]  # kafka-python's producer
     return config["enable_idempotence"] is True and config["acks"] == -1  # -1 is "all"
 
 

@@ -283,7 +283,7 @@ def test_the_fence_token_round_trips_and_refuses_what_it_cannot_spell() -> None:
     assert parse_fence_token(fence_token("m-1", 7)) == parse_fence_token(b"m-1|7") == ("m-1", 7)
     for member, generation in (("a|b", 1), ("", 1), ("a", -1), ("a", True)):
         with pytest.raises(ValueError):
-            fence_token(member, generation)  # type: ignore[arg-type]
+            fence_token(member, generation)  # type: ignore[arg-type]  # bad on purpose
     for bad in ("m-1", "m-1|", "|3", "m|x"):
         with pytest.raises(ValueError, match="fence token"):
             parse_fence_token(bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 import redis as redis_lib
 import torch
@@ -84,8 +85,8 @@ class LosesPushReply(redis_lib.Redis):
     EVALSHA) runs, and is committed, and then raises ``error`` as if the reply were lost on the way
     back (a dropped connection, a timeout, a Redis Cluster that answers CLUSTERDOWN)."""
 
-    def __init__(self, error: type[Exception], **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, error: type[Exception], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.error = error
 
     def pipeline(self, transaction: bool = True, shard_hint: object = None) -> redis_lib.client.Pipeline:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import BinaryIO, Self, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ManagedProcess(ServerFolder):
         self.workdir = workdir
         self.state = ServerState.NEW
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log_fh = None
+        self._log_fh: BinaryIO | None = None
         self.ready_after_s: float | None = None
         self._launched_at = 0.0
 
@@ -351,7 +351,7 @@ async def await_until(predicate: Callable[[], T | Awaitable[T]], timeout_s: floa
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return result  # type: ignore[return-value]
+            return result
         if expired:
             raise TimeoutError(f"timed out after {timeout_s:.1f}s waiting for {what}")
         await asyncio.sleep(interval_s)
