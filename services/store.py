@@ -356,7 +356,7 @@ class ParameterStore:
             return Snapshot(sum(group_versions), tuple(versions), since.tensors, (), 0, tuple(group_versions))
         tensors, flats = self._targets(since, out, changed_all)
         moved = 0
-        for version, changed, streams, blobs in reads:  # type: ignore[assignment]  # streams: now by shard
+        for version, changed, streams, blobs in reads:  # type: ignore[assignment]  # streams: a list above, by shard here
             for i in changed:
                 s = shards[i]
                 if i in blobs:
