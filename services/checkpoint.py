@@ -80,7 +80,7 @@ import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 import torch
@@ -369,10 +369,12 @@ def _read_cut(client: redis.Redis, job: str, raw_meta: bytes, meta: ModelMeta
               ) -> tuple[list[_GroupCut], _JobState, list[dict[tuple[str, int], bytes]]]:
     """One attempt: steps 1-4 and the rollback."""
     keys = JobKeys(job)
-    known = {_text(eid): _parse(_text(eid), fields) for eid, fields in client.xrange(keys.update_log)}
+    log = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(keys.update_log))
+    known = {_text(eid): _parse(_text(eid), fields) for eid, fields in log}
     groups = [_read_group(client, job, meta, g, known) for g in range(meta.groups)]
     last = max(known, key=StreamId.parse, default="")
-    named = [*known, *(_text(eid) for eid, _ in client.xrange(keys.update_log, min=after(last)))]
+    later = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(keys.update_log, min=after(last)))
+    named = [*known, *(_text(eid) for eid, _ in later)]
     cut = _read_job(client, job, named)
     if cut.meta != raw_meta:
         raise CheckpointError(f"job {job}: the model's meta changed while checkpointing (removed or "
@@ -400,7 +402,7 @@ def save_checkpoint(client: redis.Redis, job: str, path: str) -> tuple[int, ...]
         CheckpointError: no consistent cut in ``_ATTEMPTS`` attempts, or the slots contradict
             each other.
     """
-    raw_meta = client.get(JobKeys(job).meta)
+    raw_meta = cast("bytes | None", client.get(JobKeys(job).meta))
     if raw_meta is None:
         raise LayoutError(f"job {job} has no model to checkpoint")
     meta = ModelMeta.from_json(raw_meta)

@@ -63,6 +63,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import redis
@@ -320,7 +321,8 @@ class ParameterServer:
         cursor, persisted, version, versions, bases, steps, blobs, opt_blobs, *streams = pipe.execute()
         # the log (the job's slot) keeps every update after the lowest persisted cursor of all groups,
         # so every update after this group's persisted cursor is still there
-        log = self.client.xrange(self.keys.update_log, after(persisted or ""))
+        log = cast("list[tuple[bytes, Mapping[bytes, bytes]]]",
+                   self.client.xrange(self.keys.update_log, after(persisted or "")))
         st = _GroupState(cursor=(cursor or b"").decode(), persisted=(persisted or b"").decode(),
                          version=int(version or 0))
         layout = meta.layout
@@ -351,9 +353,11 @@ class ParameterServer:
                 if update is not None and not self.client.xrange(self.keys.update_log, eid, eid):
                     raise _LogMoved(f"update {eid} left the log during a load")
                 continue  # refused when applied (a bad header, or its blobs were missing then too): no step
+            update = cast(Update, update)  # no error: it parsed
             st.unpersisted_bytes += sum(len(b) for b in update.gradients.values())
             try:
-                decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
+                decoded = validate_gradients(update, cast(ModelMeta, self._meta).layout,
+                                             max_bytes=self.settings.max_update_bytes)
             except ParameterPlaneError:
                 continue  # refused when applied: no step
             self._steps(st, [decoded], scratch)
@@ -372,7 +376,7 @@ class ParameterServer:
         start = self._state.cursor or "0-0"
         got = self.client.xread({self.keys.update_log: start}, count=self.settings.batch,
                                 block=self.settings.block_ms)
-        return self.apply_entries(got[0][1] if got else [])
+        return self.apply_entries(cast(list, got)[0][1] if got else [])
 
     def apply_entries(self, entries: Sequence[tuple[bytes | str, Mapping[bytes, bytes]]]) -> int:
         """Apply consecutive log entries (the first one right after the cursor) for this group,
@@ -434,7 +438,7 @@ class ParameterServer:
             if w.full is not None:
                 sh.base, sh.delta_bytes = result.version, 0
             else:
-                sh.delta_bytes += len(w.delta)
+                sh.delta_bytes += len(cast(bytes, w.delta))  # no full bytes: a delta
         st.version = max(st.version, result.version)
         st.cursor = outcomes[-1].update.log_id
         if housekeeping is not None:
@@ -482,7 +486,7 @@ class ParameterServer:
             self._orphans.clear()
             return 0
         logged = set()
-        for eid, fields in self.client.xrange(self.keys.update_log):
+        for eid, fields in cast("list[tuple[bytes, dict[bytes, bytes]]]", self.client.xrange(self.keys.update_log)):
             try:
                 logged.add(Update.from_fields(eid, fields).token)
             except ParameterPlaneError:
@@ -534,7 +538,7 @@ class ParameterServer:
 
     def _persist_due(self, updates: int, grad_bytes: int) -> bool:
         st = self._state
-        k = slots(self._meta.optimizer)
+        k = slots(cast(ModelMeta, self._meta).optimizer)
         if k == 0:
             return True  # only step counts to write
         state_bytes = 4 * k * sum(sh.params.numel() for sh in st.shards.values())
@@ -560,7 +564,7 @@ class ParameterServer:
             for c in changes:
                 mask[c] = True
             idx = np.flatnonzero(mask)
-        delta = encode_delta(idx, sh.params.numpy()[idx])
+        delta = encode_delta(cast(np.ndarray, idx), sh.params.numpy()[idx])
         s = self.settings
         compact = (sh.delta_bytes + len(delta) > s.compact_fraction * 4 * sh.params.numel()
                    or self._state.version + 1 - sh.base >= s.compact_every)
@@ -593,9 +597,11 @@ class ParameterServer:
         its decoded gradients (None when refused)."""
         if error is not None:
             return self._reject(eid, error, update), 0, None
+        update = cast(Update, update)  # no error: it parsed
         nbytes = sum(len(b) for b in update.gradients.values())  # this group's share
         try:
-            decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
+            decoded = validate_gradients(update, cast(ModelMeta, self._meta).layout,
+                                         max_bytes=self.settings.max_update_bytes)
         except ParameterPlaneError as exc:
             return (dataclasses.replace(self._reject(eid, exc, update), grad_bytes=update.wire_bytes),
                     nbytes, None)
@@ -609,7 +615,7 @@ class ParameterServer:
         the updates (the same math as update by update: a shard's steps keep their order, and each
         update's clipping factor is its own). Returns shard -> the indices each step changed
         (None: all of them)."""
-        cfg = self._meta.optimizer
+        cfg = cast(ModelMeta, self._meta).optimizer
         g, groups = self.settings.group, self.settings.groups
         mine = [{i: d for i, d in decoded.items() if group_of(i, groups) == g} for decoded in updates]
         factors = [clip_factor(cfg, list(m.values())) for m in mine]

@@ -28,6 +28,7 @@ import re
 import time
 import uuid
 from collections.abc import Sequence
+from typing import cast
 
 import redis
 
@@ -36,7 +37,12 @@ from common.outage import REDIS_DOWN
 
 from .codecs import Sent, decode_sent
 from .errors import (
-    BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterPlaneError,
+    BackpressureError,
+    BadGradientError,
+    FencedError,
+    LayoutError,
+    OffsetConflictError,
+    ParameterPlaneError,
     PayloadError,
 )
 from .layout import Layout
@@ -240,5 +246,5 @@ def load_gradients(client: redis.Redis, job: str, updates: Sequence[Update], *, 
         if missing:
             out.append(PayloadError(f"update {u.log_id}: gradient blob of shard(s) {missing} missing"))
         else:
-            out.append(dataclasses.replace(u, gradients=dict(zip(shards, got, strict=True))))
+            out.append(dataclasses.replace(u, gradients=dict(zip(shards, cast("list[bytes]", got), strict=True))))
     return out

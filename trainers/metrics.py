@@ -57,9 +57,10 @@ class _Collector(Collector):
         steps = CounterMetricFamily("streamtrain_trainer_steps", "training steps this trainer computed")
         steps.add_metric([], t.steps)
         yield steps
-        gauges = [("streamtrain_trainer_clock", "clock of this trainer's next step", t.clock),
-                  ("streamtrain_trainer_staleness_clocks",
-                   "staleness (clocks) of the parameters of the last step", t.staleness)]
+        gauges: list[tuple[str, str, float]] = [
+            ("streamtrain_trainer_clock", "clock of this trainer's next step", t.clock),
+            ("streamtrain_trainer_staleness_clocks", "staleness (clocks) of the parameters of the last step",
+             t.staleness)]
         if t.loss is not None and math.isfinite(t.loss):
             gauges.append(("streamtrain_trainer_loss", "training loss (moving average over steps)", t.loss))
         if t.version is not None:
