@@ -254,7 +254,7 @@ def test_unset_table_fields_are_left_out_of_the_hash_and_the_json() -> None:
 def test_a_config_from_a_newer_coordinator_parses_without_its_new_fields() -> None:
     newer = {**replace(DENSE, table_consistency="asp").as_json(), "table_codec": "int8"}
     assert JobConfig.from_json(newer) == replace(DENSE, table_consistency="asp")
-    with pytest.raises(ValueError, match="table_consistency must be one of bsp, ssp, asp .* got 'eventual'"):
+    with pytest.raises(ValueError, match=r"table_consistency must be one of bsp, ssp, asp .* got 'eventual'"):
         JobConfig.from_json({**DENSE.as_json(), "table_consistency": "eventual"})  # known fields still checked
     with pytest.raises(TypeError):
         JobConfig.from_json({k: v for k, v in DENSE.as_json().items() if k != "topic"})
