@@ -31,26 +31,27 @@ import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 # Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from bench.pipeline import time_to_accuracy  # noqa: E402
-from coordinator.settings import CoordinatorSettings  # noqa: E402
-from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec  # noqa: E402
-from trainers import build_model  # noqa: E402
+from bench.pipeline import time_to_accuracy
+from coordinator.settings import CoordinatorSettings
+from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec
+from trainers import build_model
 
 RESULTS = _HERE / "results" / "compression.json"
 SOURCE = "digits?repeat=0"
 console = Console(width=120)
 
-DENSE = {"codec": "none", "optimizer": "adam", "lr": 0.001}
+DENSE: dict[str, Any] = {"codec": "none", "optimizer": "adam", "lr": 0.001}
 """The uncompressed baseline: fp32 gradients, dense Adam (at 0.002 two stale trainers made it dip to 40%)."""
-SPARSE = {"codec": "topk+int8", "topk_density": 0.007, "optimizer": "dgc", "lr": 0.05}
+SPARSE: dict[str, Any] = {"codec": "topk+int8", "topk_density": 0.007, "optimizer": "dgc", "lr": 0.05}
 """The compressed job: top-k at 0.7 % with int8 values (a byte each, a float32 scale per 256) and
 delta+varint indices, with DGC (momentum correction and masking on the trainers, SGD on the server),
 which applies each accumulated value in full where lazy Adam normalises it away: at 120,000 records
@@ -60,7 +61,7 @@ OPTIMIZERS = {"adam": 0.001, "lazyadam": 0.005, "dgc": 0.1}
 """Optimizers compared with the default codec, at the learning rate each trains digits best with."""
 
 
-def run(settings: dict, records: int, workdir: Path, target: float = 0.95) -> dict:
+def run(settings: dict[str, Any], records: int, workdir: Path, target: float = 0.95) -> dict[str, Any]:
     """One digits job with two trainers under SSP s = 2 and ``settings`` (the coordinator's job settings,
     and the trainers' ``topk_density``)."""
     job = {k: v for k, v in settings.items() if k != "topk_density"}
@@ -83,12 +84,12 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     fp32 = 4 * sum(p.numel() for p in build_model("digits-mlp").model.parameters())
-    results: dict[str, object] = {"records": args.records, "fp32_bytes_per_step": fp32}
+    results: dict[str, Any] = {"records": args.records, "fp32_bytes_per_step": fp32}
 
     sizes = Table(title=f"digits, {args.records:,} records, 2 trainers, SSP s=2: bytes per step against accuracy")
     for col in ("codec", "optimizer", "bytes/step", "vs fp32", "final accuracy (mean)", "runs"):
         sizes.add_column(col, justify="right")
-    summary = {}
+    summary: dict[str, dict[str, Any]] = {}
     for name, settings in (("none", DENSE), ("sparse", SPARSE)):
         runs = [run(settings, args.records, args.workdir / f"{name}-{i}") for i in range(args.runs)]
         per_step = statistics.fmean(r["grad_bytes_per_update"] for r in runs)
@@ -113,7 +114,8 @@ def main() -> None:
     for label, settings in jobs:
         r = run(settings, args.records, args.workdir / f"speed-{label.replace(' ', '').replace(',', '-')}")
         results["time_to_95"][label] = {k: v for k, v in r.items() if k != "curve"} | {"settings": settings}
-        console.print(f"{label}: 95% after {r['seconds']:.2f} s (reached: {r['reached']}), final {r['final_accuracy']:.4f}")
+        console.print(f"{label}: 95% after {r['seconds']:.2f} s (reached: {r['reached']}), "
+                      f"final {r['final_accuracy']:.4f}")
         speed.add_row(label, str(settings["lr"]), f"{r['seconds']:.2f}" if r["reached"] else "not reached",
                       "-" if r["lowest_after_target"] is None else f"{r['lowest_after_target']:.2%}",
                       f"{r['final_accuracy']:.2%}")

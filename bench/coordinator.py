@@ -30,18 +30,19 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import redis  # noqa: E402
-from aiohttp import web  # noqa: E402
+import redis
+from aiohttp import web
 
-from coordinator import CoordinatorClient, CoordinatorSettings  # noqa: E402
-from coordinator.app import create_app  # noqa: E402
-from coordinator.state import parse_assignment  # noqa: E402
-from common.keys import JobKeys  # noqa: E402
-from streamtrain.launcher import RedisServer, free_port  # noqa: E402
+from common.keys import JobKeys
+from coordinator import CoordinatorClient, CoordinatorSettings
+from coordinator.app import create_app
+from coordinator.state import parse_assignment
+from streamtrain.launcher import RedisServer, free_port
 
 RESULTS = _HERE / "results" / "coordinator.json"
 
@@ -65,8 +66,8 @@ async def one_round(url: str, r: redis.Redis, keys: JobKeys, members: int,
         tasks = [asyncio.create_task(beat(c)) for c in clients[:-1]]
         await clients[-1].heartbeat({})
         last_beat_ms = time.time() * 1000
-        gen = int(r.get(keys.generation))
-        expires_ms = json.loads(r.hget(keys.members, victim))["lease_expires_ms"]
+        gen = int(cast(bytes, r.get(keys.generation)))
+        expires_ms = json.loads(cast(bytes, r.hget(keys.members, victim)))["lease_expires_ms"]
         while True:
             owners = parse_assignment(r.hgetall(keys.assignment))
             if all(m != victim and g > gen for m, g in owners.values()):
@@ -85,7 +86,7 @@ async def one_round(url: str, r: redis.Redis, keys: JobKeys, members: int,
             await c.close()
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, object]:
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with RedisServer() as server:
         settings = CoordinatorSettings(
             job="bench", redis_url=server.url, kafka_bootstrap=f"127.0.0.1:{free_port()}",

@@ -26,24 +26,24 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 # Run as a script, this file's folder comes first on sys.path and its name would hide the package:
 # put the repository root there instead.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from kafka import KafkaConsumer, TopicPartition  # noqa: E402
+import numpy as np
+import torch
+from kafka import KafkaConsumer, TopicPartition
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce  # noqa: E402
-from datastream.topics import MAX_MESSAGE_BYTES  # noqa: E402
-from streamtrain.launcher import KafkaBroker  # noqa: E402
+from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce
+from datastream.topics import MAX_MESSAGE_BYTES
+from streamtrain.launcher import KafkaBroker
 
 RESULTS = Path(__file__).resolve().parent / "results" / "datastream.json"
-FETCH = {"fetch_max_bytes": 64 << 20, "max_partition_fetch_bytes": MAX_MESSAGE_BYTES,
-         "fetch_min_bytes": 1, "fetch_max_wait_ms": 100}
+FETCH: dict[str, Any] = {"fetch_max_bytes": 64 << 20, "max_partition_fetch_bytes": MAX_MESSAGE_BYTES,
+                        "fetch_min_bytes": 1, "fetch_max_wait_ms": 100}
 
 
 def raw_pass(bootstrap: str, topic: str, ends: dict[int, int]) -> tuple[float, int, int]:
@@ -114,7 +114,8 @@ def main() -> None:
               f"records to {args.partitions} partitions ({report.records_per_s:,.0f} records/s acknowledged)")
         with ShardConsumer(bootstrap, topic, dlq=False) as probe:
             ends = probe.end_offsets()
-        raw_best = ours_best = None
+        raw_best: float | None = None
+        ours_best: float | None = None
         for r in range(args.rounds):
             raw_s, messages, nbytes = raw_pass(bootstrap, topic, ends)
             ours_s, records = our_pass(bootstrap, topic, ends, args.batch)
@@ -124,6 +125,7 @@ def main() -> None:
             print(f"round {r + 1}: raw {raw_s:.2f} s, ours {ours_s:.2f} s")
             raw_best = raw_s if raw_best is None else min(raw_best, raw_s)
             ours_best = ours_s if ours_best is None else min(ours_best, ours_s)
+    assert raw_best is not None and ours_best is not None, "--rounds must be at least 1"
     values = [encode_shard(x, y, producer_id="bench", first_seq=0)
               for x, y in iter_shards(load_source(f"digits?repeat={repeat}"), shard_size, args.records)]
     decode_s = min(decode_only(values, max(1, args.batch // shard_size)) for _ in range(args.rounds))

@@ -42,30 +42,30 @@ import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, cast
 
 # Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import numpy as np  # noqa: E402
-import redis as redis_lib  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import numpy as np
+import redis as redis_lib
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from common.keys import JobKeys  # noqa: E402
-from coordinator.settings import CoordinatorSettings  # noqa: E402
-from datastream import load_source, produce  # noqa: E402
-from datastream.examples import Examples  # noqa: E402
-from services.embeddings.rows import row_dtype  # noqa: E402
-from services.protocol import AccountingRecord  # noqa: E402
-from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec, LocalCluster  # noqa: E402
-from streamtrain.launcher import free_port  # noqa: E402
-from services import ParameterStore, connect  # noqa: E402
-from services.embeddings.store import pull_rows  # noqa: E402
-from trainers.tables import plan_lookups, pool  # noqa: E402
-from trainers.models import build_model  # noqa: E402
-from trainers.progress import PHASE_LOG  # noqa: E402
+from common.keys import JobKeys
+from coordinator.settings import CoordinatorSettings
+from datastream import load_source, produce
+from datastream.examples import Examples
+from services import ParameterStore, connect
+from services.embeddings.store import pull_rows
+from services.protocol import AccountingRecord
+from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec, LocalCluster
+from streamtrain.launcher import free_port
+from trainers.models import build_model
+from trainers.progress import PHASE_LOG
+from trainers.tables import plan_lookups, pool
 
 RESULTS = _HERE / "results" / "embeddings.json"
 console = Console(width=120)
@@ -92,7 +92,7 @@ def held_out(vocab: int, limit: int) -> Examples:
 
 # -- the peer: a plain local loop --------------------------------------------------------------------
 
-def local_loop(vocab: int, limit: int, threads: int) -> dict[str, object]:
+def local_loop(vocab: int, limit: int, threads: int) -> dict[str, Any]:
     """One pass of a plain local PyTorch loop over the training records in memory."""
     torch.set_num_threads(threads)
     train = load_source(source_spec(vocab, limit), split="train").read()
@@ -203,7 +203,7 @@ def _phases(cluster: LocalCluster) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in sorted(sums.items())}
 
 
-def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path) -> dict[str, object]:
+def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path) -> dict[str, Any]:
     """Samples/s the servers applied with ``trainers`` trainers on pre-produced records, and what it moved."""
     port = free_port() if trainers == 1 else 0  # trainers of one cluster share their settings: one port
     spec = job("emb", threads, port)
@@ -214,12 +214,13 @@ def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path)
             cluster.add_trainer()
         cluster.wait_consumed(timeout_s=1800)
         metrics = _metrics(port) if port else {}
-        rss = _rss_mb(cluster.trainers[0].pid)
+        rss = _rss_mb(cluster.trainers[0].pid or 0)
         phases = _phases(cluster)
         cluster.quiesce()
         client = redis_lib.Redis.from_url(cluster.redis_url)
         try:
-            entries = [AccountingRecord.from_fields(f) for _, f in client.xrange(JobKeys(spec.job).applied_samples)]
+            raw = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(JobKeys(spec.job).applied_samples))
+            entries = [AccountingRecord.from_fields(f) for _, f in raw]
         finally:
             client.close()
         entries = [e for e in entries if e.batch_size > 0]
@@ -228,7 +229,7 @@ def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path)
     samples = sum(e.batch_size for e in entries)
     span = (entries[-1].applied_ms - entries[0].applied_ms) / 1000
     lookups = metrics.get("streamtrain_row_cache_hits_total", 0) + metrics.get("streamtrain_row_cache_misses_total", 0)
-    out: dict[str, object] = {
+    out: dict[str, Any] = {
         "trainers": trainers, "samples": samples, "produced": report.records, "samples_per_s": samples / span,
         "span_s": span, "updates": len(entries), "rows": rows, "redis_bytes": redis_bytes,
         "pull_bytes": metrics.get("streamtrain_row_pull_bytes_total", 0.0), "row_lookups": lookups,
@@ -264,7 +265,8 @@ def _score_pipeline(cluster: LocalCluster, evals: Examples) -> tuple[float, floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--records", type=int, default=250_000, help="records of the stream (its train split is trained on)")
+    ap.add_argument("--records", type=int, default=250_000,
+                    help="records of the stream (its train split is trained on)")
     ap.add_argument("--vocab", type=int, default=10_000_000, help="IDs in all, over the 26 features")
     ap.add_argument("--small", type=int, default=50_000, help="records of the short run (the smaller tables)")
     ap.add_argument("--threads", type=int, default=1, help="threads of the local loop and of each trainer")
@@ -282,8 +284,8 @@ def main() -> None:
         runs[name] = pipeline(args.vocab, limit, trainers, args.threads, workdir / name)
         console.print(runs[name])
     one, two, small = runs["one"], runs["two"], runs["small"]
-    raw = row_dtype(build_model(model_spec()).tables[0])
-    raw_bytes = raw.fields["values"][0].itemsize + raw.fields["state"][0].itemsize  # values + optimizer state
+    spec0 = build_model(model_spec()).tables[0]
+    raw_bytes = 4 * (spec0.dim + spec0.slots)  # a row's values and optimizer state
     ratios = {
         "pull_bytes_per_needed": one["pull_bytes"] / (one["row_lookups"] * DIM * 4),
         "redis_bytes_per_raw_row": one["redis_bytes"] / one["rows"] / raw_bytes,

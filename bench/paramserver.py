@@ -44,20 +44,28 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import redis  # noqa: E402
-import torch  # noqa: E402
+import redis
+import torch
 
-from services import (  # noqa: E402
-    OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, Update, connect, get_codec,
+from common.keys import JobKeys
+from services import (
+    OptimizerConfig,
+    ParameterServer,
+    ParameterStore,
+    Pusher,
+    ServerSettings,
+    Update,
+    connect,
+    get_codec,
     push_update,
 )
-from services.protocol import group_of  # noqa: E402
-from common.keys import JobKeys  # noqa: E402
-from streamtrain.launcher import RedisServer  # noqa: E402
+from services.protocol import group_of
+from streamtrain.launcher import RedisServer
 
 RESULTS = _HERE / "results" / "paramserver.json"
 MB = 1024 * 1024
@@ -78,7 +86,8 @@ def best(fn: Callable[[], object], rounds: int, setup: Callable[[], object] | No
 def paired(ours: Callable[[], object], raw: Callable[[], object], rounds: int,
            setup: Callable[[], object] | None = None) -> tuple[float, float]:
     """Best times of ``ours`` and ``raw``, run alternately so that machine noise hits both alike."""
-    t_ours, t_raw = [], []
+    t_ours: list[float] = []
+    t_raw: list[float] = []
     for _ in range(rounds):
         for fn, times in ((ours, t_ours), (raw, t_raw)):
             if setup:
@@ -141,7 +150,8 @@ def job_keys(client: redis.Redis, job: str) -> list[bytes]:
     """Every key of ``job``: its slot's and each of its shard groups' (the server's Redis is one node)."""
     keys = JobKeys(job)
     groups = ParameterStore(client, job).meta().groups
-    return [*client.keys(keys.key("*")), *(k for g in range(groups) for k in client.keys(keys.group(g).key("*")))]
+    found = [*client.keys(keys.key("*")), *(k for g in range(groups) for k in client.keys(keys.group(g).key("*")))]
+    return cast("list[bytes]", found)
 
 
 def membership(client: redis.Redis, job: str) -> None:
@@ -238,7 +248,7 @@ def apply_rate(url: str, tensors: dict[str, torch.Tensor], updates: int, batch: 
         server.step()
     elapsed = time.perf_counter() - t
     received = client.info("stats")["total_net_input_bytes"] - received
-    assert int(client.hget(JobKeys(job).applied_clocks, "bench")) == updates
+    assert int(cast(bytes, client.hget(JobKeys(job).applied_clocks, "bench"))) == updates
     assert store.version() == -(-updates // batch)  # one version of the job's one group per write
     torch.set_num_threads(threads)
     client.delete(*job_keys(client, job))

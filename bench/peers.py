@@ -21,23 +21,24 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 
-from datastream import load_source  # noqa: E402
-from datastream.sources import one_pass  # noqa: E402
-from streamtrain.launcher import free_port  # noqa: E402
-from trainers.models import build_model  # noqa: E402
+from datastream import load_source
+from datastream.sources import one_pass
+from streamtrain.launcher import free_port
+from trainers.models import build_model
+
 
 def local_throughput(model: str, batch: int, threads: int, source: str, records: int, lr: float = 0.001) -> float:
     """Samples/s of a plain local loop (the ceiling): forward, backward, Adam step, data in memory."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x, y = load_source(source, split="train").read(limit=records)
-        x, y = torch.from_numpy(x).float(), torch.from_numpy(y).long()
+        xs, ys = load_source(source, split="train").read(limit=records)
+        x, y = torch.from_numpy(xs).float(), torch.from_numpy(ys).long()
         spec = build_model(model)
         opt = torch.optim.Adam(spec.model.parameters(), lr=lr)
         steps = len(x) // batch
@@ -108,10 +109,10 @@ def ddp_throughput(model: str, batch: int, *, procs: int = 2, threads: int = 1, 
         ValueError: fewer than one batch per rank.
         RuntimeError: a rank failed; the message holds its traceback.
     """
-    x, y = load_source(source, split="train").read(limit=records)
-    if len(x) // procs < batch:
-        raise ValueError(f"{len(x)} records give no full batch of {batch} to each of {procs} ranks")
-    x, y = torch.from_numpy(x).float(), torch.from_numpy(y).long()
+    xs, ys = load_source(source, split="train").read(limit=records)
+    if len(xs) // procs < batch:
+        raise ValueError(f"{len(xs)} records give no full batch of {batch} to each of {procs} ranks")
+    x, y = torch.from_numpy(xs).float(), torch.from_numpy(ys).long()
     results = mp.get_context("spawn").SimpleQueue()
     args = (procs, free_port(), threads, model, batch, x, y, lr, warmup_steps, results)
     try:
@@ -143,10 +144,10 @@ def local_time_to_accuracy(model: str, batch: int, *, threads: int, source: str,
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x, y = load_source(source, split="train").read(limit=max_records)
-        xt, yt = load_source(one_pass(source), split="test").read(limit=eval_limit)
-        x, y = torch.from_numpy(x).float(), torch.from_numpy(y).long()
-        xt, yt = torch.from_numpy(xt).float(), torch.from_numpy(yt).long()
+        xs, ys = load_source(source, split="train").read(limit=max_records)
+        xts, yts = load_source(one_pass(source), split="test").read(limit=eval_limit)
+        x, y = torch.from_numpy(xs).float(), torch.from_numpy(ys).long()
+        xt, yt = torch.from_numpy(xts).float(), torch.from_numpy(yts).long()
         spec = build_model(model)
         if not spec.classification:
             raise ValueError(f"model {model!r} is not a classifier; accuracy is undefined")

@@ -54,31 +54,32 @@ import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, cast
 
 # Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import redis as redis_lib  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import redis as redis_lib
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from bench.peers import ddp_throughput, local_throughput, local_time_to_accuracy  # noqa: E402
-from datastream import load_source, produce  # noqa: E402
-from datastream.sources import one_pass  # noqa: E402
-from services import LayoutError, ParameterStore, Snapshot, connect  # noqa: E402
-from services.protocol import AccountingRecord  # noqa: E402
-from coordinator.settings import CoordinatorSettings  # noqa: E402
-from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster  # noqa: E402
-from common.keys import JobKeys  # noqa: E402
-from trainers import build_model, evaluate  # noqa: E402
-from trainers.progress import PHASE_LOG  # noqa: E402
+from bench.peers import ddp_throughput, local_throughput, local_time_to_accuracy
+from common.keys import JobKeys
+from coordinator.settings import CoordinatorSettings
+from datastream import load_source, produce
+from datastream.sources import one_pass
+from services import LayoutError, ParameterStore, Snapshot, connect
+from services.protocol import AccountingRecord
+from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster
+from trainers import build_model, evaluate
+from trainers.progress import PHASE_LOG
 
 RESULTS = _HERE / "results" / "pipeline.json"
 console = Console(width=120)
 
-MODELS = {
+MODELS: dict[str, dict[str, Any]] = {
     "digits-mlp": {"batch": 64, "source": "digits?repeat=0", "lr": CoordinatorSettings().lr},
     "mlp-2m": {"batch": 128, "source": "synthetic?features=784&classes=10&seed=1", "lr": 0.003},
 }
@@ -94,8 +95,9 @@ _PHASES = re.compile(re.escape(PHASE_LOG) + r" (.*)$")
 def applied_entries(cluster: LocalCluster) -> list[AccountingRecord]:
     client = redis_lib.Redis.from_url(cluster.redis_url)
     try:
-        return [AccountingRecord.from_fields(fields)
-                for _, fields in client.xrange(JobKeys(cluster.spec.job).applied_samples)]
+        log = JobKeys(cluster.spec.job).applied_samples
+        entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(log))
+        return [AccountingRecord.from_fields(fields) for _, fields in entries]
     finally:
         client.close()
 
@@ -122,7 +124,7 @@ def job_spec(model: str, trainers: int, threads: int, job: str) -> ClusterSpec:
                                        eval_source="", prefetch=8))
 
 
-def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Path) -> dict[str, object]:
+def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Path) -> dict[str, Any]:
     """Samples/s the parameter server applied with ``trainers`` trainers on pre-produced data."""
     m = MODELS[model]
     spec = job_spec(model, trainers, threads, "bench")
@@ -147,7 +149,7 @@ def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Pat
 
 
 def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float, workdir: Path, *,
-                     trainers: int = 1) -> dict[str, object]:
+                     trainers: int = 1) -> dict[str, Any]:
     """Train ``spec``'s job with ``trainers`` trainers on ``records`` pre-produced records of
     ``source``: seconds from the first applied update until the stored parameters score ``target``
     on ``source``'s held-out split (snapshots every 0.25 s, scored after the run so scoring takes no
@@ -174,25 +176,26 @@ def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float
                     snaps.append((time.monotonic() - t0, snap))
                 time.sleep(0.25)
             cluster.quiesce()
+            assert t0 is not None, "the job published no model version"
             snaps.append((time.monotonic() - t0, store.pull(snap)))
         finally:
             client.close()
         entries = [e for e in applied_entries(cluster) if e.batch_size > 0]
-    x, y = load_source(one_pass(source), split="test").read(limit=2000)
-    x, y = torch.from_numpy(x).float(), torch.from_numpy(y).long()
+    xs, ys = load_source(one_pass(source), split="test").read(limit=2000)
+    x, y = torch.from_numpy(xs).float(), torch.from_numpy(ys).long()
     net = build_model(spec.trainer.model)
     curve = []
     for seconds, s in snaps:
         net.model.load_state_dict(s.tensors)
         acc = evaluate(net.model, net.loss_fn, x, y, version=s.version, classification=True).accuracy
         curve.append((seconds, s.version, acc))
-    hit = next(((sec, v) for sec, v, acc in curve if acc >= target), None)
+    hit = next(((sec, v) for sec, v, acc in curve if acc is not None and acc >= target), None)
     return {"reached": hit is not None, "seconds": hit[0] if hit else curve[-1][0],
             "version": hit[1] if hit else curve[-1][1], "final_accuracy": curve[-1][2], "curve": curve,
             "updates": len(entries), "grad_bytes_per_update": sum(e.grad_bytes for e in entries) / len(entries)}
 
 
-def recovery_and_freshness(threads: int, workdir: Path, rate: float, kills: int = 5) -> dict[str, object]:
+def recovery_and_freshness(threads: int, workdir: Path, rate: float, kills: int = 5) -> dict[str, Any]:
     """On a rate-limited unbounded stream with two trainers: SIGKILL one ``kills`` times (a new
     trainer replaces it each time) and time until every partition it owned is consumed again; then
     freeze one (SIGSTOP) and time until it is fenced and its partitions consumed by the other.
@@ -247,7 +250,7 @@ def freshness_quantiles(selected: list[AccountingRecord]) -> tuple[float, float,
     return statistics.median(fresh), fresh[min(len(fresh) - 1, int(0.99 * len(fresh)))], len(fresh)
 
 
-def freshness_at(rate: float, threads: int, workdir: Path, seconds: float = 30.0) -> dict[str, object]:
+def freshness_at(rate: float, threads: int, workdir: Path, seconds: float = 30.0) -> dict[str, Any]:
     """Freshness in steady state with two trainers (``threads`` each, the job defaults) on an unbounded
     digits stream paced at ``rate`` records/s: the batches applied during ``seconds`` after a warm-up,
     and the records/s applied meanwhile (as much as the input when the job keeps up)."""
@@ -306,7 +309,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     shutil.rmtree(args.workdir, ignore_errors=True)  # logs of the previous run; data starts empty
-    results: dict[str, object] = {"machine": platform.processor() or platform.machine(),
+    results: dict[str, Any] = {"machine": platform.processor() or platform.machine(),
                                   "threads": args.threads}
     table = Table(title="pipeline vs a plain local PyTorch loop and DDP (samples/s)")
     for col in ("model", "batch", "ceiling", "1 trainer", "ratio", "DDP 2x1", "2 trainers", "ratio to DDP"):
@@ -343,7 +346,7 @@ def main() -> None:
     results["time_to_accuracy"] = {"target": TARGET, "local": local, "pipeline": ours}
     rf = recovery_and_freshness(1, args.workdir / "recovery", args.rate)
     results["recovery_freshness"] = rf
-    capacity = results["digits-mlp"]["two_trainers"]["samples_per_s"]  # type: ignore[index]
+    capacity = results["digits-mlp"]["two_trainers"]["samples_per_s"]
     half = freshness_at(capacity / 2, 1, args.workdir / "freshness-half")
     half["capacity_samples_per_s"] = capacity
     results["freshness_half_capacity"] = half
@@ -355,8 +358,8 @@ def main() -> None:
                   f"accuracy {ours['final_accuracy']:.3f} after {args.records_accuracy:,} records)")
     console.print(f"recovery after kill -9, median of {len(rf['recovery_s'])}: {rf['recovery_median_s']:.2f} s "
                   f"({', '.join(f'{r:.2f}' for r in rf['recovery_s'])}) until its partitions were consumed again")
-    console.print(f"frozen trainer (SIGSTOP) fenced and its partitions consumed again after {rf['frozen_replaced_s']:.2f} s "
-                  f"(lease {rf['lease_s']:.1f} s)")
+    console.print(f"frozen trainer (SIGSTOP) fenced and its partitions consumed again after "
+                  f"{rf['frozen_replaced_s']:.2f} s (lease {rf['lease_s']:.1f} s)")
     console.print(f"freshness at {args.rate:,.0f} records/s, steady state: p50 {rf['freshness_p50_s']:.3f} s, "
                   f"p99 {rf['freshness_p99_s']:.3f} s over {rf['freshness_batches']} batches; "
                   f"including the kill: p50 {rf['freshness_with_kill_p50_s']:.3f} s, "

@@ -56,25 +56,34 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import redis
+import torch
 
-from common.keys import JobKeys  # noqa: E402
-from coordinator.settings import CoordinatorSettings  # noqa: E402
-from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce  # noqa: E402
-from services import (  # noqa: E402
-    OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, connect, read_job_clocks,
+from common.keys import JobKeys
+from coordinator.settings import CoordinatorSettings
+from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce
+from services import (
+    OptimizerConfig,
+    ParameterServer,
+    ParameterStore,
+    Pusher,
+    ServerSettings,
+    connect,
+    read_job_clocks,
     unapplied_updates,
 )
-from services.protocol import own_shards  # noqa: E402
-from streamtrain.launcher import KafkaBroker, RedisCluster, ServiceProcess  # noqa: E402
-from trainers import build_model  # noqa: E402
-from trainers.settings import TrainerSettings  # noqa: E402
+from services.protocol import own_shards
+from streamtrain.launcher import KafkaBroker, RedisCluster, ServiceProcess
+from trainers import build_model
+from trainers.settings import TrainerSettings
+
+T = TypeVar("T")
 
 RESULTS = _HERE / "results" / "scale.json"
 MODEL = "mlp-2m"
@@ -94,8 +103,8 @@ def proc_cpu_s(pid: int) -> float:
 class Masters:
     """Direct clients to each master of the cluster, to read its INFO before and after a phase."""
 
-    def __init__(self, cluster: RedisCluster, client: redis.cluster.RedisCluster) -> None:
-        self.names = sorted(n.name for n in client.get_primaries())
+    def __init__(self, cluster: RedisCluster, client: redis.Redis) -> None:
+        self.names = sorted(n.name for n in cast("redis.cluster.RedisCluster", client).get_primaries())
         by_name = {n.address: n for n in cluster.nodes}
         self.clients = {name: redis.Redis(host=by_name[name].host, port=by_name[name].port,
                                           password=cluster.password) for name in self.names}
@@ -136,7 +145,7 @@ def per(total: Mapping[str, float], n: float, keys: Sequence[str] = ("cpu_s", "i
 
 
 # -- the job ---------------------------------------------------------------------------------------
-def pick_job(client: redis.cluster.RedisCluster, groups: int, masters: Sequence[str]) -> tuple[str, dict]:
+def pick_job(client: redis.Redis, groups: int, masters: Sequence[str]) -> tuple[str, dict]:
     """A job name whose G group slots are spread evenly over the masters and whose slot ``{job}`` is
     alone on a master when that can be had, else on a master holding the fewest groups; and where
     each slot lives.
@@ -145,12 +154,13 @@ def pick_job(client: redis.cluster.RedisCluster, groups: int, masters: Sequence[
     the slot space apart: four groups always span all three masters, and the job's slot then
     shares a master with one group.
     """
+    nodes_of = cast("redis.cluster.RedisCluster", client)  # connect() types a cluster client as a Redis
     best: tuple[int, str, str, list[str]] | None = None
     for _ in range(5000):
         job = f"scale{groups}-{uuid.uuid4().hex[:8]}"
         keys = JobKeys(job)
-        home = client.get_node_from_key(keys.meta).name
-        nodes = [client.get_node_from_key(keys.group(g).version).name for g in range(groups)]
+        home = nodes_of.get_node_from_key(keys.meta).name
+        nodes = [nodes_of.get_node_from_key(keys.group(g).version).name for g in range(groups)]
         spread = [m for m in masters if m != home] if groups < len(masters) else list(masters)
         counts = [nodes.count(m) for m in spread]
         if set(nodes) - set(spread) or max(counts) - min(counts) > 1 or nodes.count(home) > min(counts):
@@ -163,12 +173,12 @@ def pick_job(client: redis.cluster.RedisCluster, groups: int, masters: Sequence[
         raise RuntimeError(f"no job name spreads {groups} group slot(s) evenly over the masters")
     _, job, home, nodes = best
     keys = JobKeys(job)
-    return job, {"job": {"slot": client.keyslot(keys.meta), "node": home},
-                 "groups": [{"group": g, "slot": client.keyslot(keys.group(g).version), "node": nodes[g]}
+    return job, {"job": {"slot": nodes_of.keyslot(keys.meta), "node": home},
+                 "groups": [{"group": g, "slot": nodes_of.keyslot(keys.group(g).version), "node": nodes[g]}
                             for g in range(groups)]}
 
 
-def membership(client: redis.cluster.RedisCluster, job: str, partitions: int = 1) -> None:
+def membership(client: redis.Redis, job: str, partitions: int = 1) -> None:
     """What the coordinator would have written: generation 1, one member owning the partitions."""
     keys = JobKeys(job)
     client.set(keys.generation, 1)
@@ -179,7 +189,7 @@ def membership(client: redis.cluster.RedisCluster, job: str, partitions: int = 1
 class Trainer:
     """A trainer's push side: a Pusher whose encode time is recorded apart from the rest of the push."""
 
-    def __init__(self, client: redis.cluster.RedisCluster, job: str, tensors: Mapping[str, torch.Tensor],
+    def __init__(self, client: redis.Redis, job: str, tensors: Mapping[str, torch.Tensor],
                  max_pending: int) -> None:
         self.pusher = Pusher(client, job, "bench", codec=CoordinatorSettings().codec,
                              codec_options={"density": TrainerSettings().topk_density}, max_pending=max_pending)
@@ -190,14 +200,15 @@ class Trainer:
         self.encode_cpu_s = 0.0
         encode = self.pusher.encode
 
-        def timed(grads: Mapping[str, torch.Tensor]):  # noqa: ANN202 - Pusher.encode's tuple
+        def timed(grads: Mapping[str, torch.Tensor]
+                  ) -> tuple[dict[int, bytes], dict[int, torch.Tensor], dict[int, torch.Tensor], int]:
             t = time.process_time()
             try:
                 return encode(grads)
             finally:
                 self.encode_cpu_s += time.process_time() - t
 
-        self.pusher.encode = timed  # type: ignore[method-assign]
+        self.pusher.encode = timed  # type: ignore[method-assign]  # the real encoder, timed
 
     def push(self, n: int) -> dict[str, float]:
         """Push ``n`` updates; per update: encode and push CPU (ms), wall time (ms), bytes sent."""
@@ -241,7 +252,7 @@ def check_alive(procs: Sequence[ServiceProcess]) -> None:
             raise RuntimeError(f"{p.name} exited with {p.returncode}:\n{p.log_tail()}")
 
 
-def wait_applied(client: redis.cluster.RedisCluster, job: str, procs: Sequence[ServiceProcess],
+def wait_applied(client: redis.Redis, job: str, procs: Sequence[ServiceProcess],
                  timeout_s: float, poll_s: float = 0.01) -> None:
     deadline = time.monotonic() + timeout_s
     while unapplied_updates(client, job) > 0:
@@ -261,7 +272,7 @@ def roles(placement: Mapping) -> dict[str, str]:
     return {n: "+".join(v) for n, v in out.items()}
 
 
-def throughput(cluster: RedisCluster, client: redis.cluster.RedisCluster, masters: Masters,
+def throughput(cluster: RedisCluster, client: redis.Redis, masters: Masters,
                tensors: Mapping[str, torch.Tensor], groups: int, args: argparse.Namespace) -> dict:
     """Part 1 and 2 for one group count: rounds of push N (servers paused) / apply N (timed)."""
     job, placement = pick_job(client, groups, masters.names)
@@ -282,9 +293,10 @@ def throughput(cluster: RedisCluster, client: redis.cluster.RedisCluster, master
     with servers(cluster.url, job, groups) as procs:
         trainer.push(1)  # warm-up: every server loaded and applied one update
         wait_applied(client, job, procs, timeout_s=300)
+        pids = [cast(int, p.pid) for p in procs]  # all running
         for r in range(args.rounds):
-            for p in procs:
-                os.kill(p.pid, signal.SIGSTOP)
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
             time.sleep(0.3)  # a server mid-round finishes nothing while paused: the log only grows
             before = masters.sample()
             costs = trainer.push(args.updates)
@@ -295,13 +307,13 @@ def throughput(cluster: RedisCluster, client: redis.cluster.RedisCluster, master
                 for k, v in d.items():
                     push_nodes.setdefault(n, {})[k] = push_nodes.get(n, {}).get(k, 0.0) + v
             pushed += args.updates
-            before, cpu0 = masters.sample(), [proc_cpu_s(p.pid) for p in procs]
+            before, cpu0 = masters.sample(), [proc_cpu_s(pid) for pid in pids]
             t = time.perf_counter()
-            for p in procs:
-                os.kill(p.pid, signal.SIGCONT)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
             wait_applied(client, job, procs, timeout_s=600, poll_s=0.005)
             elapsed = time.perf_counter() - t
-            after, cpu1 = masters.sample(), [proc_cpu_s(p.pid) for p in procs]
+            after, cpu1 = masters.sample(), [proc_cpu_s(pid) for pid in pids]
             for n, d in Masters.delta(before, after).items():
                 for k, v in d.items():
                     apply_nodes.setdefault(n, {})[k] = apply_nodes.get(n, {}).get(k, 0.0) + v
@@ -312,7 +324,7 @@ def throughput(cluster: RedisCluster, client: redis.cluster.RedisCluster, master
                            "cores_busy": busy})
             print(f"  {groups} group(s), round {r + 1}: {args.updates} updates applied and accounted in "
                   f"{elapsed:.2f} s ({args.updates / elapsed:.0f}/s; Redis and ps busy {busy:.2f} cores)", flush=True)
-    assert int(client.hget(JobKeys(job).applied_clocks, "bench")) == trainer.clock
+    assert int(cast(bytes, client.hget(JobKeys(job).applied_clocks, "bench"))) == trainer.clock
     pulls = pull_costs(cluster.url, client, masters, job, groups, trainer, tensors, args)
     role = roles(placement)
     cfg = {
@@ -329,7 +341,7 @@ def throughput(cluster: RedisCluster, client: redis.cluster.RedisCluster, master
     return cfg
 
 
-def pull_costs(url: str, client: redis.cluster.RedisCluster, masters: Masters, job: str, groups: int,
+def pull_costs(url: str, client: redis.Redis, masters: Masters, job: str, groups: int,
                trainer: Trainer, tensors: Mapping[str, torch.Tensor], args: argparse.Namespace) -> dict:
     """Part 3: full pulls, delta pulls after 1 and after ``--burst`` updates, SSP clock reads.
 
@@ -360,7 +372,8 @@ def pull_costs(url: str, client: redis.cluster.RedisCluster, masters: Masters, j
             cpu.append(c)
             nodes.append(d)
         empty = [bracket(lambda: None)[2] for _ in range(n)]
-        out = {"wire_bytes": statistics.fmean(wire), "client_cpu_ms": statistics.fmean(cpu) * 1e3, "nodes": {}}
+        out: dict[str, Any] = {"wire_bytes": statistics.fmean(wire), "client_cpu_ms": statistics.fmean(cpu) * 1e3,
+                               "nodes": {}}
         for name in masters.names:
             redis_ms = statistics.fmean(d[name]["cpu_s"] for d in nodes) - statistics.fmean(
                 d[name]["cpu_s"] for d in empty)
@@ -380,10 +393,10 @@ def pull_costs(url: str, client: redis.cluster.RedisCluster, masters: Masters, j
                     s.step()
         return go
 
-    held: dict[str, object] = {}
+    held: dict[str, Any] = {}
 
     def delta() -> object:
-        held["snap"] = store.pull(held["snap"], out=params)  # type: ignore[arg-type]
+        held["snap"] = store.pull(held["snap"], out=params)
         return held["snap"]
 
     full = measure(lambda: store.pull(out=params), args.pulls)
@@ -417,6 +430,7 @@ def kafka_costs(records: int, warmup: int) -> dict:
     """Part 4 through a real broker: produce ``records`` records (after ``warmup`` others), consume them."""
     with KafkaBroker(log_level="WARN") as broker:
         pid = broker.pid
+        assert pid is not None  # started
         produce(broker.bootstrap, "warmup", load_source(SOURCE), partitions=4, shard_size=SHARD_RECORDS,
                 limit=warmup)
         time.sleep(2.0)
@@ -424,7 +438,7 @@ def kafka_costs(records: int, warmup: int) -> dict:
         time.sleep(3.0)
         idle = (proc_cpu_s(pid) - c0) / (time.monotonic() - t0)  # the broker's background CPU per second
 
-        def window(fn: Callable[[], object]) -> tuple[object, float, float, float]:
+        def window(fn: Callable[[], T]) -> tuple[T, float, float, float]:
             b, c, t = proc_cpu_s(pid), time.process_time(), time.monotonic()
             got = fn()
             wall = time.monotonic() - t
@@ -432,7 +446,7 @@ def kafka_costs(records: int, warmup: int) -> dict:
 
         report, b_prod, c_prod, w_prod = window(lambda: produce(
             broker.bootstrap, "scale", load_source(SOURCE), partitions=4, shard_size=SHARD_RECORDS, limit=records))
-        n = report.records  # type: ignore[attr-defined]
+        n = report.records
 
         def consume() -> int:
             got = 0

@@ -34,18 +34,20 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 # Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import redis as redis_lib  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import redis as redis_lib
+from rich.console import Console
+from rich.table import Table
 
-from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster  # noqa: E402
-from common.keys import JobKeys  # noqa: E402
-from services import ParameterStore  # noqa: E402
+from common.keys import JobKeys
+from services import ParameterStore
+from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster
+from streamtrain.launcher import ManagedProcess, RedisCluster
 
 RESULTS = _HERE / "results" / "soak.json"
 TARGET_PCT_PER_HOUR = 5.0
@@ -69,7 +71,12 @@ def rss_kb(pid: int | None) -> int | None:
 
 def processes(cluster: LocalCluster) -> dict[str, int | None]:
     """Name -> pid of every process the cluster started."""
-    procs = {"redis": cluster.redis, "coordinator": cluster.coordinator, "producer": cluster.producer}
+    procs: dict[str, ManagedProcess | None] = {}
+    if isinstance(cluster.redis, RedisCluster):  # a Redis Cluster's nodes, each by name
+        procs.update({f"redis-{i}": n for i, n in enumerate(cluster.redis.nodes)})
+    else:
+        procs["redis"] = cluster.redis
+    procs.update({"coordinator": cluster.coordinator, "producer": cluster.producer})
     brokers = cluster.kafka.nodes if cluster.kafka is not None else []
     procs.update({"kafka" if len(brokers) == 1 else f"kafka-{b.node_id}": b for b in brokers})
     procs.update({"ps" if len(cluster.ps) == 1 else f"ps-{g}": p for g, p in enumerate(cluster.ps)})
@@ -115,12 +122,12 @@ def growth_pct_per_hour(points: list[tuple[float, float]]) -> float:
     return 100.0 * slope * 3600.0 / mv
 
 
-def run(args: argparse.Namespace) -> dict[str, object]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     # the services read their variables (STREAMTRAIN_PS_AUDIT_HORIZON_S, ...) over the local defaults
     spec = ClusterSpec(producer=replace(LOCAL_STREAM, source="digits?repeat=0", rate=args.rate)
                        ).with_environment(os.environ)
     keys = JobKeys(spec.job)
-    samples: list[dict[str, object]] = []
+    samples: list[dict[str, Any]] = []
     with LocalCluster(spec, workdir=args.workdir) as cluster:
         client = redis_lib.Redis.from_url(cluster.redis_url)
         try:
@@ -133,7 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 cluster.raise_if_crashed()
                 now = time.monotonic()
                 rss = {name: rss_kb(pid) for name, pid in processes(cluster).items()}
-                sample = {"t_s": round(now - t0, 2), "rss_kb": rss, "redis": redis_sizes(client, keys, groups)}
+                sample: dict[str, Any] = {"t_s": round(now - t0, 2), "rss_kb": rss,
+                                          "redis": redis_sizes(client, keys, groups)}
                 samples.append(sample)
                 sizes = sample["redis"]
                 print(f"{sample['t_s']:6.0f}s  rss MiB " + " ".join(f"{k} {v / 1024:.0f}" for k, v in rss.items()

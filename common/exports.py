@@ -17,6 +17,12 @@ Usage, at the end of a package's ``__init__.py``::
         ".assign": ("assign",),
     })
 
+    if TYPE_CHECKING:  # the same names, for type checkers, which do not run lazy_exports
+        from .assign import assign
+        from .state import Store
+
+(``tests/test_structure.py`` checks that the ``TYPE_CHECKING`` imports name the same modules.)
+
 It is PEP 562's module ``__getattr__``, plus one rule an eager ``from .assign
 import assign`` gave for free: a name exported from a submodule of the same name
 (``coordinator.assign``, ``trainers.evaluate``) stays the exported function when
@@ -31,7 +37,7 @@ import importlib
 import sys
 import types
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["LazyPackage", "lazy_exports"]
 
@@ -79,6 +85,6 @@ def lazy_exports(package: str, public: Collection[str], homes: Mapping[str, Coll
         raise ValueError(f"{package}: __all__ and the exported names differ: "
                          f"not exported {sorted(set(public) - set(home))}, "
                          f"not in __all__ {sorted(set(home) - set(public))}")
-    module = sys.modules[package]
-    module.__class__ = LazyPackage
-    module._export_homes = home  # type: ignore[attr-defined]
+    pkg = sys.modules[package]
+    pkg.__class__ = LazyPackage
+    cast(LazyPackage, pkg)._export_homes = home

@@ -174,7 +174,8 @@ class GroupKeys:
     """Key names of parameter-server shard group ``group`` of job ``job`` (hash tag ``{job:g<group>}``).
 
     Group g owns shards ``i`` with ``i % groups == g`` (``services.protocol.group_of``); its version,
-    cursors and optimizer state are its own. Shard ``i`` at group version V is :meth:`shard` plus its deltas in (base, V].
+    cursors and optimizer state are its own. Shard ``i`` at group version V is :meth:`shard` plus its
+    deltas in (base, V].
     """
 
     job: str
@@ -247,10 +248,11 @@ class GroupKeys:
         recorded is answered ``ALREADY`` (or ``PAST``) and counts nothing."""
         return self.key("unaccounted")
 
-    def update_blob(self, token: str, index: int) -> str:
+    def update_blob(self, token: str, index: int | str) -> str:
         """Encoded gradient of shard ``index`` of the pushed update ``token``: written before the push
         (a refused or abandoned one is deleted by the pusher or swept by the group's server), deleted
-        once the group's persisted optimizer state includes the update."""
+        once the group's persisted optimizer state includes the update. (``"*"`` for either makes a
+        SCAN pattern.)"""
         return self.key("grad", token, index)
 
     def table_rows(self, table: str) -> str:

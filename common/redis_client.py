@@ -23,7 +23,7 @@ or by Redis with CROSSSLOT), never split or half-applied.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote, unquote, urlsplit
 
 import redis
@@ -99,7 +99,7 @@ def _packing(kwargs: dict[str, Any]) -> dict[str, Any]:
     if packer is not None:
         base = kwargs.get("connection_class", Connection)
 
-        class PackingConnection(base):  # type: ignore[misc, valid-type]
+        class PackingConnection(base):  # type: ignore[misc, valid-type]  # a base class chosen at run time
             def __init__(self, **kw: Any) -> None:
                 kw.setdefault("command_packer", packer)
                 super().__init__(**kw)
@@ -108,9 +108,11 @@ def _packing(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def connect(url: str, **kwargs: Any) -> redis.Redis | cluster.RedisCluster:
+def connect(url: str, **kwargs: Any) -> redis.Redis:
     """A redis-py client for ``url``: :class:`redis.Redis` for a server, a
-    :class:`redis.cluster.RedisCluster` for a ``redis+cluster://`` URL.
+    :class:`redis.cluster.RedisCluster` for a ``redis+cluster://`` URL. Both are typed as
+    :class:`redis.Redis`, the interface every caller uses: the cluster client answers the same
+    commands for a job's keys (one slot), as ``tests/test_redis_cluster.py`` checks.
 
     ``kwargs`` go to the client (``socket_timeout``, ``command_packer``, ...).
     A cluster client asks the nodes for the slot map when it is made.
@@ -129,17 +131,18 @@ def connect(url: str, **kwargs: Any) -> redis.Redis | cluster.RedisCluster:
     auth = f"{user}:{quote(where.password, safe='')}@" if where.password is not None else (
         f"{user}@" if user else "")
     first = f"redis://{auth}{f'[{host}]' if ':' in host else host}:{port}/0"
-    return _SyncCluster(url=first, startup_nodes=[cluster.ClusterNode(h, p) for h, p in rest],
-                        **_packing(kwargs))
+    return cast(redis.Redis, _SyncCluster(url=first, startup_nodes=[cluster.ClusterNode(h, p) for h, p in rest],
+                                          **_packing(kwargs)))
 
 
-def connect_async(url: str, **kwargs: Any) -> aioredis.Redis | aiocluster.RedisCluster:
-    """The redis.asyncio twin of :func:`connect` (nothing is sent until the first command)."""
+def connect_async(url: str, **kwargs: Any) -> aioredis.Redis:
+    """The redis.asyncio twin of :func:`connect` (nothing is sent until the first command; a
+    cluster client is typed as :class:`redis.asyncio.Redis` too)."""
     if not is_cluster_url(url):
         return aioredis.Redis.from_url(url, **kwargs)
     where = parse_cluster_url(url)
-    return _AsyncCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in where.nodes],
-                         username=where.username, password=where.password, **kwargs)
+    return cast(aioredis.Redis, _AsyncCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in where.nodes],
+                                              username=where.username, password=where.password, **kwargs))
 
 
 def redis_where(client: Any) -> str:
@@ -197,7 +200,7 @@ class _SyncPipeline(cluster.ClusterPipeline):
             return super().execute(raise_on_error)
         queued = list(strategy.command_queue)
         replies = super().execute(raise_on_error)
-        callbacks = self.nodes_manager.default_node.redis_connection.response_callbacks
+        callbacks = cast(cluster.ClusterNode, self.nodes_manager.default_node).redis_connection.response_callbacks
         out = []
         for reply, cmd in zip(replies, queued, strict=True):
             name = cmd.args[0]
@@ -225,7 +228,7 @@ class _SyncCluster(cluster.RedisCluster):
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> _SyncPipeline:
         pipe = super().pipeline(transaction=transaction, shard_hint=shard_hint)
         pipe.__class__ = _SyncPipeline  # the same object, with _SyncPipeline's methods
-        return pipe  # type: ignore[return-value]
+        return cast(_SyncPipeline, pipe)
 
 
 class _AsyncPipeline(aiocluster.ClusterPipeline):
@@ -243,4 +246,4 @@ class _AsyncCluster(aiocluster.RedisCluster):
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> _AsyncPipeline:
         if shard_hint:
             raise cluster.RedisClusterException("shard_hint is deprecated in cluster mode")
-        return _AsyncPipeline(self, transaction)
+        return _AsyncPipeline(self, transaction)  # type: ignore[abstract]  # redis-py leaves _event_dispatcher unset

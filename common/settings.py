@@ -27,9 +27,12 @@ import os
 import types
 import typing
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class SettingsError(ValueError):
@@ -39,8 +42,9 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def setting(default: Any, *, env: str | None, help: str, min: float | None = None,  # noqa: A002
-            max: float | None = None, choices: Sequence[Any] | None = None, hidden: bool = False) -> Any:
+def setting(default: Any, *, env: str | None, help: str,  # noqa: A002 - `help` as in argparse
+            min: float | None = None, max: float | None = None,  # noqa: A002 - the bounds, as the docs name them
+            choices: Sequence[Any] | None = None, hidden: bool = False) -> Any:
     """Declare a settings field with its environment variable, bounds and help.
 
     ``hidden``: a switch for the tests, not the user: its flag and variable work as any other's,
@@ -99,8 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
                                 action=argparse.BooleanOptionalAction, help=help_text)
         else:
             parser.add_argument(_flag(f.name), dest=f.name, default=None,
-                                choices=meta.get("choices"), type=str if kind is str else None,
-                                metavar=f.name.upper(), help=help_text)
+                                choices=meta.get("choices"), metavar=f.name.upper(), help=help_text)
 
 
 def from_args(cls: type[T], args: argparse.Namespace | Mapping[str, Any] | None = None,

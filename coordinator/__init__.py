@@ -5,6 +5,8 @@ importing a light module (``coordinator.assignment``, ``coordinator.membership``
 import aiohttp or redis.
 """
 
+from typing import TYPE_CHECKING
+
 from common.exports import lazy_exports
 
 __all__ = [
@@ -45,3 +47,21 @@ lazy_exports(__name__, __all__, {
     ".settings": ("CoordinatorSettings",),
     ".state": ("Store", "check_fence"),
 })
+
+if TYPE_CHECKING:  # the same names, eagerly, for type checkers (tests/test_structure.py keeps the two alike)
+    from .assign import assign, capability_weight, quotas
+    from .assignment import Assignment, JobConfig, Registration
+    from .client import CoordinatorClient
+    from .errors import (
+        AuthError,
+        BadRequestError,
+        ConflictError,
+        CoordinatorError,
+        CoordinatorUnavailableError,
+        FencedError,
+        MemberGoneError,
+        UnknownMemberError,
+    )
+    from .membership import Member, Membership, MemberState
+    from .settings import CoordinatorSettings
+    from .state import Store, check_fence

@@ -62,7 +62,7 @@ def quotas(members: Mapping[str, float], partitions: int,
     held = held or {}
     total = math.fsum(members.values())
     shares = {m: partitions * w / total for m, w in members.items()}
-    out = {m: int(math.floor(s)) for m, s in shares.items()}
+    out = {m: math.floor(s) for m, s in shares.items()}
     spare = partitions - sum(out.values())
     order = sorted(members, key=lambda m: (-(shares[m] - out[m]), -held.get(m, 0), m))
     for m in order[:spare]:
@@ -98,7 +98,7 @@ def assign(members: Mapping[str, float], partitions: Sequence[int],
     orphans: list[int] = []
     for p in parts:
         owner = previous.get(p)
-        if owner in members and count[owner] < quota[owner]:
+        if owner is not None and owner in members and count[owner] < quota[owner]:
             result[p] = owner
             count[owner] += 1
         else:

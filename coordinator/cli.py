@@ -7,7 +7,8 @@ import logging
 
 from aiohttp import web
 
-from common.settings import SettingsError, add_arguments as add_settings, from_args
+from common.settings import SettingsError, from_args
+from common.settings import add_arguments as add_settings
 from common.urls import redact_url
 
 from .app import create_app

@@ -25,9 +25,14 @@ from typing import Any
 import aiohttp
 
 from .assignment import Assignment, Registration
-from .errors import (AuthError, BadRequestError, CoordinatorError, CoordinatorUnavailableError,
-                     MemberGoneError, UnknownMemberError)
-
+from .errors import (
+    AuthError,
+    BadRequestError,
+    CoordinatorError,
+    CoordinatorUnavailableError,
+    MemberGoneError,
+    UnknownMemberError,
+)
 
 _ERRORS: dict[int, type[CoordinatorError]] = {400: BadRequestError, 401: AuthError,
                                               404: UnknownMemberError, 405: BadRequestError,

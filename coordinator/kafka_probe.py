@@ -31,7 +31,7 @@ class KafkaProbe:
             # not stop it when the bootstrap fails, so build in two steps to close it then.
             consumer = KafkaConsumer.__new__(KafkaConsumer)
             try:
-                consumer.__init__(  # type: ignore[misc]
+                consumer.__init__(
                     bootstrap_servers=self.bootstrap.split(","),
                     client_id="streamtrain-coordinator", enable_auto_commit=False,
                     request_timeout_ms=max(self.timeout_ms, 1000),

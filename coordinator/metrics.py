@@ -7,8 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .membership import (Action, Member, MemberDrained, MemberExpired, MemberJoined, MemberLeft,
-                         Membership, Rebalanced)
+from .membership import Action, Member, MemberDrained, MemberExpired, MemberJoined, MemberLeft, Membership, Rebalanced
 
 FRESHNESS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 """Buckets (seconds) of produce-to-apply freshness."""

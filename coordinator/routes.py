@@ -15,7 +15,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -261,7 +261,7 @@ async def readyz(request: web.Request) -> web.Response:
     try:
         await rt.kafka(rt.probe.ping)
         checks["kafka"] = "ok"
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any failure means not ready
         checks["kafka"] = f"unreachable: {exc!r}"
     ready = all(v == "ok" for v in checks.values())
     return web.json_response({"status": "ready" if ready else "not ready", "checks": checks},
@@ -271,7 +271,8 @@ async def readyz(request: web.Request) -> web.Response:
 async def _partitions(rt: Runtime, state: Membership, config: JobConfig) -> list[dict[str, Any]]:
     keys = rt.store.keys
     raw_assignment = await rt.redis.hgetall(keys.assignment)
-    committed = {k.decode(): int(v) for k, v in (await rt.redis.hgetall(keys.offsets)).items()}
+    offsets_hash = cast("dict[bytes, bytes]", await rt.redis.hgetall(keys.offsets))
+    committed = {k.decode(): int(v) for k, v in offsets_hash.items()}
     try:
         offsets = await rt.kafka(rt.probe.offsets, config.topic, config.partitions)
     except Exception as exc:  # noqa: BLE001 - status degrades without Kafka

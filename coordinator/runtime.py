@@ -30,8 +30,18 @@ from aiohttp import web
 from common.outage import REDIS_DOWN, DependencyUnavailable, Outage
 
 from .kafka_probe import KafkaProbe
-from .membership import (Action, CheckLeases, Event, Membership, MemberDrained, MemberExpired,
-                         MemberJoined, MemberLeft, Rebalanced, RenewLeases)
+from .membership import (
+    Action,
+    CheckLeases,
+    Event,
+    MemberDrained,
+    MemberExpired,
+    MemberJoined,
+    MemberLeft,
+    Membership,
+    Rebalanced,
+    RenewLeases,
+)
 from .metrics import Metrics
 from .sampler import Sampler
 from .settings import CoordinatorSettings

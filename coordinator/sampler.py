@@ -153,7 +153,7 @@ class Sampler:
                 if failing is not type(exc):
                     logger.info("history: no sample while Redis is unreachable (%s)", exc)
                 failing = type(exc)
-            except Exception as exc:  # noqa: BLE001 - the history must never end the coordinator
+            except Exception as exc:  # the history must never end the coordinator
                 if failing is not type(exc):
                     logger.exception("history: sample of job %s failed", self._settings.job)
                 failing = type(exc)

@@ -42,14 +42,14 @@ from typing import Any
 import redis as redis_sync
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
+from redis.typing import FieldT
 
 from common.fence import fence_token, parse_fence_token
 from common.keys import JobKeys
 
 from .assignment import FOLLOW_DENSE, JobConfig
 from .errors import ConflictError, FencedError, MemberGoneError, UnknownMemberError
-from .membership import (Action, CheckLeases, Departure, Event, Member, Membership, departures, forgotten,
-                         handle)
+from .membership import Action, CheckLeases, Departure, Event, Member, Membership, departures, forgotten, handle
 from .settings import CoordinatorSettings
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class Store:
         current = await self.config()
         new = replace(current, **changes)  # TypeError for unknown fields, ValueError for bad ones
         before, after = current.to_hash(), new.to_hash()
-        diff = {k: v for k, v in after.items() if before.get(k) != v}
+        diff: dict[FieldT, str] = {k: v for k, v in after.items() if before.get(k) != v}
         unset = sorted(set(before) - set(after))
         if diff or unset:
             async with self.redis.pipeline(transaction=True) as pipe:

@@ -42,7 +42,7 @@ def members_view(state: Membership, now_ms: int) -> list[dict[str, Any]]:
     return [member_view(state.members[m], state, now_ms) for m in sorted(state.members)]
 
 
-def partitions_view(state: Membership, raw_assignment: Mapping[bytes, bytes],
+def partitions_view(state: Membership, raw_assignment: Mapping[bytes | str, bytes | str],
                     committed: Mapping[str, int],
                     kafka: Mapping[int, tuple[int, int]] | None) -> list[dict[str, Any]]:
     """JSON of every partition: owner, generation, committed/beginning/end offsets and lag.

@@ -12,7 +12,6 @@ from rich.console import Console
 from rich.table import Table
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--url`` of the coordinator, ``--json`` for the raw document."""
     parser.add_argument("--url", default="http://127.0.0.1:8700",

@@ -27,8 +27,19 @@ from .examples import Examples
 from .jagged import Jagged, concat_features
 from .producer import ProduceReport, default_producer_id, iter_shards, produce
 from .records import (
-    DEFAULT_MAX_RECORD_BYTES, DENSE_SHARD_VERSION, LABEL_KINDS, MAX_ID_FEATURES, MAX_IDS_PER_FEATURE, REASONS,
-    SHARD_VERSION, DecodeError, Records, decode_record, encode_json_record, encode_msgpack_record, encode_shard,
+    DEFAULT_MAX_RECORD_BYTES,
+    DENSE_SHARD_VERSION,
+    LABEL_KINDS,
+    MAX_ID_FEATURES,
+    MAX_IDS_PER_FEATURE,
+    REASONS,
+    SHARD_VERSION,
+    DecodeError,
+    Records,
+    decode_record,
+    encode_json_record,
+    encode_msgpack_record,
+    encode_shard,
     hash_id,
 )
 from .sources import SPLITS, TEST_EVERY, Source, SourceError, load_source, split_mask

@@ -396,7 +396,7 @@ class ShardConsumer:
                 if not b.empty and (b.rows >= self.max_records_per_batch or not polled
                                     or time.monotonic() - b.started >= self._max_wait_s):
                     self._emit()
-        except BaseException as exc:  # noqa: BLE001 - surfaced to poll()
+        except BaseException as exc:  # surfaced to poll()
             logger.exception("consumer of %s stopped", self.topic)
             self._error = exc
         finally:

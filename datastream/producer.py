@@ -22,10 +22,11 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 from rich.console import Console
 from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
@@ -113,7 +114,7 @@ def iter_shards(source: Source, shard_size: int, limit: int | None = None) -> It
         yield _join(parts, source, y_dtype)
 
 
-def _join(parts: list[Examples], source: Source, y_dtype: object) -> Examples:
+def _join(parts: list[Examples], source: Source, y_dtype: np.dtype | None) -> Examples:
     try:
         joined = parts[0] if len(parts) == 1 else Examples.concat(parts)  # one part stays a view
     except ValueError as exc:
@@ -130,7 +131,8 @@ class _Acks:
         self.records = self.shards = self.failed = 0
         self.errors: list[str] = []
 
-    def sent(self, n: int):  # noqa: ANN201 - returns the two callbacks
+    def sent(self, n: int) -> tuple[Callable[[object], None], Callable[[BaseException], None]]:
+        """The send's callbacks (success, failure) for a shard of ``n`` records."""
         def ok(_metadata: object) -> None:
             with self.lock:
                 self.records += n

@@ -386,7 +386,7 @@ def _decode_shard(obj: dict[str, Any]) -> Records:
     if not isinstance(producer, str) or type(seq) is not int or type(n) is not int or type(ts) is not int \
             or seq < 0 or n <= 0:
         raise DecodeError("bad_schema", "shard producer must be a string, seq/n/ts integers, n > 0")
-    ctx = {"producer_id": producer, "first_seq": seq, "count": n}
+    ctx: dict[str, Any] = {"producer_id": producer, "first_seq": seq, "count": n}
     x = _shard_array("x", obj["x"], ctx)
     y = _shard_array("y", obj["y"], ctx)
     if x.ndim != 2 or y.ndim != 1 or x.shape[0] != n or y.shape[0] != n:

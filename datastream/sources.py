@@ -53,7 +53,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 from urllib.parse import parse_qsl
 
 import numpy as np
@@ -74,6 +74,10 @@ TEST_EVERY = 5
 """Record *i* of a source is in the test split when ``i % TEST_EVERY == TEST_EVERY - 1``."""
 
 _BLOCK = 1024
+
+_Default = TypeVar("_Default", int, None)
+"""An integer option's default: a number, or None for none (then the option may be absent)."""
+
 Block = tuple[int, Examples]
 """(index of the first record in the source's numbering, its examples: x [n, d], y [n], ids)."""
 
@@ -159,7 +163,7 @@ class Source:
             raise SourceError(f"source {self.name}: blocks disagree ({exc})") from None
 
 
-def _int(opts: dict[str, str], key: str, default: int | None, lo: int = 0) -> int | None:
+def _int(opts: dict[str, str], key: str, default: _Default, lo: int = 0) -> int | _Default:
     raw = opts.pop(key, None)
     if raw is None:
         return default
@@ -432,7 +436,7 @@ def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -
         blocks = _clicks(opts)
     elif base == "stdin":
         blocks = _stdin(opts, stdin)
-    elif colon and prefix in _FILES or not colon and Path(base).suffix[1:] in _FILES:
+    elif (colon and prefix in _FILES) or (not colon and Path(base).suffix[1:] in _FILES):
         kind, path = (prefix, Path(arg)) if colon else (Path(base).suffix[1:], Path(base))
         if not path.is_file():
             raise SourceError(f"source {spec!r}: no such file {path}")

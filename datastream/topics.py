@@ -9,7 +9,6 @@ may die without losing an acknowledged record, stopping writes, or duplicating a
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 from kafka import KafkaProducer
@@ -79,11 +78,11 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int, *, timeout_s: floa
         admin.close()
 
 
-def broker_reachable(client: object) -> bool:
+def broker_reachable(client: Any) -> bool:
     """True while a kafka-python client (a consumer's ``_client``, a producer's ``_sender._client``) holds a connection
     to a broker of the cluster (or, before it knows the cluster, to a bootstrap server). Clients
     keep idle connections open, so a false means the brokers went away, not that data stopped."""
-    nodes = [b.node_id for b in client.cluster.brokers()]  # type: ignore[attr-defined]
+    nodes = [b.node_id for b in client.cluster.brokers()]
     if not nodes:
-        return bool(client.bootstrap_connected())  # type: ignore[attr-defined]
-    return any(client.connected(n) for n in nodes)  # type: ignore[attr-defined]
+        return bool(client.bootstrap_connected())
+    return any(client.connected(n) for n in nodes)

@@ -21,9 +21,9 @@ from pathlib import Path
 root = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(root / "tests"))
 
-from cdp import chromium  # noqa: E402
+from cdp import chromium
 
-from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster  # noqa: E402
+from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster
 
 
 async def shoot(url: str, out: Path) -> None:

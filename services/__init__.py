@@ -11,6 +11,8 @@ importing a light module (``services.clocks``, ``services.errors``) does not imp
 or prometheus-client.
 """
 
+from typing import TYPE_CHECKING
+
 from common.exports import lazy_exports
 
 __all__ = [
@@ -83,3 +85,27 @@ lazy_exports(__name__, __all__, {
     ".protocol": ("Update",),
     ".updates": ("committed_offsets", "push_update", "unapplied_updates", "was_committed"),
 })
+
+if TYPE_CHECKING:  # the same names, eagerly, for type checkers (tests/test_structure.py keeps the two alike)
+    from .checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
+    from .clocks import ClockWait, JobClocks
+    from .codecs import CodecChain, Sent, decode_gradient, decode_sent, get_codec
+    from .consistency import Consistency, StalenessTimeout, read_job_clocks, starting_clock, wait_for_clock
+    from .encoder import Feedback, Prepared, Pusher, PushResult
+    from .errors import (
+        BackpressureError,
+        BadGradientError,
+        FencedError,
+        LayoutError,
+        OffsetConflictError,
+        ParameterPlaneError,
+        PayloadError,
+        UnknownCodecError,
+    )
+    from .layout import Layout, ShardSpec, TensorSpec
+    from .optim import OPTIMIZERS, OptimizerConfig
+    from .protocol import Update
+    from .server import ParameterServer, ServerStatus
+    from .settings import ServerSettings
+    from .store import ModelMeta, ParameterStore, Snapshot, connect
+    from .updates import committed_offsets, push_update, unapplied_updates, was_committed

@@ -35,16 +35,17 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis
 import torch
 
 from common.keys import JobKeys
 
-from .errors import ParameterPlaneError
-from .protocol import AccountingRecord, AccountPlan, PlanUpdate, Status, Update
 from .embeddings.apply import TableWrites
 from .embeddings.rows import SEEN_DTYPE, id_bytes
+from .errors import ParameterPlaneError
+from .protocol import AccountingRecord, AccountPlan, PlanUpdate, Status, Update
 from .scripts import AccountCall, ApplyCall, ShardPublish, TablePublish, execute_with_script
 
 __all__ = ["Outcome", "ShardWrite", "Persist", "Housekeeping", "WriteResult", "AccountingError", "write_batch",
@@ -147,7 +148,7 @@ class WriteResult:
 
 def _view(t: torch.Tensor) -> memoryview:
     """Zero-copy bytes of a contiguous float32 CPU tensor (redis-py sends memoryviews as they are)."""
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # numpy types ndarray a Buffer from 3.12 on
 
 
 def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, cursor: str,
@@ -258,11 +259,11 @@ def finish_accounting(client: redis.Redis, job: str, group: int) -> bool:
             end, nor past it (the job's slot lost writes the group's slot kept: a Redis restored from
             different points in time).
     """
-    raw = client.get(JobKeys(job).group(group).unaccounted)
+    raw = cast("bytes | None", client.get(JobKeys(job).group(group).unaccounted))
     if raw is None:
         return False
     plan = dataclasses.replace(AccountPlan.unpack(raw, what=f"group {group} unaccounted plan"), housekeep=None)
     keys = JobKeys(job)
-    before = (client.hget(keys.group_accounted, str(group)) or b"").decode()
+    before = (cast("bytes | None", client.hget(keys.group_accounted, str(group))) or b"").decode()
     _account(client, job, plan, version=0)
     return before == plan.start != plan.end  # recorded now (not before, nor overtaken)

@@ -36,7 +36,7 @@ import pickle
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import redis
 import torch
@@ -94,7 +94,7 @@ def save_checkpoint(client: redis.Redis, job: str, path: str, *, rows_per_piece:
     """
     if rows_per_piece < 1:
         raise ValueError(f"rows_per_piece must be >= 1, got {rows_per_piece!r}")
-    raw_meta = client.get(JobKeys(job).meta)
+    raw_meta = cast("bytes | None", client.get(JobKeys(job).meta))
     if raw_meta is None:
         raise LayoutError(f"job {job} has no model to checkpoint")
     meta = ModelMeta.from_json(raw_meta)

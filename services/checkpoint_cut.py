@@ -84,6 +84,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis
 
@@ -306,6 +307,7 @@ def _read_group(client: redis.Redis, job: str, meta: ModelMeta, group: int,
         if take is not None:
             pipe.hgetall(gk.table_stats)
             pipe.mget([gk.rows_blob(t) for t in row_tokens] or [gk.version])
+            assert sha is not None, "the cut's script is queued with its sha"
             take.queue(pipe, sha)
 
     if take is None:
@@ -387,8 +389,8 @@ def _group_blobs(client: redis.Redis, job: str, meta: ModelMeta, group: int, cut
                 late.append((update.token, i))
         if group in update.row_groups and StreamId.parse(eid) > StreamId.parse(cut.cursor):
             if update.token in cut.row_blobs:
-                if cut.row_blobs[update.token] is not None:
-                    rows[update.token] = cut.row_blobs[update.token]
+                if (blob := cut.row_blobs[update.token]) is not None:
+                    rows[update.token] = blob
             else:
                 late_rows.append(update.token)
     if late or late_rows:
@@ -417,10 +419,12 @@ def _read_cut(client: redis.Redis, job: str, raw_meta: bytes, meta: ModelMeta, o
         CutBusy: another save holds a group's cut of its tables.
     """
     keys = JobKeys(job)
-    known = {_text(eid): _parse(_text(eid), fields) for eid, fields in client.xrange(keys.update_log)}
+    log = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(keys.update_log))
+    known = {_text(eid): _parse(_text(eid), fields) for eid, fields in log}
     groups = [_read_group(client, job, meta, g, known, owner) for g in range(meta.groups)]
     last = max(known, key=StreamId.parse, default="")
-    named = [*known, *(_text(eid) for eid, _ in client.xrange(keys.update_log, min=after(last)))]
+    later = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(keys.update_log, min=after(last)))
+    named = [*known, *(_text(eid) for eid, _ in later)]
     cut = _read_job(client, job, named)
     if cut.meta != raw_meta:
         raise CheckpointError(f"job {job}: the model's meta changed while checkpointing (removed or "

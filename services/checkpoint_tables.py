@@ -89,8 +89,10 @@ def _record(kind: str, spec: TableSpec) -> np.dtype:
 def _layout(dtype: np.dtype) -> str:
     """A record's fields, for a piece's metadata: ``version <u8 | values <f4[4] | ...``."""
     out = []
+    fields = dtype.fields
+    assert dtype.names is not None and fields is not None, "a record dtype has fields"
     for name in dtype.names:
-        sub = dtype.fields[name][0]
+        sub = fields[name][0]
         shape = f"[{', '.join(map(str, sub.shape))}]" if sub.shape else ""
         out.append(f"{name} {sub.base.str}{shape}")
     return " | ".join(out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 from prometheus_client import Histogram
@@ -57,7 +58,7 @@ class Consistency:
     @classmethod
     def from_job(cls, client: redis.Redis, job: str) -> Consistency:
         """Read ``consistency`` and ``staleness`` from the job's config hash (defaults when absent)."""
-        mode, s = client.hmget(JobKeys(job).config, ["consistency", "staleness"])
+        mode, s = cast("list[bytes | None]", client.hmget(JobKeys(job).config, ["consistency", "staleness"]))
         return cls(mode=(mode or b"ssp").decode(), staleness=int(s or 2))
 
 

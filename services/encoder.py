@@ -264,7 +264,8 @@ class Pusher:
         """
         update_id = push_update(self.client, self.job, prepared.update, max_pending=self.max_pending,
                                 backpressure_timeout_s=backpressure_timeout_s, groups=self.groups)
-        wire = sum(len(b) for b in prepared.update.gradients.values()) + sum(len(b) for b in prepared.update.rows.values())
+        update = prepared.update
+        wire = sum(len(b) for b in update.gradients.values()) + sum(len(b) for b in update.rows.values())
         return PushResult(update_id, wire, prepared.raw_bytes)
 
     def adopt(self, feedback: Feedback) -> None:

@@ -48,6 +48,7 @@ import re
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import redis
@@ -207,7 +208,7 @@ def _no_model(job: str) -> NoModelError:
 
 
 def _meta(client: redis.Redis, job: str) -> tuple[bytes, ModelMeta]:
-    raw = client.get(JobKeys(job).meta)
+    raw = cast("bytes | None", client.get(JobKeys(job).meta))
     if raw is None:
         raise _no_model(job)
     return raw, ModelMeta.from_json(raw)
@@ -271,7 +272,7 @@ def snapshot(client: redis.Redis, job: str, version: str | Sequence[int] | None 
     for _ in range(_ATTEMPTS):
         want = _requested(version, meta.groups, job)
         reads = [_read(client, job, meta, g, None if want is None else want[g]) for g in range(meta.groups)]
-        meta_now = client.get(JobKeys(job).meta)
+        meta_now = cast("bytes | None", client.get(JobKeys(job).meta))
         if meta_now == raw_meta:
             break
         if meta_now is None:  # deleted (and maybe restored) in between: read it again

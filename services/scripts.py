@@ -49,7 +49,7 @@ def script(client: redis.Redis, name: str) -> redis.commands.core.Script:
     cached = getattr(client, "_streamtrain_scripts", None)
     if cached is None:
         cached = {}
-        client._streamtrain_scripts = cached  # type: ignore[attr-defined]
+        client._streamtrain_scripts = cached  # type: ignore[attr-defined]  # our cache, kept on the client
     if name not in cached:
         cached[name] = client.register_script(_source(name))
         # load it now: an EVALSHA answered NOSCRIPT costs more than the round trip (redis-py
@@ -200,7 +200,7 @@ class PushCall(ScriptCall):
 class ShardPublish(NamedTuple):
     """What an apply publishes for one shard it changed (an input of :class:`ApplyCall`)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field, hiding tuple.index() (never called on it)
     """Shard index."""
     version_read: int
     """Its version when the server loaded it (compare-and-set)."""
@@ -213,7 +213,7 @@ class ShardPublish(NamedTuple):
 class ShardPlan(NamedTuple):
     """One entry of ``plan.shards`` of ``apply.lua``, which reads it by position (``S_`` locals)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field, hiding tuple.index() (never called on it)
     """Shard index."""
     version_read: int
     """Its version when the server loaded it."""
@@ -295,9 +295,9 @@ class ApplyCall(ScriptCall):
     SCRIPT: ClassVar[str] = "apply"
     KEYS: ClassVar[tuple[str, ...]] = ("cursor", "versions", "version", "optimizer_steps", "bases", "delta_floors",
                                        "persisted", "unaccounted", "table_stats", "table_cut", "rows_blob_shadow")
-    KEYS_TAIL: ClassVar[str | None] = "renames"
+    KEYS_TAIL: ClassVar[str] = "renames"
     ARGV: ClassVar[tuple[str, ...]] = ("plan", "accounting")
-    ARGV_TAIL: ClassVar[str | None] = "deltas"
+    ARGV_TAIL: ClassVar[str] = "deltas"
     ENTRIES: ClassVar[Mapping[str, type[tuple]]] = {"S": ShardPlan, "T": TablePlan}
 
     group: GroupKeys

@@ -63,6 +63,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import redis
@@ -339,7 +340,8 @@ class ParameterServer:
         cursor, persisted, version, versions, bases, steps, stats, blobs, opt_blobs, *streams = pipe.execute()
         # the log (the job's slot) keeps every update after the lowest persisted cursor of all groups,
         # so every update after this group's persisted cursor is still there
-        log = self.client.xrange(self.keys.update_log, after(persisted or ""))
+        log = cast("list[tuple[bytes, Mapping[bytes, bytes]]]",
+                   self.client.xrange(self.keys.update_log, after(persisted or "")))
         st = _GroupState(cursor=(cursor or b"").decode(), persisted=(persisted or b"").decode(),
                          version=int(version or 0),
                          table_steps={t.name: int(stats.get(f"{t.name}:steps".encode(), 0)) for t in meta.tables})
@@ -371,9 +373,11 @@ class ParameterServer:
                 if update is not None and not self.client.xrange(self.keys.update_log, eid, eid):
                     raise _LogMoved(f"update {eid} left the log during a load")
                 continue  # refused when applied (a bad header, or its blobs were missing then too): no step
+            update = cast(Update, update)  # no error: it parsed
             st.unpersisted_bytes += sum(len(b) for b in update.gradients.values())
             try:
-                decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
+                decoded = validate_gradients(update, cast(ModelMeta, self._meta).layout,
+                                             max_bytes=self.settings.max_update_bytes)
             except ParameterPlaneError:
                 continue  # refused when applied: no step
             self._steps(st, [decoded], scratch)
@@ -392,7 +396,7 @@ class ParameterServer:
         start = self._state.cursor or "0-0"
         got = self.client.xread({self.keys.update_log: start}, count=self.settings.batch,
                                 block=self.settings.block_ms)
-        return self.apply_entries(got[0][1] if got else [])
+        return self.apply_entries(cast(list, got)[0][1] if got else [])
 
     def apply_entries(self, entries: Sequence[tuple[bytes | str, Mapping[bytes, bytes]]]) -> int:
         """Apply consecutive log entries (the first one right after the cursor) for this group,
@@ -461,7 +465,7 @@ class ParameterServer:
             if w.full is not None:
                 sh.base, sh.delta_bytes = result.version, 0
             else:
-                sh.delta_bytes += len(w.delta)
+                sh.delta_bytes += len(cast(bytes, w.delta))  # no full bytes: a delta
         st.version = max(st.version, result.version)
         st.cursor = outcomes[-1].update.log_id
         for t in tables:
@@ -511,7 +515,7 @@ class ParameterServer:
             self._orphans.clear()
             return 0
         logged = set()
-        for eid, fields in self.client.xrange(self.keys.update_log):
+        for eid, fields in cast("list[tuple[bytes, dict[bytes, bytes]]]", self.client.xrange(self.keys.update_log)):
             try:
                 logged.add(Update.from_fields(eid, fields).token)
             except ParameterPlaneError:
@@ -587,7 +591,7 @@ class ParameterServer:
 
     def _persist_due(self, updates: int, grad_bytes: int) -> bool:
         st = self._state
-        k = slots(self._meta.optimizer)
+        k = slots(cast(ModelMeta, self._meta).optimizer)
         if k == 0:
             return True  # only step counts to write
         state_bytes = 4 * k * sum(sh.params.numel() for sh in st.shards.values())
@@ -613,7 +617,7 @@ class ParameterServer:
             for c in changes:
                 mask[c] = True
             idx = np.flatnonzero(mask)
-        delta = encode_delta(idx, sh.params.numpy()[idx])
+        delta = encode_delta(cast(np.ndarray, idx), sh.params.numpy()[idx])
         s = self.settings
         compact = (sh.delta_bytes + len(delta) > s.compact_fraction * 4 * sh.params.numel()
                    or self._state.version + 1 - sh.base >= s.compact_every)
@@ -647,9 +651,11 @@ class ParameterServer:
         decoded gradients (None when refused) and its gradient rows of this group's rows."""
         if error is not None:
             return self._reject(eid, error, update), 0, None, {}
+        update = cast(Update, update)  # no error: it parsed
         nbytes = sum(len(b) for b in update.gradients.values()) + sum(len(b) for b in update.rows.values())
         try:
-            decoded = validate_gradients(update, self._meta.layout, max_bytes=self.settings.max_update_bytes)
+            decoded = validate_gradients(update, cast(ModelMeta, self._meta).layout,
+                                         max_bytes=self.settings.max_update_bytes)
             rows = self._validate_rows(update)
         except ParameterPlaneError as exc:
             return (dataclasses.replace(self._reject(eid, exc, update), grad_bytes=update.wire_bytes),
@@ -664,7 +670,7 @@ class ParameterServer:
         Raises:
             BadGradientError, PayloadError: naming what is wrong.
         """
-        tables = {t.name: t for t in self._meta.tables}
+        tables = {t.name: t for t in cast(ModelMeta, self._meta).tables}
         unknown = [t for t in update.tables if t not in tables]
         if unknown:
             raise BadGradientError(f"update from {update.member_id}: gradient rows of table(s) {unknown}, which "
@@ -693,7 +699,7 @@ class ParameterServer:
         return what to write (``services.embeddings.apply``)."""
         if not updates:
             return []
-        specs = {t.name: t for t in self._meta.tables}
+        specs = {t.name: t for t in cast(ModelMeta, self._meta).tables}
         named = sorted({t for u, _ in updates for t in u.tables})
         wanted = {t: np.unique(np.concatenate([rows[t].ids for _, rows in updates if t in rows]
                                               or [np.empty(0, np.int64)])) for t in named}
@@ -712,7 +718,7 @@ class ParameterServer:
         the updates (the same math as update by update: a shard's steps keep their order, and each
         update's clipping factor is its own). Returns shard -> the indices each step changed
         (None: all of them)."""
-        cfg = self._meta.optimizer
+        cfg = cast(ModelMeta, self._meta).optimizer
         g, groups = self.settings.group, self.settings.groups
         mine = [{i: d for i, d in decoded.items() if group_of(i, groups) == g} for decoded in updates]
         factors = [clip_factor(cfg, list(m.values())) for m in mine]

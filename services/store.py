@@ -42,10 +42,12 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import redis
 import torch
+from redis.typing import FieldT
 
 from common.keys import JobKeys
 
@@ -55,6 +57,7 @@ from .errors import LayoutError
 from .layout import DEFAULT_SHARD_ELEMS, Layout, ShardSpec, make_layout
 from .optim import OptimizerConfig, slots
 from .protocol import own_shards
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParameterStore", "Snapshot", "ModelMeta", "connect"]
@@ -78,14 +81,14 @@ def connect(url: str, **kwargs: object) -> redis.Redis:
     parser and uses redis-py's serializer for commands; see
     ``docs/parameter-plane.md`` and ``bench/paramserver.py``.
     """
-    from redis.connection import PythonRespSerializer
     from redis._parsers import Encoder
+    from redis.connection import PythonRespSerializer
 
     from common import redis_client
 
     encoder = Encoder("utf-8", "strict", False)
     kwargs.setdefault("command_packer", PythonRespSerializer(6000, encoder.encode))
-    return redis_client.connect(url, **kwargs)  # type: ignore[return-value]
+    return redis_client.connect(url, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ class ParameterStore:
         for i in own:
             pipe.set(gk.shard(i), blobs[i])
         if own:
-            zeros = {str(i): 0 for i in own}
+            zeros: dict[FieldT, int] = {str(i): 0 for i in own}
             pipe.hset(gk.versions, mapping=zeros)
             pipe.hset(gk.bases, mapping=zeros)
             pipe.hset(gk.delta_floors, mapping=zeros)
@@ -299,7 +302,7 @@ class ParameterStore:
                     raise ValueError(f"out[{spec.name!r}] must be a contiguous float32 tensor of shape "
                                      f"{list(spec.shape)}, got {None if t is None else (t.dtype, list(t.shape))}")
         for _ in range(_PULL_RETRIES if since is not None else 0):
-            snap = self._pull_since(since, out)
+            snap = self._pull_since(cast(Snapshot, since), out)
             if snap is not None:
                 return snap
         return self._pull_full(out)
@@ -377,7 +380,7 @@ class ParameterStore:
             return Snapshot(sum(group_versions), tuple(versions), since.tensors, (), 0, tuple(group_versions))
         tensors, flats = self._targets(since, out, changed_all)
         moved = 0
-        for version, changed, streams, blobs in reads:
+        for version, changed, streams, blobs in reads:  # type: ignore[assignment]  # streams: a list above, by shard here
             for i in changed:
                 s = shards[i]
                 if i in blobs:
@@ -402,7 +405,7 @@ class ParameterStore:
             if out is not None:
                 tensors[spec.name] = out[spec.name]
             elif spec.name not in names:
-                tensors[spec.name] = since.tensors[spec.name]
+                tensors[spec.name] = cast(Snapshot, since).tensors[spec.name]
             elif since is not None:  # deltas apply to since's values
                 tensors[spec.name] = since.tensors[spec.name].clone()
             else:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import redis
@@ -36,7 +37,13 @@ from common.keys import JobKeys
 
 from .embeddings.cut import live_pieces
 from .embeddings.pieces import (
-    MANIFEST, install_folder, new_folder, read_manifest, remove_folder, write_manifest, write_piece,
+    MANIFEST,
+    install_folder,
+    new_folder,
+    read_manifest,
+    remove_folder,
+    write_manifest,
+    write_piece,
 )
 from .embeddings.rows import pull_dtype
 from .errors import LayoutError, ParameterPlaneError
@@ -97,7 +104,7 @@ def export_tables(client: redis.Redis, job: str, folder: str, *, rows_per_piece:
     try:
         tables, rows, pieces = [], 0, 0
         for spec in meta.tables:
-            listed = []
+            listed: list[dict[str, Any]] = []
             for g in range(meta.groups):
                 for n, piece in enumerate(live_pieces(client, job, g, spec, rows_per_piece)):
                     name = f"{spec.name}-{g}-{n}.safetensors"

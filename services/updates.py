@@ -28,6 +28,7 @@ import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import redis
 
@@ -36,7 +37,12 @@ from common.outage import REDIS_DOWN
 
 from .codecs import Sent, decode_sent
 from .errors import (
-    BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterPlaneError,
+    BackpressureError,
+    BadGradientError,
+    FencedError,
+    LayoutError,
+    OffsetConflictError,
+    ParameterPlaneError,
     PayloadError,
 )
 from .layout import Layout
@@ -260,6 +266,6 @@ def load_gradients(client: redis.Redis, job: str, updates: Sequence[Update], *, 
         if lost:
             out.append(PayloadError(f"update {u.log_id}: {' and '.join(lost)} missing"))
         else:
-            out.append(dataclasses.replace(u, gradients=dict(zip(shards, got, strict=True)),
-                                           rows={group: row} if row is not None else {}))
+            out.append(dataclasses.replace(u, gradients=dict(zip(shards, cast("list[bytes]", got), strict=True)),
+                                           rows={group: cast(bytes, row)} if row is not None else {}))
     return out

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 
 from kafka import KafkaConsumer, TopicPartition
 
-from datastream import DecodeError, decode_record, dlq_topic, parse_dlq_headers
-
 from common.keys import JobKeys
 from common.redis_client import connect
+from datastream import DecodeError, decode_record, dlq_topic, parse_dlq_headers
 from services.protocol import AccountingRecord, Status
 
 Sample = tuple[str, int]
@@ -136,7 +135,7 @@ def audit(bootstrap: str, topic: str, redis_url: str, job: str) -> AuditReport:
         if offset < floors.get(partition, 0):
             below += rec.count
             continue
-        if rec.producer_id is None:
+        if rec.producer_id is None or rec.first_seq is None:  # a shard names both
             expected.add((f"{topic}/{partition}", offset))
         else:
             expected.update((rec.producer_id, rec.first_seq + i) for i in range(rec.count))

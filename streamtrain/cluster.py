@@ -32,7 +32,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from common.outage import REDIS_DOWN
 from common.settings import from_args, to_flags
@@ -44,9 +44,12 @@ from trainers.settings import TrainerSettings
 from .launcher import KafkaCluster, RedisCluster, RedisServer, ServiceProcess, free_port, wait_until
 from .netns import NetNamespace
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 logger = logging.getLogger(__name__)
 
-S = TypeVar("S")
+S = TypeVar("S", bound="DataclassInstance")
 
 LOCAL_STREAM = ProduceSettings(source="digits?repeat=60", split="train", shard_size=32, progress=False)
 """What a local cluster (and ``streamtrain up``) streams unless told otherwise: the digits train split
@@ -133,7 +136,7 @@ class ClusterSpec:
 
 def _environment_over(settings: S, environ: Mapping[str, str]) -> S:
     """``settings`` with the fields whose environment variable ``environ`` sets read from there."""
-    kept = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)  # type: ignore[arg-type]
+    kept = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
             if f.metadata.get("env") not in environ}
     return from_args(type(settings), kept, environ)
 
@@ -297,6 +300,7 @@ class LocalCluster:
         with ``env`` over its environment)."""
         args, base_env = commands(self.spec, self.endpoints)[which]
         prefix = netns.command([]) if netns is not None else ()
+        assert self.workdir is not None
         proc = ServiceProcess(name, args, env={**base_env, **(env or {})}, ready=ready, prefix=prefix,
                               workdir=self.workdir / name, start_timeout_s=120, stop_timeout_s=30)
         return proc.start()
@@ -342,7 +346,7 @@ class LocalCluster:
             if proc is not None:
                 try:
                     proc.stop()
-                except Exception:  # noqa: BLE001 - keep stopping the rest
+                except Exception:  # keep stopping the rest
                     logger.exception("could not stop %s", proc.name)
 
     def cleanup(self) -> None:
@@ -359,7 +363,7 @@ class LocalCluster:
 
     # -- observing ----------------------------------------------------------------------------------
     def _get(self, path: str, timeout_s: float = 2.0) -> Any:
-        with urllib.request.urlopen(self.coordinator_url + path, timeout=timeout_s) as resp:  # noqa: S310
+        with urllib.request.urlopen(self.coordinator_url + path, timeout=timeout_s) as resp:
             return json.loads(resp.read())
 
     def _coordinator_up(self) -> bool:
@@ -437,7 +441,8 @@ class LocalCluster:
                 proc.stop()
         time.sleep(down_s)
         if which == "redis":
-            old = procs[0]
+            old = self.redis
+            assert isinstance(old, RedisServer)  # a Redis Cluster was refused above
             self.redis = RedisServer(host=old.host, port=old.port, password=old.password,
                                      appendonly=self.spec.redis_aof, workdir=old.workdir).start()
         elif which == "kafka":
@@ -450,12 +455,14 @@ class LocalCluster:
     def freeze_trainer(self, index: int = 0) -> ServiceProcess:
         """SIGSTOP trainer ``index``: alive, silent, its lease running out (see :meth:`thaw`)."""
         trainer = self.trainers[index]
+        assert trainer.pid is not None, f"{trainer.name} is not running"
         os.kill(trainer.pid, signal.SIGSTOP)
         return trainer
 
     @staticmethod
     def thaw(trainer: ServiceProcess) -> None:
         """SIGCONT a frozen trainer."""
+        assert trainer.pid is not None, f"{trainer.name} is not running"
         os.kill(trainer.pid, signal.SIGCONT)
 
     def quiesce(self, timeout_s: float = 60.0) -> None:

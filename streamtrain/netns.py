@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 @contextlib.contextmanager
 def _subnet_lock() -> Iterator[None]:
-    with open(_LOCK, "a") as fh:  # noqa: PTH123 - a lock file, held open while locked
+    with open(_LOCK, "a") as fh:  # a lock file, held open while locked
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -206,12 +206,12 @@ class NetNamespace:
         self._require()
         return [shutil.which("ip") or "ip", "netns", "exec", self.name, *argv]
 
-    def run(self, argv: Sequence[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` inside the namespace to completion (``subprocess.run`` keywords; text output
         captured unless told otherwise)."""
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
-        return subprocess.run(self.command(argv), check=False, **kwargs)  # type: ignore[call-overload]
+        return subprocess.run(self.command(argv), check=False, **kwargs)
 
     def cut(self) -> None:
         """Partition the namespace: its end of the link goes down. Nothing is told to either side:

@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         with console.status(f"starting {kafka}, {redis}, coordinator, {servers}, "
                             f"{settings.trainers} trainers and the producer"):
             cluster.start()
+        assert cluster.kafka is not None and cluster.redis is not None  # started
         console.print(f"Kafka {cluster.bootstrap} (ready in {cluster.kafka.ready_after_s:.1f}s) · "
                       f"Redis {cluster.redis.display_url} · coordinator {cluster.coordinator_url} · "
                       f"logs in {cluster.workdir}")
@@ -195,7 +196,7 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
                 if fresh is not None:
                     status = fresh
                     sample = sample_from_status(fresh, time.monotonic())
-                    if paced and sample is not None:
+                    if paced and producer is not None and sample is not None:
                         window.add(sample)
                         verdict = window.verdict(len(fresh.get("members", [])), partitions=s.partitions,
                                                  records_per_message=producer.shard_size)
@@ -258,6 +259,7 @@ def _score(cluster: LocalCluster, s: UpSettings, outage: Outage | None = None) -
     start and end, and raises once it outlasts its limit).
     """
     from services import LayoutError
+
     from .scoring import score_job
 
     try:

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import leaks
-
 import pytest
 import redis as redis_lib
 from kafka.admin import KafkaAdminClient
@@ -132,7 +131,7 @@ _higher_scoped = leaks.Allowance()
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
     """Record what a module-, class-, package- or session-scoped fixture starts as it sets up."""
     if fixturedef.scope == "function":
         return (yield)

@@ -55,7 +55,7 @@ class Snapshot:
         """The state now."""
         main = threading.main_thread()
         threads = (t for t in threading.enumerate()
-                   if t is not main and t.is_alive() and not isinstance(t, threading._DummyThread))  # noqa: SLF001
+                   if t is not main and t.is_alive() and not isinstance(t, threading._DummyThread))
         return cls(threads=frozenset(threads),
                    children=frozenset(_children()), fds=frozenset(_fds()))
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 
+from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from services import unapplied_updates
 from streamtrain.accounting import audit
 from streamtrain.cluster import ClusterSpec, LocalCluster
-from common.keys import JobKeys
 from streamtrain.launcher import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -43,7 +43,8 @@ def produce_during(cluster: LocalCluster, records: int, rate: float) -> subproce
     return subprocess.Popen(
         [sys.executable, "-m", "streamtrain.cli", "produce", "--source", "digits?repeat=0", "--split", "train",
          "--topic", cluster.spec.topic, "--partitions", str(cluster.spec.partitions), "--shard-size", "32",
-         "--limit", str(records), "--rate", str(rate), "--max-in-flight-shards", "2", "--no-progress", "--bootstrap", cluster.bootstrap],
+         "--limit", str(records), "--rate", str(rate), "--max-in-flight-shards", "2", "--no-progress",
+         "--bootstrap", cluster.bootstrap],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

@@ -88,8 +88,8 @@ def test_the_cluster_host_is_what_the_coordinator_binds_and_the_services_dial() 
     services = service_settings(ClusterSpec(host="10.213.0.1"), at)
     assert (services.coordinator.host, services.trainer.coordinator_url) == ("10.213.0.1", "http://10.213.0.1:8799")
     assert service_settings(ClusterSpec(), AT).coordinator.host == "127.0.0.1"  # loopback unless told
-    wildcard = ClusterSpec(host="10.213.0.1", coordinator=CoordinatorSettings(host="0.0.0.0"))  # noqa: S104
-    assert service_settings(wildcard, at).coordinator.host == "0.0.0.0"  # noqa: S104 - its own choice stays
+    wildcard = ClusterSpec(host="10.213.0.1", coordinator=CoordinatorSettings(host="0.0.0.0"))
+    assert service_settings(wildcard, at).coordinator.host == "0.0.0.0"  # its own choice stays
 
 
 def test_the_cluster_defaults_are_the_services_defaults() -> None:
@@ -169,5 +169,5 @@ def test_up_redis_cluster_reaches_the_spec_and_the_cluster_url_every_service() -
     services = service_settings(spec, at)
     assert {services.coordinator.redis_url, services.trainer.redis_url,
             *(p.redis_url for p in services.ps)} == {at.redis_url}
-    for args, env in commands(spec, at).values():
+    for args, _env in commands(spec, at).values():
         assert "redis-password" not in " ".join(args)  # in the environment only, as for a server's URL

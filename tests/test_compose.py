@@ -20,15 +20,17 @@ import dataclasses
 import json
 import re
 import sys
-from types import SimpleNamespace
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
+from common.redis_client import is_cluster_url, parse_cluster_url
+from common.settings import from_args
 from coordinator.metrics import Metrics as CoordinatorMetrics
 from coordinator.routes import routes as coordinator_routes
 from coordinator.settings import CoordinatorSettings
@@ -36,8 +38,6 @@ from datastream.consumer import ConsumerStats
 from services.metrics import ServerMetrics
 from services.settings import ServerSettings
 from streamtrain.cli import COMMANDS, build_parser
-from common.redis_client import is_cluster_url, parse_cluster_url
-from common.settings import from_args
 from trainers.evaluate import EvalResult
 from trainers.metrics import TrainerMetrics, TrainerReport
 from trainers.settings import TrainerSettings
@@ -83,10 +83,10 @@ def interpolate(value: str, env: Mapping[str, str]) -> str:
         if op is None:
             return given or ""
         if op.endswith("-"):
-            return arg if missing else given  # type: ignore[return-value]
+            return arg if missing else given  # type: ignore[return-value]  # given is set unless missing
         if missing:
             raise MissingVariable(f"{name}: {arg}")
-        return given  # type: ignore[return-value]
+        return given  # type: ignore[return-value]  # given is set unless missing
 
     if "$" in _VAR.sub("", value):
         raise AssertionError(f"unsupported interpolation in {value!r}")
@@ -134,7 +134,7 @@ def _known_env_names() -> set[str]:
     """Every environment variable declared by a settings dataclass in our packages."""
     names: set[str] = set()
     for mod_name, mod in list(sys.modules.items()):
-        if not mod_name.split(".")[0] in OUR_PACKAGES or mod is None:
+        if mod_name.split(".")[0] not in OUR_PACKAGES or mod is None:
             continue
         for obj in list(vars(mod).values()):
             if isinstance(obj, type) and dataclasses.is_dataclass(obj):
@@ -401,8 +401,8 @@ def _targets(job: dict) -> list[tuple[str, int]]:
 def test_one_parameter_server_per_shard_group(compose: dict) -> None:
     """The ps services together serve every group of the model the coordinator creates, once."""
     services = _our_services(compose)
-    groups = from_args(CoordinatorSettings, build_parser("coordinator").parse_args(services["coordinator"]["command"][2:]),
-                       environ=_env(services["coordinator"])).ps_groups
+    args = build_parser("coordinator").parse_args(services["coordinator"]["command"][2:])
+    groups = from_args(CoordinatorSettings, args, environ=_env(services["coordinator"])).ps_groups
     assert groups >= 2, "compose runs a model split into shard groups"
     served = []
     for name, svc in services.items():

@@ -393,7 +393,7 @@ async def test_fencing_of_stale_generation(settings: CoordinatorSettings, redis:
         with pytest.raises(AuthError):
             await CoordinatorClient(str(client.make_url("")), "wrong",
                                     session=client.session).register({"device": "cpu"})
-        with pytest.raises(BadRequestError, match="capabilities.device"):
+        with pytest.raises(BadRequestError, match=r"capabilities\.device"):
             await client_a.register({"device": "abacus"})
 
 

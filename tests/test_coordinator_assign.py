@@ -10,12 +10,24 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.runtime import next_check_s
 from coordinator.assign import assign, capability_weight, quotas
 from coordinator.assignment import Assignment, JobConfig
 from coordinator.errors import MemberGoneError, UnknownMemberError
-from coordinator.membership import (CheckLeases, Drain, Heartbeat, Leave, Member, MemberExpired,
-                                    MemberState, Rebalanced, Register, RenewLeases, empty, handle)
+from coordinator.membership import (
+    CheckLeases,
+    Drain,
+    Heartbeat,
+    Leave,
+    Member,
+    MemberExpired,
+    MemberState,
+    Rebalanced,
+    Register,
+    RenewLeases,
+    empty,
+    handle,
+)
+from coordinator.runtime import next_check_s
 from coordinator.validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, InvalidBody, parse_json
 
 P12 = list(range(12))
@@ -88,7 +100,7 @@ def test_stale_previous_entries_are_ignored() -> None:
 
 
 def test_more_members_than_partitions() -> None:
-    result = assign({m: 1 for m in "abcdef"}, [0, 1, 2], {})
+    result = assign(dict.fromkeys("abcdef", 1), [0, 1, 2], {})
     assert sorted(result) == [0, 1, 2]
     assert set(counts(result).values()) == {1}
 
@@ -135,7 +147,7 @@ def test_capability_weight_formula() -> None:
 
 # -- membership state machine -------------------------------------------------
 
-def register(state, member_id, now=0, lease=1000, weight=1.0):  # type: ignore[no-untyped-def]
+def register(state, member_id, now=0, lease=1000, weight=1.0):
     return handle(state, Register(member_id, {"device": "cpu"}, weight, now, lease))
 
 
@@ -242,7 +254,7 @@ def test_unset_table_fields_are_left_out_of_the_hash_and_the_json() -> None:
 def test_a_config_from_a_newer_coordinator_parses_without_its_new_fields() -> None:
     newer = {**replace(DENSE, table_consistency="asp").as_json(), "table_codec": "int8"}
     assert JobConfig.from_json(newer) == replace(DENSE, table_consistency="asp")
-    with pytest.raises(ValueError, match="table_consistency must be one of bsp, ssp, asp .* got 'eventual'"):
+    with pytest.raises(ValueError, match=r"table_consistency must be one of bsp, ssp, asp .* got 'eventual'"):
         JobConfig.from_json({**DENSE.as_json(), "table_consistency": "eventual"})  # known fields still checked
     with pytest.raises(TypeError):
         JobConfig.from_json({k: v for k, v in DENSE.as_json().items() if k != "topic"})
@@ -297,7 +309,7 @@ def test_an_integer_field_takes_an_integral_number_as_json_schema_does() -> None
         parse_json(b'{"stats": {"staleness": 229.5}}', HEARTBEAT)
     with pytest.raises(InvalidBody, match=r"capabilities.threads: must be <= 4096, got 5000"):
         parse_json(b'{"capabilities": {"device": "cpu", "threads": 5e3}}', REGISTER)  # bounds after the cast
-    with pytest.raises(InvalidBody, match="stats.clock: expected an integer, got inf"):
+    with pytest.raises(InvalidBody, match=r"stats\.clock: expected an integer, got inf"):
         parse_json(b'{"stats": {"clock": Infinity}}', HEARTBEAT)
 
 
@@ -307,7 +319,7 @@ def test_heartbeat_body_checks_stats() -> None:
         "stats": {"loss": 0.1, "freshness_s": [0.5, 1]}}
     with pytest.raises(InvalidBody, match=r"stats.freshness_s\[1\]: expected a number"):
         parse_json(b'{"stats": {"freshness_s": [0.5, "x"]}}', HEARTBEAT)
-    with pytest.raises(InvalidBody, match="stats.loss: expected a finite number"):
+    with pytest.raises(InvalidBody, match=r"stats\.loss: expected a finite number"):
         parse_json(b'{"stats": {"loss": NaN}}', HEARTBEAT)
 
 

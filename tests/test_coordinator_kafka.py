@@ -5,14 +5,12 @@ from __future__ import annotations
 import redis as redis_lib
 from kafka import KafkaProducer
 
+from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
-from common.keys import JobKeys
 
 
-
-
-async def test_readyz_and_partition_lag(kafka, redis_url: str, redis: redis_lib.Redis) -> None:  # type: ignore[no-untyped-def]
+async def test_readyz_and_partition_lag(kafka, redis_url: str, redis: redis_lib.Redis) -> None:
     topic = kafka.create_topic(partitions=3)
     producer = KafkaProducer(bootstrap_servers=kafka.bootstrap)
     try:

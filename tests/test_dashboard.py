@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import redis as redis_lib
 from aiohttp.test_utils import TestClient
+from cdp import CHROMIUM, chromium
 from kafka import KafkaProducer
 
-from cdp import CHROMIUM, chromium
+from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
-from common.keys import JobKeys
 from streamtrain.launcher import await_until
 
 pytestmark = pytest.mark.timeout(180)  # the first Kafka test of a session starts the broker
@@ -169,7 +169,7 @@ async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis,
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed "
                                              "(scripts/setup.sh installs it: apt-get install chromium)")
-async def test_dashboard_plots_the_live_history_in_chromium_without_errors(  # type: ignore[no-untyped-def]
+async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
         redis_url: str, redis: redis_lib.Redis, kafka, tmp_path: Path) -> None:
     topic = kafka.create_topic(partitions=2, prefix="dash")
     producer = KafkaProducer(bootstrap_servers=kafka.bootstrap)

@@ -43,7 +43,7 @@ def test_records_are_shaped_like_criteo_and_seeded() -> None:
     assert len(test) == 600
     assert test.ids == a.take(np.arange(TEST_EVERY - 1, 3000, TEST_EVERY)).ids
     with pytest.raises(TypeError, match="carry ID features"):
-        x, y = test
+        _x, _y = test
 
 
 def test_vocabulary_is_split_over_the_features_and_ids_are_a_bijection() -> None:

@@ -16,8 +16,16 @@ from datastream.examples import Examples
 from datastream.jagged import Jagged, concat_features
 from datastream.producer import iter_shards
 from datastream.records import (
-    DENSE_SHARD_VERSION, MAX_ID_FEATURES, MAX_IDS_PER_FEATURE, SHARD_VERSION, DecodeError, decode_record,
-    encode_json_record, encode_msgpack_record, encode_shard, hash_id,
+    DENSE_SHARD_VERSION,
+    MAX_ID_FEATURES,
+    MAX_IDS_PER_FEATURE,
+    SHARD_VERSION,
+    DecodeError,
+    decode_record,
+    encode_json_record,
+    encode_msgpack_record,
+    encode_shard,
+    hash_id,
 )
 from datastream.sources import Source, SourceError, load_source
 
@@ -320,7 +328,7 @@ def test_jsonl_files_carry_ids_and_the_split_keeps_them_aligned(tmp_path) -> Non
     assert test.ids["tags"].to_lists() == [[hash_id("t0")], []]
     assert test.ids["rare"].to_lists() == [[hash_id("z")], []]
     with pytest.raises(TypeError, match="carry ID features"):
-        x, y = test
+        _x, _y = test
     (tmp_path / "mixed.jsonl").write_text('{"x": [1, 2], "y": 0, "ids": {"u": 1}}\n{"x": [3, 4], "y": 1}\n')
     both = load_source(f"{tmp_path / 'mixed.jsonl'}").read()
     assert both.x.tolist() == [[1, 2], [3, 4]] and both.ids["u"].to_lists() == [[1], []]

@@ -18,8 +18,19 @@ import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from datastream import (
-    MAX_IDS_PER_FEATURE, Batch, Jagged, ShardConsumer, decode_record, dlq_topic, encode_json_record,
-    encode_msgpack_record, encode_shard, hash_id, load_source, parse_dlq_headers, produce,
+    MAX_IDS_PER_FEATURE,
+    Batch,
+    Jagged,
+    ShardConsumer,
+    decode_record,
+    dlq_topic,
+    encode_json_record,
+    encode_msgpack_record,
+    encode_shard,
+    hash_id,
+    load_source,
+    parse_dlq_headers,
+    produce,
 )
 from streamtrain.launcher import wait_until
 
@@ -93,7 +104,7 @@ def test_offsets_after_seek_and_reassignment(kafka) -> None:
                      shard_size=10, limit=400, producer_id="prod-b")
     assert report.records == 400 and report.partitions == 4  # existing topic kept
     with ShardConsumer(kafka.bootstrap, topic, max_records_per_batch=30, prefetch=1) as consumer:
-        assert consumer.end_offsets() == {p: 10 for p in range(4)}
+        assert consumer.end_offsets() == dict.fromkeys(range(4), 10)
         consumer.assign({0: 3, 2: 7})
         batches = drain(consumer, {0: 10, 2: 10})
         check_chains(batches, {0: 3, 2: 7}, {0: 10, 2: 10})
@@ -183,7 +194,7 @@ def test_every_kind_of_bad_record_goes_to_the_dlq_and_is_covered(kafka) -> None:
     # 12 messages; each truncated shard names its 2 records
     assert sum(len(b) for b in batches) == 2 and sum(b.rejected for b in batches) == 14
     assert any(len(b) == 0 and b.rejected > 0 for b in batches)  # a poison-only batch still has offsets
-    assert stats.rejected_by_reason == {**{r: 1 for r in bad}, "bad_json": 2, "non_finite": 2, "truncated": 2}
+    assert stats.rejected_by_reason == {**dict.fromkeys(bad, 1), "bad_json": 2, "non_finite": 2, "truncated": 2}
     assert stats.rejected_records == 14 and stats.records == 2
 
     entries = {}
@@ -287,7 +298,7 @@ def test_producer_interrupted_loses_nothing_acknowledged(kafka) -> None:
     with ShardConsumer(kafka.bootstrap, topic) as consumer:
         ends = consumer.end_offsets()
         assert sum(ends.values()) == int(match.group(2))
-        consumer.assign({p: 0 for p in ends})
+        consumer.assign(dict.fromkeys(ends, 0))
         batches = drain(consumer, ends)
     assert seqs(batches) == Counter({("prod-sig", s): 1 for s in range(printed)})
 
@@ -438,7 +449,7 @@ def test_records_with_ids_mixed_with_dense_and_bad_ones(kafka) -> None:
                 rows[(producer_id, first + k)] = (b.x[row].tolist(), int(b.y[row]),
                                                   {name: col.to_lists()[row] for name, col in b.ids.items()})
                 row += 1
-        for name, col in b.ids.items():  # offsets start at 0 and end at the values
+        for col in b.ids.values():  # offsets start at 0 and end at the values
             assert col.offsets[0] == 0 and col.offsets[-1] == col.nnz and col.values.dtype == np.int64
     for s in range(700):  # the producer's records carry the source's IDs, row for row
         x, y, ids = rows[("clk", s)]

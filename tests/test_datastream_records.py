@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 
 from datastream.records import (
-    REASONS, SHARD_VERSION, DecodeError, decode_record, encode_json_record, encode_msgpack_record,
-    encode_shard, label_kind_of,
+    REASONS,
+    SHARD_VERSION,
+    DecodeError,
+    decode_record,
+    encode_json_record,
+    encode_msgpack_record,
+    encode_shard,
+    label_kind_of,
 )
 
 

@@ -19,7 +19,7 @@ from datastream.sources import TEST_EVERY, Source, SourceError, load_source, spl
 def test_digits_and_the_split_convention() -> None:
     x_all, y_all = load_source("digits").read()
     assert x_all.shape == (1797, 64) and x_all.dtype == np.float32 and y_all.dtype == np.int64
-    assert 0.0 <= x_all.min() and x_all.max() <= 1.0
+    assert x_all.min() >= 0.0 and x_all.max() <= 1.0
     x_tr, _ = load_source("digits", split="train").read()
     x_te, y_te = load_source("digits", split="test").read()
     assert len(x_tr) + len(x_te) == 1797 and len(x_te) == 1797 // TEST_EVERY

@@ -16,10 +16,10 @@ from dataclasses import replace
 import pytest
 from kafka import KafkaProducer
 
+from coordinator.settings import CoordinatorSettings
 from datastream import load_source
 from services import LayoutError, ParameterStore, connect
 from streamtrain.accounting import audit
-from coordinator.settings import CoordinatorSettings
 from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster
 from streamtrain.scoring import score_job
 
@@ -92,7 +92,8 @@ def test_killed_trainer_partitions_move_and_accounting_stays_exact(run_cluster) 
         what=f"{victim.name}'s partitions to be reassigned")
     cluster.wait_consumed(timeout_s=300)
     assert_exact(cluster)
-    assert held_out_accuracy(cluster) >= 0.80  # training went on after the fault (chance is 0.10; runs end at 0.85-0.97)
+    # training went on after the fault (chance is 0.10; runs end at 0.85-0.97)
+    assert held_out_accuracy(cluster) >= 0.80
 
 
 @pytest.mark.parametrize(("which", "ps_groups"), [("ps", 1), ("coordinator", 1), ("ps", 2)])
@@ -107,7 +108,8 @@ def test_restarts_keep_accounting_exact(run_cluster, which: str, ps_groups: int)
     assert_exact(cluster)
     with contextlib.closing(connect(cluster.redis_url)) as client:
         assert ParameterStore(client, cluster.spec.job).meta().groups == ps_groups  # the job is split as asked
-    assert held_out_accuracy(cluster) >= 0.80  # training went on after the fault (chance is 0.10; runs end at 0.85-0.97)
+    # training went on after the fault (chance is 0.10; runs end at 0.85-0.97)
+    assert held_out_accuracy(cluster) >= 0.80
 
 
 def test_poison_records_are_dead_lettered_and_accounted(run_cluster) -> None:

@@ -126,7 +126,7 @@ def test_rows_are_born_on_first_sight_and_stepped_like_one_by_one(redis: redis_l
         assert all(int(s[f"{spec.name}:steps".encode()]) == 8 for s in stats)  # every group counts every step
         assert sum(int(s.get(f"{spec.name}:admitted".encode(), 0)) for s in stats) == len(want[spec.name])
     # the row-gradient blobs go with the apply that wrote their rows
-    assert [k for k in redis.keys(f"st:{{{JOB}:g*}}:grad:*:rows")] == []
+    assert redis.keys(f"st:{{{JOB}:g*}}:grad:*:rows") == []
     assert accounting_left(redis, JOB) == []
 
 
@@ -166,7 +166,7 @@ def test_a_pull_moves_the_rows_asked_for_only(redis: redis_lib.Redis, redis_url:
         s.start()
     wait_until(lambda: applied(redis) == 5, 60, what="5 updates applied")
     want = expected_rows([1, 2, 3, 4, 5])["user"]
-    ids = np.array(sorted(want)[:6] + [123456789], dtype=np.int64)  # the last was never pushed
+    ids = np.array([*sorted(want)[:6], 123456789], dtype=np.int64)  # the last was never pushed
     got = pull_rows(redis, JOB, {"user": USER}, 2, {"user": ids})
     rows = got.tables["user"]
     assert rows.present.tolist() == [True] * 6 + [False]

@@ -7,10 +7,23 @@ import pytest
 import torch
 
 from services.embeddings import (
-    RowGrads, RowOptimizerConfig, TableSpec, decode_row_grads, encode_row_grads, group_of_ids, initial_rows,
-    pull_dtype, row_dtype, split_by_group, step_rows, tables_from_json, tables_to_json,
+    RowGrads,
+    RowOptimizerConfig,
+    TableSpec,
+    decode_row_grads,
+    encode_row_grads,
+    group_of_ids,
+    initial_rows,
+    pull_dtype,
+    row_dtype,
+    split_by_group,
+    step_rows,
+    tables_from_json,
+    tables_to_json,
 )
+from services.embeddings.rows import SEEN_DTYPE
 from services.embeddings.spec import validate_tables
+from services.embeddings.store import LoadedRows
 from services.errors import BadGradientError, PayloadError
 
 
@@ -171,12 +184,12 @@ def test_bad_row_gradients_are_refused_by_name() -> None:
                          _TABLES)
     nan = good[0].grads.copy()
     nan[1, 2] = np.nan
-    with pytest.raises(BadGradientError, match="table 'user': 1 value.s. NaN"):
+    with pytest.raises(BadGradientError, match=r"table 'user': 1 value.s. NaN"):
         encode_row_grads([RowGrads("user", good[0].ids, nan)])
     big = np.full((3, 4), 1e6, dtype=np.float32)
     with pytest.raises(BadGradientError, match="overflowing float16"):
         encode_row_grads([RowGrads("user", good[0].ids, big)], wire_dtype="float16")
-    with pytest.raises(PayloadError, match="truncated|invalid"):
+    with pytest.raises(PayloadError, match=r"truncated|invalid"):
         decode_row_grads(encode_row_grads(good)[:-3], _TABLES)
     with pytest.raises(PayloadError, match="each entry"):
         decode_row_grads(b"\x81\xa1t\x91\x93\xa4user\xc4\x00\xc4\x00", _TABLES)
@@ -194,9 +207,7 @@ def test_a_part_splits_by_owning_group_in_order() -> None:
 
 
 def _loaded(spec: TableSpec, ids: np.ndarray, rows: dict[int, np.ndarray] | None = None,
-            seen: dict[int, int] | None = None) -> "LoadedRows":
-    from services.embeddings.rows import SEEN_DTYPE
-    from services.embeddings.store import LoadedRows
+            seen: dict[int, int] | None = None) -> LoadedRows:
     rows, seen = rows or {}, seen or {}
     present = np.array([int(i) in rows for i in ids], dtype=bool)
     records = np.zeros(int(present.sum()), dtype=row_dtype(spec))

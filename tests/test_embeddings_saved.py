@@ -21,7 +21,13 @@ from test_services_util import accounting_left, small_model
 
 from common.keys import JobKeys
 from services import (
-    ParameterServer, ParameterStore, Pusher, ServerSettings, checkpoint_cut, restore_checkpoint, save_checkpoint,
+    ParameterServer,
+    ParameterStore,
+    Pusher,
+    ServerSettings,
+    checkpoint_cut,
+    restore_checkpoint,
+    save_checkpoint,
 )
 from services.checkpoint_tables import SavedPiece, tables_folder
 from services.embeddings import TableSpec
@@ -332,7 +338,7 @@ def test_files_of_format_3_restore_and_incomplete_tables_are_refused_naming_what
     mine = tmp_path / "mine.pt.tables"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    with pytest.raises(CheckpointError, match="mine.pt.tables exists and is not a checkpoint's tables folder"):
+    with pytest.raises(CheckpointError, match=r"mine.pt.tables exists and is not a checkpoint's tables folder"):
         save_checkpoint(redis, JOB, str(tmp_path / "mine.pt"))
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and not (tmp_path / "mine.pt").exists()
     data = torch.load(path, weights_only=True)

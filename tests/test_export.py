@@ -20,17 +20,26 @@ import safetensors.torch
 import torch
 from test_services_util import set_membership
 
+from common.keys import JobKeys
 from coordinator.model_route import _matches
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
 from datastream import load_source
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings
 from services.export import (
-    BadVersionError, NoModelError, Retained, VersionGoneError, VersionNotFoundError, parse_version,
-    resolve_version, retained, snapshot, to_safetensors_bytes, version_name,
+    BadVersionError,
+    NoModelError,
+    Retained,
+    VersionGoneError,
+    VersionNotFoundError,
+    parse_version,
+    resolve_version,
+    retained,
+    snapshot,
+    to_safetensors_bytes,
+    version_name,
 )
 from streamtrain import cli
-from common.keys import JobKeys
 from streamtrain.scoring import score_job
 from trainers.evaluate import EvalResult, evaluate
 from trainers.models import build_model
@@ -51,13 +60,13 @@ def test_resolve_version_names_the_versions_available() -> None:
     assert resolve_version(JOB, (5,), kept) == (5,) and resolve_version(JOB, (8,), kept) == (8,)
     with pytest.raises(VersionNotFoundError, match="no model version 9 yet: the current version is 8"):
         resolve_version(JOB, (9,), kept)
-    with pytest.raises(VersionGoneError, match="version 4 is no longer retained .* oldest version available is 5") \
+    with pytest.raises(VersionGoneError, match=r"version 4 is no longer retained .* oldest version available is 5") \
             as gone:
         resolve_version(JOB, (4,), kept)
     assert (gone.value.oldest, gone.value.current) == ((5,), (8,))
     for bad in ((-1,), (True,), (1.0,), "3", 3, (3, 4), ()):
         with pytest.raises(ValueError, match="non-negative integer"):
-            resolve_version(JOB, bad, kept)  # type: ignore[arg-type]
+            resolve_version(JOB, bad, kept)  # type: ignore[arg-type]  # not a version, on purpose
 
 
 def test_a_version_of_several_groups_is_each_groups_version_joined_by_dots() -> None:
@@ -74,7 +83,7 @@ def test_a_version_of_several_groups_is_each_groups_version_joined_by_dots() -> 
     kept = Retained(current=(12, 7), oldest=(10, 0))
     assert resolve_version(JOB, None, kept) == (12, 7)
     assert resolve_version(JOB, (10, 0), kept) == (10, 0) and resolve_version(JOB, (11, 7), kept) == (11, 7)
-    with pytest.raises(VersionNotFoundError, match="no model version 12.8 yet: the current version is 12.7"):
+    with pytest.raises(VersionNotFoundError, match=r"no model version 12\.8 yet: the current version is 12\.7"):
         resolve_version(JOB, (12, 8), kept)
     # a version some group can no longer rebuild is gone, even when another group has not reached its own
     for gone_version in ((9, 7), (9, 8)):
@@ -106,9 +115,9 @@ def test_if_none_match_uses_the_weak_comparison() -> None:
 
 def test_export_flags_are_checked_before_connecting(capsys: pytest.CaptureFixture) -> None:
     for argv, problem in ((["--job", JOB], "--out FILE is required"),
-                          (["--out", "m.safetensors", "--version", "-1"], "--version must be a model version: "
+                          (["--out", "m.safetensors", "--version", "-1"], ("--version must be a model version: "
                            "a non-negative integer, or with several shard groups one per group joined by '.' "
-                           "(e.g. 12.7), got '-1'"),
+                           "(e.g. 12.7), got '-1'")),
                           (["--out", "m.safetensors", "--version", "latest"], "got 'latest'"),
                           (["--out", "m.safetensors", "--version", "12."], "got '12.'"),
                           (["--out", "m.safetensors", "--job", "no spaces"], "invalid job name 'no spaces'")):

@@ -17,11 +17,19 @@ import services.apply
 import services.updates
 from common.keys import JobKeys
 from services import (
-    BackpressureError, FencedError, OffsetConflictError, OptimizerConfig, ParameterServer, Pusher, ServerSettings,
-    Update, get_codec, push_update, unapplied_updates,
+    BackpressureError,
+    FencedError,
+    OffsetConflictError,
+    OptimizerConfig,
+    ParameterServer,
+    Pusher,
+    ServerSettings,
+    Update,
+    get_codec,
+    push_update,
+    unapplied_updates,
 )
 from services.apply import finish_accounting
-from services.protocol import Update
 from streamtrain.launcher import wait_until
 
 KEYS = JobKeys(JOB)

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from coordinator.history import (JOB_SERIES, MEMBER_SERIES, History, MemberSample, Sample, quantile,
-                                 take_sample)
+from coordinator.history import JOB_SERIES, MEMBER_SERIES, History, MemberSample, Sample, quantile, take_sample
 
 
 def sample(t_ms: int, **members: float) -> Sample:
@@ -22,7 +21,7 @@ def test_quantile_interpolates_between_ranks_like_numpy() -> None:
     assert quantile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
     assert quantile([float(i) for i in range(101)], 0.99) == pytest.approx(99.0)
     assert quantile([0.0, 10.0], 0.99) == pytest.approx(9.9)
-    with pytest.raises(ValueError, match="1.5"):
+    with pytest.raises(ValueError, match=r"1\.5"):
         quantile([1.0], 1.5)
 
 

@@ -59,7 +59,7 @@ def test_a_cluster_whose_nodes_cannot_start_says_why_and_leaves_nothing() -> Non
     cluster = KafkaCluster(3, heap_mb=128, extra_config={"num.io.threads": "not-a-number"}, start_timeout_s=120)
     assert [n.node_id for n in cluster.nodes] == [1, 2, 3]
     assert len({n.port for n in cluster.nodes} | {n.controller_port for n in cluster.nodes}) == 6
-    with pytest.raises(LaunchError, match="num.io.threads"):
+    with pytest.raises(LaunchError, match=r"num\.io\.threads"):
         cluster.start()
     assert all(n.state is ServerState.STOPPED and n.pid is None for n in cluster.nodes)
     workdir = cluster.workdir
@@ -76,7 +76,7 @@ def test_up_kafka_brokers_reaches_the_cluster_spec() -> None:
 
 
 def _idempotent_with_acks_all(producer: object) -> bool:
-    config = producer.config  # type: ignore[attr-defined]
+    config = producer.config  # type: ignore[attr-defined]  # kafka-python's producer
     return config["enable_idempotence"] is True and config["acks"] == -1  # -1 is "all"
 
 
@@ -97,7 +97,7 @@ def test_every_producer_we_make_is_idempotent_with_acks_all(kafka, monkeypatch: 
     try:
         writer.send(b"poison", [], partition=0, offset=0, error=DecodeError("bad_msgpack", "not a record"))
         writer.flush()
-        assert _idempotent_with_acks_all(writer._producer)  # noqa: SLF001 - the writer's own producer
+        assert _idempotent_with_acks_all(writer._producer)  # the writer's own producer
     finally:
         writer.close()
 

@@ -10,8 +10,7 @@ import pytest
 import redis as redis_lib
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from streamtrain.launcher import (KafkaBroker, LaunchError, RedisServer, ServerState, pid_alive,
-                                  redact_url)
+from streamtrain.launcher import KafkaBroker, LaunchError, RedisServer, ServerState, pid_alive, redact_url
 from streamtrain.launcher.kafka import random_cluster_id
 
 
@@ -129,7 +128,7 @@ def test_kafka_bad_config_gives_clear_error() -> None:
 
 def test_kafka_home_without_jars_is_refused(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KAFKA_HOME", str(tmp_path))
-    with pytest.raises(LaunchError, match="KAFKA_HOME=.* has no libs/kafka_2.13"):
+    with pytest.raises(LaunchError, match=r"KAFKA_HOME=.* has no libs/kafka_2\.13"):
         KafkaBroker()
 
 

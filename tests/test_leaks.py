@@ -9,7 +9,6 @@ import sys
 import threading
 from pathlib import Path
 
-
 from leaks import Allowance, Snapshot, find_leaks, wait_for_no_leaks
 
 TESTS = Path(__file__).resolve().parent

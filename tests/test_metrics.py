@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_services_server import grads_for
 from test_services_server import setup as setup_job
 
+from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
 from datastream import produce
@@ -39,7 +40,6 @@ from services import OptimizerConfig, ParameterServer, Pusher, ServerSettings
 from services.apply import Outcome
 from services.metrics import MetricsServer, ServerMetrics
 from services.protocol import Update
-from common.keys import JobKeys
 from streamtrain.launcher import wait_until
 from trainers.evaluate import EvalResult
 from trainers.metrics import TrainerMetrics, TrainerReport
@@ -95,8 +95,9 @@ def test_promtool_is_checked_where_installed() -> None:
 
 def test_server_metrics_are_served_over_http() -> None:
     unreachable = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: the backlog has no sample
-    server = SimpleNamespace(settings=SimpleNamespace(group=1, job="m", redis_url=unreachable), version=7, table_names=[])
-    metrics = ServerMetrics(server)  # type: ignore[arg-type]
+    server = SimpleNamespace(settings=SimpleNamespace(group=1, job="m", redis_url=unreachable), version=7,
+                             table_names=[])
+    metrics = ServerMetrics(server)  # type: ignore[arg-type]  # a stand-in with what it reads
     update = Update(member_id="a", generation=1, clock=1, gradients={},
                     produced_ts_ms=int(time.time() * 1000) - 1500)
     metrics.observe_write([Outcome(update, "applied"), Outcome(update, "rejected", reason="bad")], 0.01,
@@ -196,7 +197,7 @@ def ps_process(redis_url: str) -> Iterator[Callable[..., tuple[subprocess.Popen,
             proc.stderr.close()
 
 
-def test_ps_serves_its_metrics_while_applying(redis: redis_lib.Redis, ps_process) -> None:  # type: ignore[no-untyped-def]
+def test_ps_serves_its_metrics_while_applying(redis: redis_lib.Redis, ps_process) -> None:
     setup_job(redis, OptimizerConfig(name="sgd", lr=0.1))
     pusher = Pusher(redis, JOB, "a")
     produced_ms = int(time.time() * 1000) - 2000
@@ -231,7 +232,7 @@ def test_ps_serves_its_metrics_while_applying(redis: redis_lib.Redis, ps_process
 POISON = b"definitely not a record"
 
 
-async def test_trainer_and_coordinator_export_lag_dead_letters_and_bytes(kafka, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+async def test_trainer_and_coordinator_export_lag_dead_letters_and_bytes(kafka, redis_url: str) -> None:
     with pytest.raises(DecodeError) as rejected:
         decode_record(POISON)
     reason = rejected.value.reason

@@ -25,11 +25,19 @@ from common.fence import fence_token, parse_fence_token
 from common.keys import JobKeys
 from services.apply import Outcome, write_batch
 from services.errors import PayloadError
+from services.layout import make_layout
 from services.protocol import (
-    AccountingRecord, AccountPlan, PlanUpdate, Status, StreamId, Update, after, group_of, own_shards,
+    AccountingRecord,
+    AccountPlan,
+    PlanUpdate,
+    Status,
+    StreamId,
+    Update,
+    after,
+    group_of,
+    own_shards,
 )
 from services.scripts import CALLS, AccountCall, ApplyCall, PushCall, ScriptCall, ShardPlan, ShardPublish
-from services.layout import make_layout
 
 LUA = Path(__file__).resolve().parents[1] / "services" / "lua"
 JOB = "protocol"
@@ -55,7 +63,7 @@ class Declared(NamedTuple):
 def declared(source: str) -> Declared:
     header: dict[str, tuple[list[tuple[int, str]], tuple[int, str] | None]] = {"KEYS": ([], None), "ARGV": ([], None)}
     for array, position, tail, name in _POSITION.findall(source):
-        fixed, rest = header[array]
+        fixed, _ = header[array]
         if tail:
             header[array] = (fixed, (int(position), name))
         else:
@@ -261,7 +269,7 @@ def test_own_shards_takes_a_layout() -> None:
 
 def test_stream_ids_order_as_redis_orders_them() -> None:
     ids = ["", "0-1", "9-0", "10-0", "10-2", "10-11"]
-    assert sorted(reversed(ids), key=StreamId.parse) == ids  # numeric, not text, order
+    assert sorted(["10-11", "10-2", "10-0", "9-0", "0-1", ""], key=StreamId.parse) == ids  # numeric, not text, order
     assert StreamId.parse(b"10-2") == StreamId(10, 2) and str(StreamId(10, 2)) == "10-2"
     assert str(StreamId.parse("")) == ""
     assert after("") == "-" and after("10-2") == "10-3" and after(b"7-0") == "7-1"
@@ -275,7 +283,7 @@ def test_the_fence_token_round_trips_and_refuses_what_it_cannot_spell() -> None:
     assert parse_fence_token(fence_token("m-1", 7)) == parse_fence_token(b"m-1|7") == ("m-1", 7)
     for member, generation in (("a|b", 1), ("", 1), ("a", -1), ("a", True)):
         with pytest.raises(ValueError):
-            fence_token(member, generation)  # type: ignore[arg-type]
+            fence_token(member, generation)  # type: ignore[arg-type]  # bad on purpose
     for bad in ("m-1", "m-1|", "|3", "m|x"):
         with pytest.raises(ValueError, match="fence token"):
             parse_fence_token(bad)
@@ -307,9 +315,9 @@ def test_the_log_entry_is_the_header_running_jobs_hold() -> None:
     assert back == dataclasses.replace(u, gradients={}, log_id="5-1", shards=(0, 2))
     del old["wb"]  # written before the field existed: 0
     assert Update.from_fields("5-2", {b"h": msgpack.packb(old)}).wire_bytes == 0
-    with pytest.raises(PayloadError, match="5-3.*missing"):
+    with pytest.raises(PayloadError, match=r"5-3.*missing"):
         Update.from_fields("5-3", {b"x": b""})
-    with pytest.raises(PayloadError, match="5-4.*malformed"):
+    with pytest.raises(PayloadError, match=r"5-4.*malformed"):
         Update.from_fields("5-4", {b"h": msgpack.packb({"m": "a"})})
 
 
@@ -334,7 +342,7 @@ def test_the_accounting_record_is_the_entry_running_jobs_hold() -> None:
     assert AccountingRecord.from_fields(old).grad_bytes == 0
     with pytest.raises(PayloadError, match="'samples' missing"):
         AccountingRecord.from_fields({k: v for k, v in record.to_fields().items() if k != "samples"})
-    with pytest.raises(PayloadError, match="5-1.*malformed"):
+    with pytest.raises(PayloadError, match=r"5-1.*malformed"):
         AccountingRecord.from_fields({**record.to_fields(), "status": "maybe"})
 
 

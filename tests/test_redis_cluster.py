@@ -29,7 +29,13 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.state import check_fence
 from coordinator.testing import running_coordinator
 from services import (
-    FencedError, OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, unapplied_updates,
+    FencedError,
+    OptimizerConfig,
+    ParameterServer,
+    ParameterStore,
+    Pusher,
+    ServerSettings,
+    unapplied_updates,
 )
 from services import connect as ps_connect
 from streamtrain.accounting import audit

@@ -21,15 +21,26 @@ import redis.asyncio as aioredis
 from kafka import KafkaProducer
 from test_services_util import set_membership, small_model
 
+from common.keys import JobKeys
 from coordinator.errors import MemberGoneError, UnknownMemberError
-from coordinator.membership import (CheckLeases, Departure, Heartbeat, Leave, MemberExpired, MemberLeft,
-                                    Register, departures, empty, forgotten, handle)
+from coordinator.membership import (
+    CheckLeases,
+    Departure,
+    Heartbeat,
+    Leave,
+    MemberExpired,
+    MemberLeft,
+    Register,
+    departures,
+    empty,
+    forgotten,
+    handle,
+)
 from coordinator.state import JobConfig, Store
 from datastream import encode_json_record
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings
 from services.apply import Housekeeping, write_batch
 from streamtrain.accounting import audit
-from common.keys import JobKeys
 
 JOB = "retention"
 KEYS = JobKeys(JOB)
@@ -179,8 +190,8 @@ def test_departed_members_fields_go_once_applied_and_stay_while_pending(
 # -- departed records in the coordinator ---------------------------------------------------------
 
 def test_departed_records_are_forgotten_after_the_retention_pure() -> None:
-    state, actions = handle(empty([0, 1]), Register("m1", {}, 1.0, now_ms=1_000, lease_ms=3_000))
-    state, actions = handle(state, Register("m2", {}, 1.0, now_ms=1_000, lease_ms=3_000))
+    state, _ = handle(empty([0, 1]), Register("m1", {}, 1.0, now_ms=1_000, lease_ms=3_000))
+    state, _ = handle(state, Register("m2", {}, 1.0, now_ms=1_000, lease_ms=3_000))
     state, left = handle(state, Leave("m1", now_ms=2_000))
     state, expired = handle(state, CheckLeases(now_ms=10_000))
     assert [type(a) for a in left[:1] + expired[:1]] == [MemberLeft, MemberExpired]

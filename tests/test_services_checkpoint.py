@@ -12,16 +12,23 @@ import redis as redis_lib
 import torch
 from test_services_util import accounting_left, optimizer_state, optimizer_steps, set_membership, small_model
 
+from common.keys import JobKeys
 from services import (
-    OffsetConflictError, OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings,
-    restore_checkpoint, save_checkpoint, unapplied_updates,
+    OffsetConflictError,
+    OptimizerConfig,
+    ParameterServer,
+    ParameterStore,
+    Pusher,
+    ServerSettings,
+    checkpoint_cut,
+    restore_checkpoint,
+    save_checkpoint,
+    unapplied_updates,
 )
 from services import apply as apply_module
-from services import checkpoint_cut
 from services.checkpoint import FORMAT, CheckpointError
 from streamtrain import cli
 from streamtrain.launcher import wait_until
-from common.keys import JobKeys
 
 JOB = "ckptjob"
 
@@ -231,7 +238,7 @@ def test_two_groups_applying_during_a_save_restore_to_the_groups_cut(
     """Group 0 applies and accounts between the save's reads of the groups and of the job's slot;
     group 1 was cut off between the halves of an apply: the checkpoint is the groups' cut, and the
     restored job applies and accounts every update once."""
-    pusher, ids = two_group_job(redis, 6)
+    _, ids = two_group_job(redis, 6)
     g0, g1 = two_servers(redis, redis_url)
     for _ in range(3):
         assert g0.step() == 1

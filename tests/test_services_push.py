@@ -8,15 +8,25 @@ import redis as redis_lib
 import torch
 from test_services_util import LosesPushReply, gradient_blobs, set_membership, small_model
 
-from services import (
-    BackpressureError, BadGradientError, FencedError, LayoutError, OffsetConflictError, ParameterStore,
-    PayloadError, Pusher, UnknownCodecError, Update, decode_gradient, get_codec, push_update,
-    was_committed,
-)
-from services.protocol import Update
-from services.wire import pack
 from common.keys import JobKeys
 from common.outage import REDIS_DOWN
+from services import (
+    BackpressureError,
+    BadGradientError,
+    FencedError,
+    LayoutError,
+    OffsetConflictError,
+    ParameterStore,
+    PayloadError,
+    Pusher,
+    UnknownCodecError,
+    Update,
+    decode_gradient,
+    get_codec,
+    push_update,
+    was_committed,
+)
+from services.wire import pack
 
 JOB = "pushjob"
 

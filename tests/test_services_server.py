@@ -13,15 +13,30 @@ import pytest
 import redis as redis_lib
 import torch
 from test_services_util import (
-    accounting_left, gradient_blobs, optimizer_state, optimizer_steps, set_membership, small_model, staged_values,
+    accounting_left,
+    gradient_blobs,
+    optimizer_state,
+    optimizer_steps,
+    set_membership,
+    small_model,
+    staged_values,
 )
 
+from common.keys import JobKeys
 from services import (
-    OptimizerConfig, ParameterServer, ParameterStore, Pusher, Sent, ServerSettings, ServerStatus, Update,
-    get_codec, push_update, unapplied_updates,
+    OptimizerConfig,
+    ParameterServer,
+    ParameterStore,
+    Pusher,
+    Sent,
+    ServerSettings,
+    ServerStatus,
+    Update,
+    get_codec,
+    push_update,
+    unapplied_updates,
 )
 from services.optim import step
-from common.keys import JobKeys
 from streamtrain.launcher import wait_until
 
 JOB = "psjob"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 import redis as redis_lib
 import torch
@@ -70,7 +71,8 @@ def optimizer_state(client: redis_lib.Redis, job: str, shards: int, slots: int) 
     """Every persisted optimizer state value of ``job`` (shard by shard, slot by slot), each read from
     its shard's group."""
     keys, groups = JobKeys(job), stored_groups(client, job)
-    return [client.get(keys.group(group_of(i, groups)).optimizer_state(i, s)) for i in range(shards) for s in range(slots)]
+    return [client.get(keys.group(group_of(i, groups)).optimizer_state(i, s))
+            for i in range(shards) for s in range(slots)]
 
 
 def accounting_left(client: redis_lib.Redis, job: str) -> list[bytes]:
@@ -83,8 +85,8 @@ class LosesPushReply(redis_lib.Redis):
     EVALSHA) runs, and is committed, and then raises ``error`` as if the reply were lost on the way
     back (a dropped connection, a timeout, a Redis Cluster that answers CLUSTERDOWN)."""
 
-    def __init__(self, error: type[Exception], **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, error: type[Exception], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.error = error
 
     def pipeline(self, transaction: bool = True, shard_hint: object = None) -> redis_lib.client.Pipeline:

@@ -109,3 +109,34 @@ def test_every_public_name_of_a_package_resolves(package: str) -> None:
     for name in getattr(pkg, "__all__", ()):
         value = getattr(pkg, name)
         assert not (isinstance(value, types.ModuleType) and value.__name__ == f"{package}.{name}"), name
+
+
+def _lazy_packages() -> list[str]:
+    return [pkg for pkg in LAYERS if "lazy_exports(" in (ROOT / pkg / "__init__.py").read_text()]
+
+
+def _type_checking_imports(package: str) -> dict[str, str]:
+    """Name -> relative module of each import in the ``if TYPE_CHECKING:`` blocks of ``package``'s
+    ``__init__.py`` (what type checkers and editors read, since the names are imported lazily)."""
+    tree = ast.parse((ROOT / package / "__init__.py").read_text())
+    found: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for stmt in node.body:
+                assert isinstance(stmt, ast.ImportFrom) and stmt.level == 1, ast.unparse(stmt)
+                found.update({alias.asname or alias.name: f".{stmt.module}" for alias in stmt.names})
+    return found
+
+
+def test_the_lazy_packages_are_found() -> None:
+    assert {"services", "coordinator", "trainers"} <= set(_lazy_packages())
+
+
+@pytest.mark.parametrize("package", _lazy_packages())
+def test_a_lazy_package_shows_type_checkers_every_export_from_its_home(package: str) -> None:
+    """A package whose names are imported on first use (:func:`common.exports.lazy_exports`) imports
+    the same names from the same modules under ``if TYPE_CHECKING:``, so mypy sees them: the two
+    lists cannot drift apart."""
+    pkg = importlib.import_module(package)
+    assert _type_checking_imports(package) == dict(pkg._export_homes)
+    assert set(_type_checking_imports(package)) == set(pkg.__all__)

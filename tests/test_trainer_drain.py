@@ -22,7 +22,7 @@ JOB = "drainjob"
 ADMIN = {"Authorization": "Bearer a"}
 
 
-async def test_a_drained_trainer_leaves_and_another_finishes_its_records(kafka, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+async def test_a_drained_trainer_leaves_and_another_finishes_its_records(kafka, redis_url: str) -> None:
     topic = kafka.create_topic(partitions=2)
     produced = await asyncio.to_thread(produce, kafka.bootstrap, topic, "digits?repeat=4", partitions=2,
                                        shard_size=16, split="train")

@@ -44,7 +44,7 @@ def test_joining_refuses_a_clock_below_one() -> None:
 
 def test_same_partitions_under_a_new_generation_only_move_the_fencing_token() -> None:
     s = joined()
-    s.assigned(s.wanted)  # type: ignore[arg-type]
+    s.assigned(s.wanted)  # type: ignore[arg-type]  # joined() set it
     newer = assignment(generation=2)
     s.heard(newer)
     assert s.follow() is Move.TRAIN
@@ -53,7 +53,7 @@ def test_same_partitions_under_a_new_generation_only_move_the_fencing_token() ->
 
 def test_other_partitions_need_a_reassignment_and_training_resumes_after_it() -> None:
     s = joined()
-    s.assigned(s.wanted)  # type: ignore[arg-type]
+    s.assigned(s.wanted)  # type: ignore[arg-type]  # joined() set it
     moved = assignment(partitions=(2,), generation=2)
     s.heard(moved)
     assert s.follow() is Move.REASSIGN
@@ -75,7 +75,7 @@ def test_nothing_heard_yet_idles() -> None:
 
 def test_draining_means_leave_even_with_partitions_in_hand() -> None:
     s = joined()
-    s.assigned(s.wanted)  # type: ignore[arg-type]
+    s.assigned(s.wanted)  # type: ignore[arg-type]  # joined() set it
     s.heard(assignment(partitions=(), generation=2, state="draining"))
     assert s.follow() is Move.LEAVE
 
@@ -83,7 +83,7 @@ def test_draining_means_leave_even_with_partitions_in_hand() -> None:
 def test_a_lost_lease_keeps_the_current_assignment_until_a_new_one_is_heard() -> None:
     s = joined()
     a = s.wanted
-    s.assigned(a)  # type: ignore[arg-type]
+    s.assigned(a)  # type: ignore[arg-type]  # joined() set it
     s.lease_lost()
     assert s.wanted is None and s.follow() is Move.TRAIN
     s.joined("m2", 9, assignment(member="m2", generation=3))

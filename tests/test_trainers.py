@@ -132,7 +132,7 @@ def test_cuda_step_with_bf16_autocast_matches_cpu() -> None:
         torch.testing.assert_close(got.grads[name], grad, rtol=0.1, atol=0.02)
 
 
-async def test_a_batch_of_poison_records_only_is_handed_to_the_step_not_dropped(  # type: ignore[no-untyped-def]
+async def test_a_batch_of_poison_records_only_is_handed_to_the_step_not_dropped(
         kafka) -> None:
     """A batch whose records all went to the dead-letter topic has no rows but covers their offsets:
     the trainer must step on it (an offsets-only push), or its next push starts after a gap the
@@ -166,7 +166,7 @@ def _assignment(member: str) -> Assignment:
 
 @pytest.mark.parametrize("error", REDIS_DOWN, ids=lambda e: e.__name__)
 def test_a_push_cut_off_by_any_redis_outage_is_unsettled_and_keeps_its_residual_once_committed(
-        redis, error: type[Exception]) -> None:  # type: ignore[no-untyped-def]
+        redis, error: type[Exception]) -> None:
     """The push thread (``send_push``) files every ``common.outage.REDIS_DOWN`` error, CLUSTERDOWN
     included, as an unreachable push; the state keeps it unsettled with its error feedback, and once
     ``was_committed`` says it went through, tells the shell to adopt that feedback. (On a Redis
@@ -196,7 +196,7 @@ def test_a_push_cut_off_by_any_redis_outage_is_unsettled_and_keeps_its_residual_
     assert all(torch.equal(pusher.residuals[i], r) for i, r in want.items())
 
 
-def test_a_refused_push_is_filed_as_refused_and_its_feedback_dropped(redis) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_push_is_filed_as_refused_and_its_feedback_dropped(redis) -> None:
     ParameterStore(redis, PUSHJOB).init_model(small_model(), shard_elems=64)
     set_membership(redis, PUSHJOB, {"m1": [0]}, generation=2)  # the push below carries generation 1
     pusher = Pusher(redis, PUSHJOB, "m1", codec="topk", codec_options={"density": 0.1})

@@ -30,7 +30,7 @@ def test_regression_job_ends_at_max_records_with_loss_mae_and_r2() -> None:
         [sys.executable, "-m", "streamtrain.cli", "up", "--source", source, "--eval-source", source,
          "--model", "regression_job:linear_model", "--max-records", "3000", "--trainers", "1",
          "--partitions", "2", "--codec", "none", "--optimizer", "adam", "--lr", "0.1", "--timeout-s", "240"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=330)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=330)
     out = done.stdout
     assert done.returncode == 0, f"exit {done.returncode}\n{out[-3000:]}\n{done.stderr[-3000:]}"
     assert "--max-records 3,000 consumed" in out, out[-3000:]

@@ -4,6 +4,8 @@ Each public name is imported from its module on first use (:func:`common.exports
 importing the pure core (``trainers.state``) does not import torch.
 """
 
+from typing import TYPE_CHECKING
+
 from common.exports import lazy_exports
 
 __all__ = [
@@ -27,3 +29,9 @@ lazy_exports(__name__, __all__, {
     ".models": ("ModelSpec", "build_model", "builtin_specs", "mlp"),
     ".settings": ("TrainerSettings",),
 })
+
+if TYPE_CHECKING:  # the same names, eagerly, for type checkers (tests/test_structure.py keeps the two alike)
+    from .device import DevicePlan, plan_device
+    from .evaluate import EvalResult, evaluate
+    from .models import ModelSpec, build_model, builtin_specs, mlp
+    from .settings import TrainerSettings

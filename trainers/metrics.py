@@ -62,9 +62,10 @@ class _Collector(Collector):
         steps = CounterMetricFamily("streamtrain_trainer_steps", "training steps this trainer computed")
         steps.add_metric([], t.steps)
         yield steps
-        gauges = [("streamtrain_trainer_clock", "clock of this trainer's next step", t.clock),
-                  ("streamtrain_trainer_staleness_clocks",
-                   "staleness (clocks) of the parameters of the last step", t.staleness)]
+        gauges: list[tuple[str, str, float]] = [
+            ("streamtrain_trainer_clock", "clock of this trainer's next step", t.clock),
+            ("streamtrain_trainer_staleness_clocks", "staleness (clocks) of the parameters of the last step",
+             t.staleness)]
         if t.loss is not None and math.isfinite(t.loss):
             gauges.append(("streamtrain_trainer_loss", "training loss (moving average over steps)", t.loss))
         if t.version is not None:
@@ -83,8 +84,8 @@ class _Collector(Collector):
             gauges.append(("streamtrain_row_cache_rows", "embedding rows this trainer's cache holds",
                            t.row_cache.rows))
             if t.row_cache.hit_rate is not None:
-                gauges.append(("streamtrain_row_cache_hit_rate", "fraction of the rows its batches needed that "
-                               "this trainer's cache served (since it started)", t.row_cache.hit_rate))
+                gauges.append(("streamtrain_row_cache_hit_rate", ("fraction of the rows its batches needed that "
+                               "this trainer's cache served (since it started)"), t.row_cache.hit_rate))
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], value)
@@ -92,10 +93,10 @@ class _Collector(Collector):
         if t.row_cache is not None:
             for name, doc, value in (("streamtrain_row_cache_hits", "embedding rows served by the cache",
                                       t.row_cache.hits),
-                                     ("streamtrain_row_cache_misses", "embedding rows pulled (not served by the "
-                                      "cache)", t.row_cache.misses),
-                                     ("streamtrain_row_pull_bytes", "bytes the pulls of embedding rows read (rows "
-                                      "and one mask byte per ID asked)", t.row_pull_bytes)):
+                                     ("streamtrain_row_cache_misses",
+                                      "embedding rows pulled (not served by the cache)", t.row_cache.misses),
+                                     ("streamtrain_row_pull_bytes", ("bytes the pulls of embedding rows read (rows "
+                                      "and one mask byte per ID asked)"), t.row_pull_bytes)):
                 counter = CounterMetricFamily(name, doc)
                 counter.add_metric([], value)
                 yield counter

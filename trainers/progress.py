@@ -48,7 +48,8 @@ class Progress:
     _window: _Window = field(init=False)
     _sent: collections.deque[tuple[int, int]] = field(default_factory=collections.deque, init=False)
     _freshness: list[float] = field(default_factory=list, init=False)
-    _phases: collections.Counter[str] = field(default_factory=collections.Counter, init=False)
+    _phases: collections.defaultdict[str, float] = field(default_factory=lambda: collections.defaultdict(float),
+                                                         init=False)
     _phase_steps: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:

@@ -125,13 +125,16 @@ def dlrm_from_options(options: Mapping[str, str]) -> Dlrm:
     tags = int(number("tags", "0", int, 0))
     dim = int(number("dim", "16", int, 1))
     row_opt = RowOptimizerConfig(options.get("row_optimizer", "lazyadam"), lr=float(number("row_lr", "0.01", float, 0)))
-    common = {"dim": dim, "optimizer": row_opt, "admit_after": int(number("admit", "1", int, 1)),
-              "expire_after_s": float(number("expire_s", "0", float, 0)),
-              "max_rows": int(number("max_rows", "0", int, 0)),
-              "init_scale": float(number("init_scale", "0.05", float, 0))}
-    tables = [TableSpec(f"c{i}", **common) for i in range(1, features + 1)]
+    admit, expire = int(number("admit", "1", int, 1)), float(number("expire_s", "0", float, 0))
+    cap, scale = int(number("max_rows", "0", int, 0)), float(number("init_scale", "0.05", float, 0))
+
+    def table(name: str, pooling: str = "sum") -> TableSpec:
+        return TableSpec(name, dim, pooling=pooling, init_scale=scale, optimizer=row_opt, admit_after=admit,
+                         expire_after_s=expire, max_rows=cap)
+
+    tables = [table(f"c{i}") for i in range(1, features + 1)]
     if tags:
-        tables.append(TableSpec("tags", pooling="mean", **common))
+        tables.append(table("tags", pooling="mean"))
     if not tables:
         raise ValueError("dlrm: needs at least one categorical feature (features >= 1 or tags=1)")
     return Dlrm(tuple(tables), dense=int(number("dense", "13", int, 0)), dim=dim,

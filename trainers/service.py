@@ -44,17 +44,28 @@ from typing import Any, TypeVar
 
 import torch
 
+from common.outage import REDIS_DOWN, Outage, redis_name
 from coordinator import CoordinatorClient, MemberGoneError, UnknownMemberError
 from coordinator.errors import CoordinatorError
 from datastream import Batch, ShardConsumer, load_source
 from datastream.jagged import Jagged
 from services import (
-    Feedback, FencedError, OffsetConflictError, OptimizerConfig, ParameterStore, Pusher, Snapshot,
-    committed_offsets, connect, read_job_clocks, starting_clock, wait_for_clock, was_committed,
+    Feedback,
+    FencedError,
+    OffsetConflictError,
+    OptimizerConfig,
+    ParameterStore,
+    Pusher,
+    Snapshot,
+    committed_offsets,
+    connect,
+    read_job_clocks,
+    starting_clock,
+    wait_for_clock,
+    was_committed,
 )
 from services.consistency import ClockWait, Consistency, StalenessTimeout
 from services.embeddings import RowGrads
-from common.outage import REDIS_DOWN, Outage, redis_name
 
 from .device import plan_device
 from .evaluate import EvalResult, evaluate

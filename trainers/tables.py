@@ -23,18 +23,17 @@ Per step and per table:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import redis
 import torch
 
 from datastream.jagged import Jagged
+from services.consistency import Consistency, required_clock
 from services.embeddings import RowGrads, TableSpec, group_of_ids
 from services.embeddings.store import pull_rows
-
-from services.consistency import Consistency, required_clock
 
 from .rowcache import RowCache, TableBound
 
@@ -144,8 +143,8 @@ class RowFetcher:
                 wanted[name] = lk.ids[miss]
         wire = 0
         if wanted:
-            owners = {name: lookups[name].owners[miss] for name, miss in misses.items()
-                      if lookups[name].owners is not None}
+            owners = {name: owned[miss] for name, miss in misses.items()
+                      if (owned := lookups[name].owners) is not None}
             pulled = pull_rows(self.client, self.job, self.tables, self.groups, wanted,
                                owners=owners if len(owners) == len(wanted) else None)
             wire = pulled.wire_bytes
@@ -194,7 +193,7 @@ def table_inputs(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged],
 
 
 def pool(lookups: Mapping[str, TableLookup], rows: Mapping[str, np.ndarray], device: torch.device
-         ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+         ) -> tuple[dict[str, torch.Tensor], dict[str, _Rows]]:
     """Each feature's rows pooled per record, and the leaf tensors they were pooled from (on
     ``device``, requiring grad): (feature -> ``[n, dim]``, table -> its ``[ids, dim]`` rows, views of
     the leaf).
@@ -205,9 +204,13 @@ def pool(lookups: Mapping[str, TableLookup], rows: Mapping[str, np.ndarray], dev
     kinds: dict[tuple[int, str], list[TableLookup]] = {}
     for lk in lookups.values():
         kinds.setdefault((lk.spec.dim, lk.spec.pooling), []).append(lk)
-    pooled, leaves = {}, {}
+    pooled: dict[str, torch.Tensor] = {}
+    leaves: dict[str, _Rows] = {}
     for (_, mode), group in kinds.items():
-        base, at, index, offsets, feats = 0, 0, [], [], []
+        base, at = 0, 0
+        index: list[np.ndarray] = []
+        offsets: list[np.ndarray] = []
+        feats: list[str] = []
         for lk in group:
             for f in lk.features:
                 index.append(f.index + base)
@@ -221,8 +224,8 @@ def pool(lookups: Mapping[str, TableLookup], rows: Mapping[str, np.ndarray], dev
             torch.from_numpy(np.concatenate(index)).to(device, non_blocking=True), leaf,
             torch.from_numpy(np.concatenate(offsets)).to(device, non_blocking=True), mode=mode)
         n = out.shape[0] // max(len(feats), 1)
-        for j, f in enumerate(feats):
-            pooled[f] = out[j * n:(j + 1) * n]
+        for j, feature in enumerate(feats):
+            pooled[feature] = out[j * n:(j + 1) * n]
         start = 0
         for lk in group:
             leaves[lk.spec.name] = _Rows(leaf, start, start + lk.ids.size)

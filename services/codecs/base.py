@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from ..errors import BadGradientError, PayloadError
@@ -106,7 +107,7 @@ def field_bytes(msg: dict[str, Any], key: str, codec: str) -> bytes:
     return value
 
 
-def expect_len(data: bytes, count: int, dtype: np.dtype, codec: str, key: str = "d") -> np.ndarray:
+def expect_len(data: bytes, count: int, dtype: npt.DTypeLike, codec: str, key: str = "d") -> np.ndarray:
     """``data`` viewed as ``count`` values of ``dtype``, or PayloadError on a length mismatch."""
     want = count * np.dtype(dtype).itemsize
     if len(data) != want:

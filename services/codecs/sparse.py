@@ -5,8 +5,9 @@ training step, so the threshold is estimated DGC-style on a random sample of
 the magnitudes (about 10x cheaper) and values at or above it are kept. The
 result is **approximate-k**: the threshold aims at 2k candidates, which an
 exact top-k over those few trims to ``k = ceil(density * n)`` (then it is the
-exact top-k); when the estimate undershoots, fewer than k are kept, never more. The kept values go to an inner value codec (``none``
-unless chained, e.g. ``topk+fp16``). Error feedback (the residual of what was
+exact top-k); when the estimate undershoots, fewer than k are kept, never more.
+The kept values go to an inner value codec (``none`` unless chained, e.g.
+``topk+fp16``). Error feedback (the residual of what was
 not sent) is kept by the trainer-side encoder, see ``services.encoder``.
 """
 

@@ -153,5 +153,6 @@ class TableBatch:
         seen["count"] = self.seen_count[seen_at]
         seen["seen_ms"] = self.seen_ms[seen_at]
         unseen = self.ids[self.born & (self.seen_count > 0)]
-        return TableWrites(self.spec.name, records.dtype.itemsize, self.ids[rows_at], records.tobytes(), self.ids[seen_at], seen.tobytes(),
+        return TableWrites(self.spec.name, records.dtype.itemsize, self.ids[rows_at], records.tobytes(),
+                           self.ids[seen_at], seen.tobytes(),
                            unseen, self.steps, self.admitted, self.dropped)

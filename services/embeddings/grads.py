@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from .spec import TableSpec
 
 __all__ = ["RowGrads", "WIRE_DTYPES", "encode_row_grads", "decode_row_grads", "split_by_group"]
 
-WIRE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 """How gradient rows may travel."""
 _TORCH = {"float32": torch.float32, "float16": torch.float16}
 
@@ -102,7 +103,7 @@ def decode_row_grads(blob: bytes, tables: Mapping[str, TableSpec], *, max_bytes:
                 or not isinstance(entry[1], bytes) or not isinstance(entry[2], bytes) or entry[3] not in WIRE_DTYPES):
             raise PayloadError(f"{what}: each entry must be [table, ids bytes, grads bytes, "
                                f"{' or '.join(WIRE_DTYPES)}]")
-        name, raw_ids, raw_grads, dtype = entry
+        name, raw_ids, raw_grads, dtype = cast("tuple[str, bytes, bytes, str]", tuple(entry))
         spec = tables.get(name)
         if spec is None:
             raise BadGradientError(f"{what}: table {name!r} is not in the model (tables: {sorted(tables)})")

@@ -42,7 +42,8 @@ def piece_header(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]
         OSError: the file cannot be read; ValueError (safetensors' errors): it is no safetensors file.
     """
     with safe_open(path, framework="numpy") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, dict(f.metadata() or {})
+        names = list(f.keys())  # safe_open has keys(), not the mapping protocol
+        return {k: tuple(f.get_slice(k).get_shape()) for k in names}, dict(f.metadata() or {})
 
 
 def read_piece(path: str) -> dict[str, np.ndarray]:

@@ -140,7 +140,7 @@ class TableSpec:
         Raises:
             ValueError: an unknown field or a bad value, named.
         """
-        known = {f for f in cls.__dataclass_fields__}
+        known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"table spec: unknown field(s) {unknown}")
@@ -179,6 +179,5 @@ def tables_to_json(tables: Sequence[TableSpec]) -> list[dict]:
 
 def tables_from_json(raw: list[dict] | str | bytes) -> tuple[TableSpec, ...]:
     """Inverse of :func:`tables_to_json` (also takes the JSON text)."""
-    if isinstance(raw, (str, bytes)):
-        raw = json.loads(raw)
-    return validate_tables([TableSpec.from_dict(d) for d in raw])
+    entries: list[dict] = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+    return validate_tables([TableSpec.from_dict(d) for d in entries])

@@ -173,6 +173,13 @@ class SweepStep:
     """Rows of the table the group holds now."""
 
 
+def _offset(dtype: np.dtype, name: str) -> int:
+    """Byte offset of field ``name`` of a packed record."""
+    fields = dtype.fields
+    assert fields is not None, "a record dtype has fields"
+    return int(fields[name][1])
+
+
 def sweep_rows(client: redis.Redis, job: str, group: int, spec: TableSpec, groups: int, *, now_ms: int,
                cursor: str = "0", seen_cursor: str = "0", count: int = 1000, most_evicted: int = 10000) -> SweepStep:
     """One step of keeping ``group``'s part of table ``spec`` bounded: expire what was not written
@@ -180,7 +187,7 @@ def sweep_rows(client: redis.Redis, job: str, group: int, spec: TableSpec, group
     recently written rows beyond the group's share of ``spec.max_rows`` (at most ``most_evicted``)."""
     cutoff = now_ms - round(spec.expire_after_s * 1000) if spec.expire_after_s > 0 else 0
     cap = -(-spec.max_rows // groups) if spec.max_rows else 0
-    call = RowsSweepCall(JobKeys(job).group(group), spec.name, written_at=row_dtype(spec).fields["written_ms"][1] + 1,
+    call = RowsSweepCall(JobKeys(job).group(group), spec.name, written_at=_offset(row_dtype(spec), "written_ms") + 1,
                          cutoff_ms=max(cutoff, 0), cursor=cursor, seen_cursor=seen_cursor, count=count, cap=cap,
                          most_evicted=most_evicted)
     res = execute_with_script(client, call.SCRIPT, call.queue)[-1]

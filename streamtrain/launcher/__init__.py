@@ -3,6 +3,8 @@
 Used by the tests' session fixtures, the benchmarks and ``streamtrain up``.
 """
 
+from common.urls import redact_url
+
 from .kafka import KAFKA_VERSION, KafkaBroker, KafkaCluster, cache_dir, kafka_libs_dir, replication_config
 from .process import (
     LaunchError,
@@ -13,7 +15,6 @@ from .process import (
     pid_alive,
     wait_until,
 )
-from common.urls import redact_url
 from .redis import RedisServer
 from .redis_cluster import RedisCluster
 from .service import ServiceProcess

@@ -22,9 +22,12 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Any, Self
 
 from .process import LaunchError, ManagedProcess, ServerFolder, ServerState, free_port, wait_until
+
+if TYPE_CHECKING:
+    from kafka.admin import KafkaAdminClient
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +145,8 @@ class KafkaBroker(ManagedProcess):
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, heap_mb: int = 512,
                  extra_config: dict[str, str] | None = None, log_level: str = "INFO",
                  node_id: int = 1, controller_port: int | None = None, cluster_id: str | None = None,
-                 **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         if heap_mb < 128:
             raise ValueError(f"heap_mb must be at least 128, got {heap_mb}")
         if node_id < 0:
@@ -161,7 +164,7 @@ class KafkaBroker(ManagedProcess):
         self.log_level = log_level
         self._libs = kafka_libs_dir()
         self._java = java_binary()
-        self._admin = None
+        self._admin: KafkaAdminClient | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -256,7 +259,7 @@ class KafkaBroker(ManagedProcess):
             logger.debug("kafka not ready yet: %s", exc)
             return False
 
-    def stop(self) -> None:  # noqa: D102 - see ManagedProcess.stop
+    def stop(self) -> None:  # see ManagedProcess.stop
         if self._admin is not None:
             with contextlib.suppress(Exception):
                 self._admin.close()
@@ -282,7 +285,7 @@ class KafkaCluster(ServerFolder):
 
     name = "kafka"
 
-    def __init__(self, brokers: int = 3, *, workdir: Path | None = None, **node_options: object) -> None:
+    def __init__(self, brokers: int = 3, *, workdir: Path | None = None, **node_options: Any) -> None:
         if brokers < 1:
             raise ValueError(f"brokers must be >= 1, got {brokers}")
         for reserved in ("node_id", "port", "controller_port", "cluster_id"):
@@ -305,9 +308,10 @@ class KafkaCluster(ServerFolder):
         """Seconds the last :meth:`start` took until a topic with every copy could be created."""
 
     def _node(self, node_id: int, port: int | None = None, controller_port: int | None = None) -> KafkaBroker:
+        assert self.workdir is not None
         return KafkaBroker(node_id=node_id, port=port, controller_port=controller_port,
                            cluster_id=self.cluster_id, workdir=self.workdir / f"node{node_id}",
-                           **self._options)  # type: ignore[arg-type]
+                           **self._options)
 
     @property
     def bootstrap(self) -> str:
@@ -417,7 +421,7 @@ class KafkaCluster(ServerFolder):
         for node in reversed(self.nodes):
             try:
                 node.stop()
-            except Exception:  # noqa: BLE001 - keep stopping the rest
+            except Exception:  # keep stopping the rest
                 logger.exception("could not stop kafka node %d", node.node_id)
 
     def cleanup(self) -> None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import BinaryIO, Self, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ManagedProcess(ServerFolder):
         self.workdir = workdir
         self.state = ServerState.NEW
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log_fh = None
+        self._log_fh: BinaryIO | None = None
         self.ready_after_s: float | None = None
         self._launched_at = 0.0
 
@@ -291,18 +291,17 @@ class ManagedProcess(ServerFolder):
         Idempotent; removes the temporary folder this object created.
         """
         proc, self._proc = self._proc, None
-        if proc is not None:
-            if proc.poll() is None:
-                logger.debug("stopping %s (pid %s)", self.name, proc.pid)
+        if proc is not None and proc.poll() is None:
+            logger.debug("stopping %s (pid %s)", self.name, proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s (pid %s) ignored SIGTERM; killing", self.name, proc.pid)
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=self.stop_timeout_s)
-                except subprocess.TimeoutExpired:
-                    logger.warning("%s (pid %s) ignored SIGTERM; killing", self.name, proc.pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         if self._log_fh is not None:
             self._log_fh.close()
             self._log_fh = None
@@ -352,7 +351,7 @@ async def await_until(predicate: Callable[[], T | Awaitable[T]], timeout_s: floa
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return result  # type: ignore[return-value]
+            return result
         if expired:
             raise TimeoutError(f"timed out after {timeout_s:.1f}s waiting for {what}")
         await asyncio.sleep(interval_s)

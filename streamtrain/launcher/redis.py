@@ -13,9 +13,11 @@ import re
 import secrets
 import shutil
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import quote
 
 from common.urls import redact_url
+
 from .process import LaunchError, ManagedProcess, free_port
 
 logger = logging.getLogger(__name__)
@@ -50,8 +52,8 @@ class RedisServer(ManagedProcess):
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, password: str | None = None,
                  appendonly: bool = False, databases: int = 64, binary: str = "redis-server",
-                 **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         found = shutil.which(binary)
         if found is None:
             raise LaunchError(f"{binary!r} not found on PATH; run scripts/setup.sh "

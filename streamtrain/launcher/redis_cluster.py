@@ -23,7 +23,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 from urllib.parse import quote
 
 from common.redis_client import CLUSTER_SCHEME
@@ -49,9 +49,9 @@ class ClusterNode(RedisServer):
 
     name = "redis-node"
 
-    def __init__(self, *, bus_port: int | None = None, **kwargs: object) -> None:
+    def __init__(self, *, bus_port: int | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("databases", 1)
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+        super().__init__(**kwargs)
         self.bus_port = bus_port or free_port(self.host)
 
     @property
@@ -152,7 +152,7 @@ class RedisCluster(ServerFolder):
         while True:
             port, bus = free_port(self.host), free_port(self.host)
             if port != bus and not {port, bus} & taken:
-                return ClusterNode(port=port, bus_port=bus, **self._node_kwargs)  # type: ignore[arg-type]
+                return ClusterNode(port=port, bus_port=bus, **self._node_kwargs)
 
     # -- addresses --------------------------------------------------------------------------------
     @property
@@ -258,7 +258,7 @@ class RedisCluster(ServerFolder):
         for node in reversed(self.nodes):  # replicas first: a master stopping waits for its replicas
             try:
                 node.stop()
-            except Exception:  # noqa: BLE001 - keep stopping the rest
+            except Exception:  # keep stopping the rest
                 logger.exception("could not stop %s %s", node.name, node.address)
         if self.state is not ServerState.STARTING:
             self.cleanup()

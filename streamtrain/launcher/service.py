@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .process import ManagedProcess
 
@@ -27,8 +28,8 @@ class ServiceProcess(ManagedProcess):
 
     def __init__(self, name: str, args: Sequence[str], *, env: Mapping[str, str] | None = None,
                  ready: Callable[[], bool] | None = None, prefix: Sequence[str] = (),
-                 **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.name = name
         self.args = list(args)
         self.env = dict(env or {})
