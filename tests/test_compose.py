@@ -485,7 +485,7 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose: dict)
 def _exported_series() -> set[str]:
     """Every series name our /metrics endpoints can expose (sample names: _total, _bucket...)."""
     server = SimpleNamespace(settings=SimpleNamespace(group=0, redis_url="redis://127.0.0.1:1/0", job="j"),
-                             version=0)
+                             version=0, table_names=["c1"])
     report = TrainerReport(steps=0, clock=1, staleness=0, loss=0.5, version=1,
                            last_eval=EvalResult(1, 0.5, 0.5, 10), consumer=ConsumerStats(0, 0, 0, 0))
     registries = [ServerMetrics(server).registry, TrainerMetrics(lambda: report).registry,
