@@ -87,7 +87,7 @@ lazy_exports(__name__, __all__, {
 })
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers (tests/test_structure.py keeps the two alike)
-    from .checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
+    from .checkpoint import restore_checkpoint, save_checkpoint
     from .clocks import ClockWait, JobClocks
     from .codecs import CodecChain, Sent, decode_gradient, decode_sent, get_codec
     from .consistency import Consistency, StalenessTimeout, read_job_clocks, starting_clock, wait_for_clock
@@ -95,6 +95,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers (tests/test_stru
     from .errors import (
         BackpressureError,
         BadGradientError,
+        CheckpointError,
         FencedError,
         LayoutError,
         OffsetConflictError,

@@ -76,7 +76,7 @@ from .apply import Housekeeping, Outcome, Persist, ShardWrite, WriteResult, fini
 from .codecs import Sent
 from .deltas import apply_deltas, encode_delta
 from .embeddings import RowGrads, decode_row_grads, group_of_ids
-from .embeddings.apply import TableBatch, TableWrites
+from .embeddings.apply import RowBatch, TableWrites, kinds
 from .embeddings.store import load_rows, sweep_rows
 from .errors import BadGradientError, LayoutError, ParameterPlaneError
 from .metrics import ServerMetrics
@@ -696,7 +696,7 @@ class ParameterServer:
                    ) -> list[TableWrites]:
         """Apply the gradient rows of ``updates`` (accepted, in log order) to this group's rows: load
         every row they touch in one round trip, step each update in turn (admission included), and
-        return what to write (``services.embeddings.apply``)."""
+        return what to write (``services.embeddings.apply``: tables of one kind in one batch)."""
         if not updates:
             return []
         specs = {t.name: t for t in cast(ModelMeta, self._meta).tables}
@@ -704,12 +704,13 @@ class ParameterServer:
         wanted = {t: np.unique(np.concatenate([rows[t].ids for _, rows in updates if t in rows]
                                               or [np.empty(0, np.int64)])) for t in named}
         _, loaded = load_rows(self.client, self.settings.job, self.settings.group, specs, wanted)
-        batches = {t: TableBatch.load(specs[t], loaded[t], st.table_steps.get(t, 0)) for t in named}
         now_ms = int(time.time() * 1000)
-        for update, rows in updates:
-            for t in update.tables:
-                batches[t].step(rows.get(t), now_ms)
-        return [batches[t].writes(st.version + 1) for t in named]
+        writes = []
+        for kind in kinds([specs[t] for t in named]):
+            batch = RowBatch.load(kind, loaded, st.table_steps)
+            batch.apply([(u.tables, rows) for u, rows in updates], now_ms)
+            writes += batch.writes(st.version + 1)
+        return writes
 
     def _steps(self, st: _GroupState, updates: Sequence[Mapping[int, Sent]],
                scratch: Mapping[int, torch.Tensor] | None = None) -> dict[int, list[np.ndarray | None]]:

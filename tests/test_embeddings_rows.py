@@ -21,6 +21,7 @@ from services.embeddings import (
     tables_from_json,
     tables_to_json,
 )
+from services.embeddings.apply import RowBatch
 from services.embeddings.rows import SEEN_DTYPE
 from services.embeddings.spec import validate_tables
 from services.embeddings.store import LoadedRows
@@ -220,15 +221,15 @@ def _loaded(spec: TableSpec, ids: np.ndarray, rows: dict[int, np.ndarray] | None
 
 
 def test_a_batch_steps_rows_in_order_and_writes_only_what_changed() -> None:
-    from services.embeddings.apply import TableBatch
     spec = TableSpec("t", 2, optimizer=RowOptimizerConfig("adagrad", lr=1.0, eps=0.0))
     ids = np.array([1, 5, 9], dtype=np.int64)
-    tb = TableBatch.load(spec, _loaded(spec, ids, rows={1: np.array([1.0, 1.0]), 5: np.array([2.0, 2.0])}), steps=7)
+    tb = RowBatch.load([spec], {"t": _loaded(spec, ids, rows={1: np.array([1.0, 1.0]), 5: np.array([2.0, 2.0])})},
+                       {"t": 7})
     g = np.ones((1, 2), dtype=np.float32)
-    tb.step(RowGrads("t", np.array([1], dtype=np.int64), g), now_ms=1000)
-    tb.step(None, now_ms=1001)  # an update whose rows of this table are all in other groups
-    tb.step(RowGrads("t", np.array([1, 9], dtype=np.int64), np.vstack([g, g])), now_ms=1002)
-    w = tb.writes(version=12)
+    tb.apply([(("t",), {"t": RowGrads("t", np.array([1], dtype=np.int64), g)}),
+              (("t",), {}),  # an update whose rows of this table are all in other groups
+              (("t",), {"t": RowGrads("t", np.array([1, 9], dtype=np.int64), np.vstack([g, g]))})], now_ms=1002)
+    [w] = tb.writes(version=12)
     assert w.steps == 10 and w.admitted == 1 and w.dropped == 0
     assert w.row_ids.tolist() == [1, 9]  # 5 was loaded but never touched: not rewritten
     records = np.frombuffer(w.rows, dtype=row_dtype(spec))
@@ -241,20 +242,49 @@ def test_a_batch_steps_rows_in_order_and_writes_only_what_changed() -> None:
 
 
 def test_admission_drops_and_counts_until_an_id_was_seen_often_enough() -> None:
-    from services.embeddings.apply import TableBatch
     spec = TableSpec("t", 2, admit_after=3)
     ids = np.array([4, 8], dtype=np.int64)
-    tb = TableBatch.load(spec, _loaded(spec, ids, seen={8: 1}), steps=0)
+    tb = RowBatch.load([spec], {"t": _loaded(spec, ids, seen={8: 1})}, {"t": 0})
     g = np.ones((2, 2), dtype=np.float32)
-    tb.step(RowGrads("t", ids, g), now_ms=50)  # 4: seen once, dropped; 8: twice, dropped
-    w = tb.writes(version=1)
+    tb.apply([(("t",), {"t": RowGrads("t", ids, g)})], now_ms=50)  # 4: seen once, dropped; 8: twice, dropped
+    [w] = tb.writes(version=1)
     assert (w.admitted, w.dropped) == (0, 2) and w.row_ids.size == 0
     assert w.seen_ids.tolist() == [4, 8]
     assert np.frombuffer(w.seen, dtype=np.dtype([("count", "<u4"), ("seen_ms", "<u8")]))["count"].tolist() == [1, 2]
-    tb.step(RowGrads("t", ids, g), now_ms=60)  # 4: twice, dropped; 8: three times, admitted and stepped
-    w = tb.writes(version=2)
-    assert (w.admitted, w.dropped) == (1, 3)
+    tb.apply([(("t",), {"t": RowGrads("t", ids, g)})], now_ms=60)  # 4: twice, dropped; 8: three times, admitted
+    [w] = tb.writes(version=2)
+    assert (w.admitted, w.dropped) == (1, 3)  # counted over the batch's life
     assert w.row_ids.tolist() == [8] and w.seen_ids.tolist() == [4] and w.unseen_ids.tolist() == [8]
     born = np.frombuffer(w.rows, dtype=row_dtype(spec))[0]
     assert not np.array_equal(born["values"], initial_rows(spec, ids[1:])[0])  # the admitting gradient applied
     assert w.steps == 2
+
+
+def test_a_batch_of_many_tables_applies_like_one_update_after_another() -> None:
+    """Several tables and updates in one RowBatch (rounds over each row's gradients) give, bit for bit,
+    what one table and one update at a time give."""
+    specs = [TableSpec(f"t{j}", 3, admit_after=2) for j in range(3)]
+    rng = np.random.default_rng(5)
+    updates = []
+    for _ in range(6):
+        named = tuple(s.name for s in specs if rng.random() < 0.8)
+        parts = {}
+        for name in named:
+            ids = np.unique(rng.integers(0, 12, 5)).astype(np.int64)
+            parts[name] = RowGrads(name, ids, rng.standard_normal((ids.size, 3)).astype(np.float32))
+        updates.append((named, parts))
+    every = {s.name: np.arange(12, dtype=np.int64) for s in specs}
+    loaded = {s.name: _loaded(s, every[s.name], rows={1: np.ones(3)}, seen={2: 1}) for s in specs}
+    together = RowBatch.load(specs, loaded, {"t0": 3})
+    together.apply(updates, now_ms=7)
+    one_by_one = [RowBatch.load([s], {s.name: loaded[s.name]}, {"t0": 3}) for s in specs]
+    for u in updates:
+        for rb in one_by_one:
+            rb.apply([u], now_ms=7)
+    want = [w for rb in one_by_one for w in rb.writes(9)]
+    got = together.writes(9)
+    assert [w.table for w in got] == [w.table for w in want]
+    for a, b in zip(got, want, strict=True):
+        assert (a.rows, a.seen, a.steps, a.admitted, a.dropped) == (b.rows, b.seen, b.steps, b.admitted, b.dropped)
+        assert a.row_ids.tolist() == b.row_ids.tolist() and a.unseen_ids.tolist() == b.unseen_ids.tolist()
+    assert sum(w.admitted for w in got) > 0 and sum(w.dropped for w in got) > 0

@@ -33,7 +33,7 @@ def not_a_pair():
 
 
 def test_builtin_models_have_the_documented_shapes() -> None:
-    assert builtin_specs() == ["digits-mlp", "mlp-2m"]
+    assert builtin_specs() == ["digits-mlp", "dlrm", "mlp-2m"]
     digits = build_model("digits-mlp")
     assert digits.model(torch.zeros(5, 64)).shape == (5, 10)
     big = build_model("mlp-2m")

@@ -48,7 +48,7 @@ for t = 0, tonumber(ARGV[A_COUNT]) - 1 do
       local v = got[k]
       if v then
         mask[i + k] = '\1'
-        rows[#rows + 1] = string.sub(v, 1, width)
+        rows[#rows + 1] = #v > width and string.sub(v, 1, width) or v  -- no copy of a whole record
       else
         mask[i + k] = '\0'
         missing[#missing + 1] = i + k - 1
