@@ -3,14 +3,20 @@
 Pure, like :mod:`coordinator.membership`: :func:`take_sample` turns what the
 coordinator read at one instant (members' last heartbeat stats, total lag,
 the ``staleness`` and ``versions`` hashes, freshness samples of the heartbeats
-since the previous sample) into a :class:`Sample`; :class:`History` keeps the
-newest ``capacity`` of them and answers them as columns. No clock, no I/O:
+since the previous sample, the embedding tables' totals) into a :class:`Sample`;
+:class:`History` keeps the newest ``capacity`` of them and answers them as columns. No clock, no I/O:
 the coordinator's sampler (:mod:`coordinator.sampler`) does the reading, once
 every :data:`SAMPLE_INTERVAL_S`.
 
 A value nobody reported is ``None`` (JSON ``null``), never 0: a regression
 job reports no accuracy, a job without Kafka has no lag, a second without a
-heartbeat carrying freshness has no freshness quantiles.
+heartbeat carrying freshness has no freshness quantiles, a dense model has no
+table series.
+
+The embedding tables' counters (admitted, dropped, expired, evicted rows) only
+grow; a sample turns them into rates per second against the previous sample, per
+table and summed over the tables. A counter that went back (a checkpoint restored,
+the model made anew) gives no rate at that sample, as versions/s does.
 """
 
 from __future__ import annotations
@@ -21,15 +27,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .tables import TableTotals, mean_hit_rate
+
 SAMPLE_INTERVAL_S = 1.0
 """Seconds between two samples."""
 
 JOB_SERIES = ("loss", "accuracy", "records_per_s", "lag", "staleness_max", "staleness_mean",
-              "freshness_p50_s", "freshness_p99_s", "version", "versions_per_s")
+              "freshness_p50_s", "freshness_p99_s", "version", "versions_per_s",
+              "table_rows", "table_bytes", "table_admitted_per_s", "table_dropped_per_s",
+              "table_expired_per_s", "table_evicted_per_s", "row_cache_hit_rate")
 """Job-wide series of a :class:`Sample`, in the order :meth:`History.columns` lists them."""
 
 MEMBER_SERIES = ("loss", "accuracy", "records_per_s")
 """Per-member series of a :class:`MemberSample`."""
+
+TABLE_SERIES = ("rows", "bytes", "admitted_per_s", "dropped_per_s", "expired_per_s", "evicted_per_s")
+"""Per-table series of a :class:`TableSample`."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,33 @@ class MemberSample:
     """Held-out accuracy of its last evaluation (None for regression or before the first one)."""
     records_per_s: float | None = None
     """Records it trained on per second, over its last heartbeat interval."""
+
+
+@dataclass(frozen=True)
+class TableSample:
+    """One embedding table at a sample: its totals over the shard groups, and their rates."""
+
+    totals: TableTotals
+    """Rows, bytes and the counters, summed over the groups."""
+    admitted_per_s: float | None = None
+    """Rows admitted per second since the previous sample (None: no previous sample, or the
+    counter went back)."""
+    dropped_per_s: float | None = None
+    """Gradient rows of unadmitted IDs dropped per second, likewise."""
+    expired_per_s: float | None = None
+    """Rows expired per second, likewise."""
+    evicted_per_s: float | None = None
+    """Rows evicted per second, likewise."""
+
+    @property
+    def rows(self) -> int:
+        """Rows held."""
+        return self.totals.rows
+
+    @property
+    def bytes(self) -> int:
+        """Redis memory of its rows (``MEMORY USAGE`` estimate)."""
+        return self.totals.bytes
 
 
 @dataclass(frozen=True)
@@ -71,8 +111,24 @@ class Sample:
     """Newest parameter version (max over shards)."""
     versions_per_s: float | None = None
     """Versions published per second since the previous sample."""
+    table_rows: int | None = None
+    """Rows of every embedding table (None for a dense model)."""
+    table_bytes: int | None = None
+    """Redis memory of every table's rows (``MEMORY USAGE`` estimate)."""
+    table_admitted_per_s: float | None = None
+    """Rows admitted per second, over every table that has a rate at this sample."""
+    table_dropped_per_s: float | None = None
+    """Gradient rows of unadmitted IDs dropped per second, likewise."""
+    table_expired_per_s: float | None = None
+    """Rows expired per second, likewise."""
+    table_evicted_per_s: float | None = None
+    """Rows evicted per second, likewise."""
+    row_cache_hit_rate: float | None = None
+    """Mean of the live members' row cache hit rates over their last heartbeat window."""
     members: Mapping[str, MemberSample] = field(default_factory=dict)
     """Per live member."""
+    tables: Mapping[str, TableSample] = field(default_factory=dict)
+    """Per embedding table, in the model's order (empty for a dense model)."""
 
 
 def quantile(values: Sequence[float], q: float) -> float | None:
@@ -105,9 +161,39 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def _sum(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def _rate(counter: str, now: TableTotals, before: TableSample | None, seconds: float) -> float | None:
+    """``counter``'s growth per second from ``before`` to ``now``; None without ``before``, time
+    passed or growth (a counter that went back: a checkpoint restored, the model made anew)."""
+    if before is None or seconds <= 0:
+        return None
+    grown = getattr(now, counter) - getattr(before.totals, counter)
+    return grown / seconds if grown >= 0 else None
+
+
+def table_samples(totals: Mapping[str, TableTotals], t_ms: int,
+                  previous: Sample | None) -> dict[str, TableSample]:
+    """Each table's :class:`TableSample` at ``t_ms``: ``totals`` with the rates of its counters
+    against ``previous`` (None where there is no previous sample of the table, no time passed, or
+    the counter went back)."""
+    seconds = (t_ms - previous.t_ms) / 1000 if previous is not None else 0.0
+    out = {}
+    for name, now in totals.items():
+        before = previous.tables.get(name) if previous is not None else None
+        out[name] = TableSample(totals=now, admitted_per_s=_rate("admitted", now, before, seconds),
+                                dropped_per_s=_rate("dropped", now, before, seconds),
+                                expired_per_s=_rate("expired", now, before, seconds),
+                                evicted_per_s=_rate("evicted", now, before, seconds))
+    return out
+
+
 def take_sample(t_ms: int, member_stats: Mapping[str, Mapping[str, Any]], *, lag: int | None,
                 staleness: Mapping[str, int], version: int | None, freshness_s: Sequence[float],
-                previous: Sample | None) -> Sample:
+                previous: Sample | None, tables: Mapping[str, TableTotals] | None = None) -> Sample:
     """The :class:`Sample` of the job at ``t_ms``.
 
     Args:
@@ -119,7 +205,9 @@ def take_sample(t_ms: int, member_stats: Mapping[str, Mapping[str, Any]], *, lag
             reported ``staleness`` stats are used instead.
         version: newest parameter version, None before the model exists.
         freshness_s: freshness samples of the heartbeats since ``previous``.
-        previous: the sample before, for versions/s (None for the first).
+        previous: the sample before, for versions/s and the tables' rates (None for the first).
+        tables: each embedding table's totals over the groups, in the model's order (None or
+            empty for a dense model).
     """
     members = {m: MemberSample(loss=_number(s, "loss"), accuracy=_number(s, "accuracy"),
                                records_per_s=_number(s, "records_per_s"))
@@ -132,6 +220,8 @@ def take_sample(t_ms: int, member_stats: Mapping[str, Mapping[str, Any]], *, lag
     if (previous is not None and previous.version is not None and version is not None
             and t_ms > previous.t_ms and version >= previous.version):
         per_s = (version - previous.version) / ((t_ms - previous.t_ms) / 1000)
+    per_table = table_samples(tables or {}, t_ms, previous)
+    ts = list(per_table.values())
     return Sample(
         t_ms=t_ms,
         loss=_mean(m.loss for m in members.values()),
@@ -144,7 +234,15 @@ def take_sample(t_ms: int, member_stats: Mapping[str, Mapping[str, Any]], *, lag
         freshness_p99_s=quantile(freshness_s, 0.99),
         version=version,
         versions_per_s=per_s,
+        table_rows=sum(t.rows for t in ts) if ts else None,
+        table_bytes=sum(t.bytes for t in ts) if ts else None,
+        table_admitted_per_s=_sum(t.admitted_per_s for t in ts),
+        table_dropped_per_s=_sum(t.dropped_per_s for t in ts),
+        table_expired_per_s=_sum(t.expired_per_s for t in ts),
+        table_evicted_per_s=_sum(t.evicted_per_s for t in ts),
+        row_cache_hit_rate=mean_hit_rate(member_stats),
         members=members,
+        tables=per_table,
     )
 
 
@@ -194,12 +292,14 @@ class History:
         """The samples newer than ``since_ms`` (all when None) as JSON columns:
 
         ``{"interval_s", "capacity", "t_ms": [...], "job": {series: [...]},
-        "members": {member_id: {series: [...]}}}`` — every column as long as
-        ``t_ms``; a member absent at a sample (not yet joined, or gone) has
-        ``None`` there. Members are those present in at least one returned sample.
+        "members": {member_id: {series: [...]}}, "tables": {table: {series: [...]}}}`` — every
+        column as long as ``t_ms``; a member absent at a sample (not yet joined, or gone), or a
+        table absent at a sample (before the model existed), has ``None`` there. Members are
+        those present in at least one returned sample, tables likewise (in the model's order).
         """
         picked = [s for s in self._samples if since_ms is None or s.t_ms > since_ms]
         ids = sorted({m for s in picked for m in s.members})
+        names = list(dict.fromkeys(t for s in picked for t in s.tables))
         empty = MemberSample()
         return {
             "interval_s": SAMPLE_INTERVAL_S,
@@ -208,4 +308,6 @@ class History:
             "job": {name: [getattr(s, name) for s in picked] for name in JOB_SERIES},
             "members": {m: {name: [getattr(s.members.get(m, empty), name) for s in picked]
                             for name in MEMBER_SERIES} for m in ids},
+            "tables": {t: {name: [getattr(s.tables[t], name) if t in s.tables else None for s in picked]
+                           for name in TABLE_SERIES} for t in names},
         }

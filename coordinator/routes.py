@@ -26,7 +26,8 @@ from .errors import ConflictError, MemberGoneError, UnknownMemberError
 from .membership import Drain, Event, Heartbeat, Leave, Membership, Register
 from .runtime import RUNTIME, SAMPLER, Runtime, apply_event, now_ms
 from .state import FIXED_CONFIG, JobConfig
-from .status import members_view, partitions_view, queue_group_versions, summary
+from .status import members_view, model_version, partitions_view, queue_group_versions, summary
+from .tables import tables_view
 from .validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field, InvalidBody, parse_json
 
 logger = logging.getLogger(__name__)
@@ -302,7 +303,8 @@ async def partitions(request: web.Request) -> web.Response:
 
 @routes.get("/v1/status")
 async def status(request: web.Request) -> web.Response:
-    """Everything at once: config, members, partitions, versions, staleness, throughput, loss."""
+    """Everything at once: config, members, partitions, versions, staleness, throughput, loss, and the
+    embedding tables (rows, bytes, counters, the trainers' row cache hit rate)."""
     rt = _rt(request)
     keys = rt.store.keys
     config = await rt.store.config()
@@ -313,10 +315,13 @@ async def status(request: web.Request) -> web.Response:
     pipe.hgetall(keys.clocks)
     pipe.hgetall(keys.applied_clocks)
     *versions, clocks, applied = await pipe.execute()
+    tables = await request.app[SAMPLER].tables.read(rt.redis, config.ps_groups,
+                                                    model_exists=model_version(versions) is not None)
     body = {"job": rt.settings.job, "generation": state.generation, "config": config.as_json(),
             "members": members_view(state, now_ms()), "partitions": parts,
             "lag": sum(p["lag"] for p in parts if p["lag"] is not None),
-            **summary(state, config, versions, clocks, applied)}
+            **summary(state, config, versions, clocks, applied),
+            "tables": tables_view(tables, {m.member_id: m.stats for m in state.members.values()})}
     return web.json_response(body)
 
 

@@ -3,8 +3,9 @@
 The thin I/O shell around :mod:`coordinator.history`. Each tick reads the
 membership (members' last heartbeat stats), the model version (the sum of
 the shard groups' versions), the ``staleness`` hash and the committed offsets
-from Redis (one round trip), the topic's end
-offsets from Kafka, and drains the freshness samples that heartbeats brought
+from Redis (one round trip), the embedding tables of a model that has some
+(:class:`coordinator.tables.TableReader`: one more pipelined round trip over the
+groups), the topic's end offsets from Kafka, and drains the freshness samples that heartbeats brought
 since the previous tick (:meth:`Sampler.observe_heartbeat`).
 
 Kafka is probed with the sampler's own consumer on its own thread, so a slow
@@ -30,6 +31,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from common.keys import JobKeys
 from common.outage import REDIS_DOWN
 
 from .history import SAMPLE_INTERVAL_S, History, Sample, take_sample
@@ -37,6 +39,7 @@ from .kafka_probe import KafkaProbe
 from .settings import CoordinatorSettings
 from .state import JobConfig, Store
 from .status import model_version, partitions_view, queue_group_versions
+from .tables import TableReader
 
 if TYPE_CHECKING:
     from .membership import Membership
@@ -67,6 +70,8 @@ class Sampler:
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.history = History(settings.history_samples)
         """The samples taken so far (the newest ``settings.history_samples``)."""
+        self.tables = TableReader(JobKeys(settings.job))
+        """Reads the job's embedding tables (``/v1/status`` shares it, and its cache of the names)."""
         self._settings = settings
         self._freshness: list[float] = []
         self._dropped = 0
@@ -116,6 +121,8 @@ class Sampler:
         pipe.hgetall(keys.staleness)
         pipe.hgetall(keys.offsets)
         *versions, staleness, committed = await pipe.execute()
+        version = model_version(versions)
+        tables = await self.tables.read(store.redis, config.ps_groups, model_exists=version is not None)
         lag = await self._lag(state, config, _ints(committed))
         freshness, self._freshness = self._freshness, []
         if self._dropped:
@@ -128,8 +135,7 @@ class Sampler:
             t_ms = max(t_ms, last.t_ms + 1)  # the wall clock stepped back: keep the axis ordered
         sample = take_sample(t_ms, {m.member_id: m.stats for m in state.members.values()},
                              lag=lag, staleness=_ints(staleness),
-                             version=model_version(versions),
-                             freshness_s=freshness, previous=last)
+                             version=version, freshness_s=freshness, previous=last, tables=tables)
         self.history.add(sample)
         return sample
 

@@ -48,8 +48,37 @@ def _tables(status: dict[str, Any]) -> str:
     return f"  tables {tables['consistency']} (s={tables['bound']})"
 
 
+def _bytes(n: int) -> str:
+    """``n`` bytes in binary units (``3.2 MiB``)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def embedding_tables(status: dict[str, Any]) -> Table | None:
+    """The table of the job's embedding tables (rows, bytes and the servers' counters, summed over
+    the shard groups), titled with the trainers' row cache hit rate; None for a dense model (or a
+    coordinator that reports no ``tables``)."""
+    tables = status.get("tables") or {}
+    per_table = tables.get("per_table") or []
+    if not per_table:
+        return None
+    rate = tables.get("row_cache_hit_rate")
+    out = Table(title=f"embedding tables (row cache hit rate {'-' if rate is None else f'{rate:.1%}'})")
+    for col in ("table", "rows", "bytes", "admitted", "dropped", "expired", "evicted"):
+        out.add_column(col, justify="left" if col == "table" else "right")
+    for t in per_table:
+        out.add_row(t["name"], f"{t['rows']:,}", _bytes(t["bytes"]),
+                    *(f"{t[k]:,}" for k in ("admitted", "dropped", "expired", "evicted")))
+    return out
+
+
 def render(status: dict[str, Any], console: Console) -> None:
-    """Print the job summary, the members and the partitions."""
+    """Print the job summary, the members, the partitions and, when the model has some, its
+    embedding tables."""
     cfg = status["config"]
     console.print(
         f"[bold]job {status['job']}[/bold]  generation {status['generation']}  "
@@ -77,6 +106,9 @@ def render(status: dict[str, Any], console: Console) -> None:
         parts.add_row(*(_fmt(p[k]) for k in ("partition", "owner", "generation", "committed",
                                              "end", "lag")))
     console.print(parts)
+    tables = embedding_tables(status)
+    if tables is not None:
+        console.print(tables)
 
 
 def run(args: argparse.Namespace) -> int:

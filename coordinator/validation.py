@@ -165,9 +165,13 @@ STATS = {
     "step_time_s": Field("number", min=0),
     "bytes_per_step": Field("number", min=0),
     "freshness_s": Field("numbers", min=0, max_len=1000),
+    "row_cache_hit_rate": Field("number", min=0, max=1),
 }
 """Stats a heartbeat may carry. ``freshness_s``: seconds from produce to apply of
-records since the previous heartbeat, observed into the freshness histogram."""
+records since the previous heartbeat, observed into the freshness histogram.
+``row_cache_hit_rate``: the share of embedding rows its batches needed that the
+trainer's row cache served, since the previous heartbeat (absent for a dense model
+or a window without lookups)."""
 
 HEARTBEAT = {"stats": Field("object", schema=STATS)}
 """Body of ``POST /v1/members/{id}/heartbeat`` (may be empty)."""

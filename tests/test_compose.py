@@ -40,6 +40,7 @@ from services.settings import ServerSettings
 from streamtrain.cli import COMMANDS, build_parser
 from trainers.evaluate import EvalResult
 from trainers.metrics import TrainerMetrics, TrainerReport
+from trainers.rowcache import CacheStats
 from trainers.settings import TrainerSettings
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose" / "docker-compose.yml"
@@ -458,6 +459,13 @@ def _dashboards(compose: dict) -> list[dict]:
     return out
 
 
+def _queried(dashboard: dict) -> list[dict]:
+    """The panels of ``dashboard`` that query (a ``row`` panel is a heading: it has a title, no query)."""
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    assert all(p["title"] and not p.get("targets") for p in rows), rows
+    return [p for p in dashboard["panels"] if p["type"] != "row"]
+
+
 def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose: dict) -> None:
     grafana = compose["services"]["grafana"]
     assert grafana["image"].startswith("grafana/grafana:")
@@ -474,9 +482,11 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose: dict)
     titles = {p["title"] for d in dashboards for p in d["panels"]}
     for want in ("loss", "accuracy", "records/s", "lag", "staleness", "freshness", "versions/s", "updates/s"):
         assert any(want in t.lower() for t in titles), f"no dashboard panel for {want}: {sorted(titles)}"
+    for want in ("table rows", "table bytes", "row cache hit rate"):
+        assert any(want in t.lower() for t in titles), f"no dashboard panel for {want}: {sorted(titles)}"
     for d in dashboards:
         assert d["uid"] and d["title"]
-        for panel in d["panels"]:
+        for panel in _queried(d):
             assert panel["datasource"]["uid"] in uids, f"{panel['title']}: unknown data source"
             assert panel["targets"] and all(t["expr"] and t["datasource"]["uid"] in uids
                                             for t in panel["targets"]), panel["title"]
@@ -487,7 +497,8 @@ def _exported_series() -> set[str]:
     server = SimpleNamespace(settings=SimpleNamespace(group=0, redis_url="redis://127.0.0.1:1/0", job="j"),
                              version=0, table_names=["c1"])
     report = TrainerReport(steps=0, clock=1, staleness=0, loss=0.5, version=1,
-                           last_eval=EvalResult(1, 0.5, 0.5, 10), consumer=ConsumerStats(0, 0, 0, 0))
+                           last_eval=EvalResult(1, 0.5, 0.5, 10), consumer=ConsumerStats(0, 0, 0, 0),
+                           row_cache=CacheStats(hits=3, misses=1, rows=2))
     registries = [ServerMetrics(server).registry, TrainerMetrics(lambda: report).registry,
                   CoordinatorMetrics().registry]
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
@@ -497,7 +508,7 @@ def _exported_series() -> set[str]:
 def test_dashboard_queries_only_exported_series(compose: dict) -> None:
     exported = _exported_series()
     for d in _dashboards(compose):
-        for panel in d["panels"]:
+        for panel in _queried(d):
             for target in panel["targets"]:
                 for name in re.findall(r"\bstreamtrain_[a-z0-9_]+", target["expr"]):
                     assert name in exported, f"panel {panel['title']!r} queries {name}, which nothing exports"

@@ -29,6 +29,7 @@ from coordinator.state import JobConfig, Store, check_fence, parse_assignment
 from coordinator.testing import running_coordinator
 from coordinator.validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field
 from services import ParameterStore
+from services.embeddings import TableSpec
 from streamtrain.launcher import await_until
 
 JOB = "job1"
@@ -258,6 +259,40 @@ async def test_ps_groups_is_written_when_the_job_begins_and_shapes_the_model(
     async with running_coordinator(replace(settings, ps_groups=5)) as client:
         status = await (await client.get("/v1/status")).json()
         assert status["config"]["ps_groups"] == 2
+
+
+async def test_status_shows_the_embedding_tables_summed_over_the_groups(
+        settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    """``tables``: per table of the model, in its order, the rows (HLEN), bytes (MEMORY USAGE) and
+    the servers' counters summed over both groups; the hit rate is the mean of the trainers that
+    report one. A dense job (or one without a model yet) has none."""
+    async with running_coordinator(replace(settings, ps_groups=2)) as client:
+        status = await (await client.get("/v1/status")).json()
+        assert status["tables"] == {"row_cache_hit_rate": None, "per_table": []}  # no model yet
+        ParameterStore(redis, JOB).init_model({"w": torch.zeros(8)}, shard_elems=64,
+                                              tables=(TableSpec("user", 4), TableSpec("item", 2)))
+        for g, n in ((0, 3), (1, 2)):
+            gk = KEYS.group(g)
+            redis.hset(gk.table_rows("user"), mapping={i.to_bytes(8, "little"): b"r" * 40 for i in range(n)})
+            redis.hset(gk.table_stats, mapping={"user:admitted": 10 + g, "user:dropped": 2, "user:steps": 9,
+                                                "user:expired": g, "item:evicted": 3 * g})
+        a, b, c = (await register(client))["member_id"], (await register(client))["member_id"], \
+            (await register(client))["member_id"]
+        for member, stats in ((a, {"row_cache_hit_rate": 0.5}), (b, {"row_cache_hit_rate": 1.0}), (c, {})):
+            resp = await client.post(f"/v1/members/{member}/heartbeat", headers=JOB_AUTH, json={"stats": stats})
+            assert resp.status == 200, await resp.text()
+        resp = await client.post(f"/v1/members/{c}/heartbeat", headers=JOB_AUTH,
+                                 json={"stats": {"row_cache_hit_rate": 1.5}})
+        assert resp.status == 400 and "stats.row_cache_hit_rate" in (await resp.json())["error"]["message"]
+
+        tables = (await (await client.get("/v1/status")).json())["tables"]
+        assert tables["row_cache_hit_rate"] == 0.75  # a and b; c reports none
+        user_bytes = sum(redis.memory_usage(KEYS.group(g).table_rows("user"), samples=5) for g in (0, 1))
+        assert tables["per_table"] == [
+            {"name": "user", "rows": 5, "bytes": user_bytes, "admitted": 21, "dropped": 4, "expired": 1,
+             "evicted": 0},
+            {"name": "item", "rows": 0, "bytes": 0, "admitted": 0, "dropped": 0, "expired": 0, "evicted": 3}]
+        assert user_bytes > 5 * 40
 
 
 async def test_a_change_of_ps_groups_is_refused(settings: CoordinatorSettings,

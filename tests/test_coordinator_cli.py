@@ -10,8 +10,10 @@ import sys
 import urllib.request
 
 import redis as redis_lib
+from rich.console import Console
 
 from common.keys import JobKeys
+from coordinator.status_cli import render
 from streamtrain.launcher import free_port, wait_until
 
 
@@ -76,3 +78,32 @@ def test_missing_tokens_and_unreachable_status_fail_clearly(redis_url: str) -> N
                           f"http://127.0.0.1:{free_port()}", "--timeout-s", "2"],
                          capture_output=True, text=True, timeout=60, env={**env, "COLUMNS": "200"})
     assert out.returncode == 1 and "cannot read" in out.stdout
+
+
+def _status(tables: dict | None) -> dict:
+    """A ``/v1/status`` document with no member and no partition."""
+    status = {"job": "j", "generation": 1, "config": {"consistency": "ssp", "staleness": 2, "lr": 0.1,
+                                                      "codec": "none", "ps_groups": 2, "paused": False},
+              "throughput_records_per_s": 0.0, "loss": None, "accuracy": None, "lag": 0,
+              "versions": {"min": 3, "max": 4}, "members": [], "partitions": []}
+    if tables is not None:
+        status["tables"] = tables
+    return status
+
+
+def test_status_prints_the_embedding_tables_only_for_a_model_with_tables() -> None:
+    tables = {"row_cache_hit_rate": 0.8125, "per_table": [
+        {"name": "user", "rows": 1234567, "bytes": 3 * 2**20, "admitted": 1300000, "dropped": 42,
+         "expired": 65433, "evicted": 0},
+        {"name": "item", "rows": 5, "bytes": 700, "admitted": 5, "dropped": 0, "expired": 0, "evicted": 0}]}
+    console = Console(record=True, width=200)
+    render(_status(tables), console)
+    out = console.export_text()
+    assert "embedding tables (row cache hit rate 81.2%)" in out, out
+    user = [cell.strip() for cell in next(line for line in out.splitlines() if "user" in line).split("│")]
+    assert user[1:-1] == ["user", "1,234,567", "3.0 MiB", "1,300,000", "42", "65,433", "0"], user
+    assert "700 B" in out
+    for dense in (_status(None), _status({"row_cache_hit_rate": None, "per_table": []})):
+        console = Console(record=True, width=200)
+        render(dense, console)
+        assert "embedding tables" not in console.export_text()

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis as redis_lib
+import torch
 from aiohttp.test_utils import TestClient
 from cdp import CHROMIUM, chromium
 from kafka import KafkaProducer
@@ -25,6 +28,8 @@ from kafka import KafkaProducer
 from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
+from services import ParameterStore
+from services.embeddings import TableSpec
 from streamtrain.launcher import await_until
 
 pytestmark = pytest.mark.timeout(180)  # the first Kafka test of a session starts the broker
@@ -34,6 +39,23 @@ KEYS = JobKeys(JOB)
 JOB_AUTH = {"Authorization": "Bearer job-secret"}
 DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img" / "dashboard.png"
 PLOT_IDS = {"loss", "accuracy", "records", "lag", "staleness", "freshness", "versions"}
+TABLE_PLOT_IDS = {"table_rows", "table_bytes", "table_rates", "row_cache"}
+
+
+def make_tables(redis: redis_lib.Redis, *names: str) -> None:
+    """Make the job's model with embedding tables ``names`` (one shard group), as a trainer would."""
+    ParameterStore(redis, JOB).init_model({"w": torch.zeros(8)}, shard_elems=64,
+                                          tables=tuple(TableSpec(n, 4) for n in names))
+
+
+def grow_table(redis: redis_lib.Redis, name: str, step: int, rows: int) -> None:
+    """What a parameter server's applies and sweeps leave in group 0: ``rows`` more rows of table
+    ``name`` (records of 40 bytes), that many admitted, and some dropped, expired and evicted."""
+    gk = KEYS.group(0)
+    redis.hset(gk.table_rows(name), mapping={(step * rows + i).to_bytes(8, "little"): b"r" * 40
+                                             for i in range(rows)})
+    for counter, n in (("admitted", rows), ("dropped", 2 * rows), ("expired", step % 2), ("evicted", 1)):
+        redis.hincrby(gk.table_stats, f"{name}:{counter}", n)
 
 
 def coordinator_settings(redis_url: str, kafka_bootstrap: str, topic: str, partitions: int,
@@ -119,6 +141,41 @@ async def test_history_samples_heartbeats_and_redis_once_a_second(
         assert bad.status == 400 and "since_ms" in (await bad.json())["error"]["message"]
 
 
+async def test_history_samples_the_embedding_tables_and_their_rates(
+        redis_url: str, redis: redis_lib.Redis, silent_broker: str) -> None:
+    """A job with tables: per table rows, bytes and counter rates, their sums, and the mean of the
+    trainers' row cache hit rates; none of it before the model exists."""
+    settings = coordinator_settings(redis_url, silent_broker, "train", 2)
+    async with running_coordinator(settings) as client:
+        a = await register(client, "host-a")
+        b = await register(client, "host-b")
+        await wait_for_history(client, lambda h: len(h["t_ms"]) >= 1, what="a first sample")
+        h = await history(client)
+        assert h["tables"] == {} and set(h["job"]["table_rows"]) == {None}  # no model: no table series
+        make_tables(redis, "user", "item")
+        grow_table(redis, "user", 0, 5)
+        await heartbeat(client, a, {"row_cache_hit_rate": 0.5})
+        await heartbeat(client, b, {"row_cache_hit_rate": 0.25})
+        h = await wait_for_history(client, lambda h: h["job"]["table_rows"][-1] == 5, what="the tables sampled")
+        assert list(h["tables"]) == ["user", "item"]
+        assert h["tables"]["user"]["rows"][-1] == 5 and h["tables"]["item"]["rows"][-1] == 0
+        assert h["tables"]["user"]["bytes"][-1] > 5 * 40 and h["tables"]["item"]["bytes"][-1] == 0
+        assert h["job"]["row_cache_hit_rate"][-1] == 0.375
+
+        grow_table(redis, "user", 1, 30)
+        h = await wait_for_history(client, lambda h: h["job"]["table_rows"][-1] == 35, what="30 more rows")
+        # the rate of the sample that first saw them: 30 admitted over the time since the one before
+        t, rows, admitted = h["t_ms"], h["tables"]["user"]["rows"], h["tables"]["user"]["admitted_per_s"]
+        i = rows.index(35)
+        assert i > 0 and rows[i - 1] == 5, rows
+        seconds = (t[i] - t[i - 1]) / 1000
+        assert admitted[i] == pytest.approx(30 / seconds)
+        assert h["tables"]["user"]["dropped_per_s"][i] == pytest.approx(60 / seconds)
+        assert h["tables"]["user"]["expired_per_s"][i] == pytest.approx(1 / seconds)
+        assert h["job"]["table_admitted_per_s"][i] == pytest.approx(30 / seconds)  # item admitted none
+        assert h["tables"]["item"]["admitted_per_s"][i] == 0.0
+
+
 async def test_vendored_uplot_is_served_and_nothing_else(redis_url: str, silent_broker: str) -> None:
     settings = coordinator_settings(redis_url, silent_broker, "train", 2)
     async with running_coordinator(settings) as client:
@@ -142,10 +199,13 @@ async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis,
                                 members: list[str]) -> AsyncIterator[None]:
     """Heartbeat like two trainers and publish versions, four times a second, until the block
     ends. The first reports a held-out accuracy; the second none, and a training loss of 3e-5 and
-    below (a memorised training set: what the page once showed as 0.0000)."""
+    below (a memorised training set: what the page once showed as 0.0000). Once the job has a
+    model with embedding tables (:func:`make_tables`), they grow as a parameter server would grow
+    them (:func:`grow_table`) and the trainers report their row cache's hit rate."""
 
     async def beat() -> None:
         for step in range(10_000):
+            tables = [t["name"] for t in json.loads(redis.get(KEYS.meta) or b"{}").get("tables", [])]
             for i, member in enumerate(members):
                 stats: dict[str, Any] = {"loss": 2.0 / (1 + 0.2 * step) if i == 0 else 3e-5 / (1 + step),
                                          "records_per_s": 800.0 + 100 * i + 10 * (step % 7),
@@ -153,7 +213,11 @@ async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis,
                                          "freshness_s": [0.2 + 0.05 * (step % 5), 0.9]}
                 if i == 0:
                     stats["accuracy"] = min(0.97, 0.2 + 0.05 * step)
+                if tables:
+                    stats["row_cache_hit_rate"] = 0.6 + 0.1 * i + 0.02 * (step % 5)
                 await heartbeat(client, member, stats)
+            for k, name in enumerate(tables):
+                grow_table(redis, name, step, 4 * (k + 1))
             redis.incrby(KEYS.group(0).version, 3)
             redis.hset(KEYS.staleness, mapping={m: (step + i) % 3 for i, m in enumerate(members)})
             await asyncio.sleep(0.25)
@@ -215,6 +279,30 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
             summary = await page.wait_for("(t => t.includes('tables') && t)"
                                           "(document.getElementById('summary').textContent)", timeout_s=30)
             assert summary.startswith("ssp (s=2) · tables asp (s=8) · lazyadam"), summary
+
+            # the embedding tables: no section for a dense job; a table and plots once the model has tables
+            assert await page.evaluate("document.getElementById('tables').hidden") is True
+            make_tables(redis, "user", "item", "ad")
+            await page.wait_for("!document.getElementById('tables').hidden && "
+                                "document.querySelectorAll('#table-rows tr').length === 4", timeout_s=30)
+            await page.wait_for(  # the rates need two samples of the tables
+                "[...document.querySelectorAll('#table-rows tr')].every(tr => tr.children[3].textContent !== '–')",
+                timeout_s=30)
+            cells = await page.evaluate("[...document.querySelectorAll('#table-rows tr')]"
+                                        ".map(tr => [...tr.children].map(td => td.textContent))")
+            assert [c[0] for c in cells] == ["user", "item", "ad", "all tables"], cells
+            for name, rows, size, admitted_per_s, *_ in cells:
+                assert int(rows.replace(",", "")) > 0 and size.endswith("B"), (name, rows, size)
+                assert float(admitted_per_s.replace(",", "")) > 0, (name, admitted_per_s)
+            line = await page.evaluate("document.getElementById('table-summary').textContent")
+            hit_rate = re.search(r"hit rate ([0-9.]+) %", line)
+            assert line.startswith("3 tables · ") and hit_rate, line
+            assert 65 <= float(hit_rate[1]) <= 73, line  # the mean of the two trainers' 60..68 % and 70..78 %
+            await page.wait_for(f"Object.keys(window.plots).length === {len(PLOT_IDS | TABLE_PLOT_IDS)} && "
+                                + " && ".join(f"window.plots.{p}.data.slice(1).some(s => s.some(v => v !== null))"
+                                              for p in sorted(TABLE_PLOT_IDS)), timeout_s=30)
+            rates = await page.evaluate("window.plots.table_rates.series.slice(1).map(s => s.label)")
+            assert rates == ["admitted", "dropped", "expired", "evicted"]
             png = await page.screenshot()
             assert page.errors() == []
     assert png.startswith(b"\x89PNG\r\n\x1a\n")

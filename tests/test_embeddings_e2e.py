@@ -36,6 +36,12 @@ def test_a_ranking_model_trains_with_its_tables_in_the_parameter_plane_through_p
         cluster.start()
         cluster.wait_for(lambda st: (st["versions"]["max"] or 0) >= 20, timeout_s=180,
                          what="training to be under way")
+        # the coordinator shows the tables, and the trainers' heartbeats carry their row cache's hit rate
+        st = cluster.wait_for(lambda st: st["tables"]["row_cache_hit_rate"] is not None
+                              and all(t["rows"] > 0 and t["bytes"] > 0 for t in st["tables"]["per_table"]),
+                              timeout_s=60, what="the tables and the row cache's hit rate on /v1/status")
+        assert [t["name"] for t in st["tables"]["per_table"]] == ["c1", "c2", "c3", "c4"]
+        assert 0 <= st["tables"]["row_cache_hit_rate"] <= 1
         cluster.restart("ps")  # both groups' servers SIGKILLed and started again
         cluster.wait_consumed(timeout_s=300)
         report = audit(cluster.bootstrap, spec.topic, cluster.redis_url, spec.job)

@@ -1,4 +1,5 @@
-"""The coordinator's history as a pure thing: samples from stats, a bounded ring, columns."""
+"""The coordinator's history as a pure thing: samples from stats, a bounded ring, columns; and the
+pure parts of its embedding tables' view (names from the meta, sums over groups, rates)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ import json
 
 import pytest
 
-from coordinator.history import JOB_SERIES, MEMBER_SERIES, History, MemberSample, Sample, quantile, take_sample
+from coordinator.history import (
+    JOB_SERIES,
+    MEMBER_SERIES,
+    TABLE_SERIES,
+    History,
+    MemberSample,
+    Sample,
+    quantile,
+    take_sample,
+)
+from coordinator.tables import TableTotals, mean_hit_rate, table_names, table_totals, tables_view
 
 
 def sample(t_ms: int, **members: float) -> Sample:
@@ -118,3 +129,91 @@ def test_columns_since_answer_only_newer_samples() -> None:
     assert newer["t_ms"] == [3000] and newer["members"]["a"]["loss"] == [2.0]
     none = h.columns(since_ms=3000)
     assert none["t_ms"] == [] and none["members"] == {} and none["job"]["loss"] == []
+
+
+# -- embedding tables --------------------------------------------------------------------------------------
+
+def test_table_names_come_from_the_meta_json_in_declaration_order() -> None:
+    meta = {"groups": 2, "layout": {}, "optimizer": {},
+            "tables": [{"name": "user", "dim": 4}, {"name": "item", "dim": 2}]}
+    assert table_names(json.dumps(meta).encode()) == ("user", "item")
+    assert table_names(json.dumps({"groups": 1, "layout": {}}).encode()) == ()  # a dense model
+    assert table_names(None) == ()  # no model yet
+    assert table_names(b"not json") == () and table_names(b"[1, 2]") == ()
+
+
+def test_table_totals_sum_each_table_over_the_groups() -> None:
+    names = ["user", "item"]
+    replies = [  # per group: HGETALL table_stats, then HLEN and MEMORY USAGE of each table's rows
+        {b"user:admitted": b"10", b"user:dropped": b"3", b"user:steps": b"99", b"item:evicted": b"2"},
+        7, 1000, 0, None,  # group 0 holds no item row: MEMORY USAGE of a missing key is None
+        {b"user:admitted": b"5", b"user:expired": b"1", b"item:admitted": b"4", b"item:evicted": b"1"},
+        3, 500, 4, 300,
+    ]
+    totals = table_totals(replies, 2, names)
+    assert list(totals) == names
+    assert totals["user"] == TableTotals(rows=10, bytes=1500, admitted=15, dropped=3, expired=1, evicted=0)
+    assert totals["item"] == TableTotals(rows=4, bytes=300, admitted=4, dropped=0, expired=0, evicted=3)
+    assert table_totals([{}, 0, None], 1, ["t"]) == {"t": TableTotals()}
+    with pytest.raises(ValueError, match="expected 5 replies"):
+        table_totals(replies, 1, names)
+
+
+def test_hit_rate_is_the_mean_of_the_members_that_report_one() -> None:
+    assert mean_hit_rate({"a": {"row_cache_hit_rate": 0.5}, "b": {"row_cache_hit_rate": 1.0}, "c": {}}) == 0.75
+    assert mean_hit_rate({"a": {"loss": 1.0}}) is None
+    assert mean_hit_rate({"a": {"row_cache_hit_rate": True}, "b": {"row_cache_hit_rate": float("nan")}}) is None
+    view = tables_view({"user": TableTotals(rows=2, bytes=64, admitted=2)}, {"a": {"row_cache_hit_rate": 0.25}})
+    assert view == {"row_cache_hit_rate": 0.25, "per_table": [
+        {"name": "user", "rows": 2, "bytes": 64, "admitted": 2, "dropped": 0, "expired": 0, "evicted": 0}]}
+    assert tables_view({}, {}) == {"row_cache_hit_rate": None, "per_table": []}
+
+
+def _tables(t_ms: int, previous: Sample | None, **totals: TableTotals) -> Sample:
+    return take_sample(t_ms, {}, lag=None, staleness={}, version=1, freshness_s=[], previous=previous,
+                       tables=totals)
+
+
+def test_table_counters_become_rates_per_second_per_table_and_summed() -> None:
+    first = _tables(1_000, None, user=TableTotals(rows=10, bytes=100, admitted=10, dropped=4),
+                    item=TableTotals(rows=1, bytes=10, admitted=1))
+    assert (first.table_rows, first.table_bytes) == (11, 110)
+    assert first.tables["user"].admitted_per_s is None and first.table_admitted_per_s is None  # no previous
+    second = _tables(3_000, first, user=TableTotals(rows=14, bytes=140, admitted=20, dropped=10, expired=6),
+                     item=TableTotals(rows=1, bytes=10, admitted=5, evicted=4))
+    user, item = second.tables["user"], second.tables["item"]
+    assert (user.rows, user.bytes) == (14, 140)
+    assert (user.admitted_per_s, user.dropped_per_s, user.expired_per_s, user.evicted_per_s) == (5.0, 3.0, 3.0, 0.0)
+    assert (item.admitted_per_s, item.evicted_per_s) == (2.0, 2.0)
+    assert (second.table_admitted_per_s, second.table_dropped_per_s, second.table_expired_per_s,
+            second.table_evicted_per_s) == (7.0, 3.0, 3.0, 2.0)
+    # a counter that went back (a checkpoint restored) gives no rate, not a negative one
+    third = _tables(4_000, second, user=TableTotals(rows=14, admitted=2, dropped=11, expired=6),
+                    item=TableTotals(rows=1, admitted=6, evicted=4))
+    assert third.tables["user"].admitted_per_s is None and third.tables["user"].dropped_per_s == 1.0
+    assert third.table_admitted_per_s == 1.0  # the item table's alone
+    # a table first seen has no rate yet; the others keep theirs
+    fourth = _tables(5_000, third, user=TableTotals(rows=14, admitted=3, dropped=11, expired=6),
+                     extra=TableTotals(rows=9, admitted=9))
+    assert fourth.tables["extra"].admitted_per_s is None and fourth.table_admitted_per_s == 1.0
+
+
+def test_a_dense_model_has_no_table_series_and_the_hit_rate_is_the_members_mean() -> None:
+    s = take_sample(1, {"a": {"row_cache_hit_rate": 0.5}, "b": {"row_cache_hit_rate": 0.75}}, lag=None,
+                    staleness={}, version=1, freshness_s=[], previous=None)
+    assert s.tables == {} and s.table_rows is None and s.table_admitted_per_s is None
+    assert s.row_cache_hit_rate == 0.625
+
+
+def test_columns_of_tables_align_with_the_time_axis() -> None:
+    h = History(100)
+    h.add(_tables(1_000, None))  # before the model existed: no tables
+    h.add(_tables(2_000, h.last, user=TableTotals(rows=1, bytes=8, admitted=1)))
+    h.add(_tables(3_000, h.last, user=TableTotals(rows=3, bytes=24, admitted=3, dropped=1)))
+    cols = h.columns()
+    assert list(cols["tables"]) == ["user"] and set(cols["tables"]["user"]) == set(TABLE_SERIES)
+    assert cols["tables"]["user"]["rows"] == [None, 1, 3]
+    assert cols["tables"]["user"]["admitted_per_s"] == [None, None, 2.0]
+    assert cols["job"]["table_rows"] == [None, 1, 3] and cols["job"]["table_dropped_per_s"] == [None, None, 1.0]
+    assert h.columns(since_ms=3_000)["tables"] == {}
+    json.dumps(cols, allow_nan=False)

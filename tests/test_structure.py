@@ -89,7 +89,8 @@ HEAVY = ("redis", "aiohttp", "prometheus_client", "torch", "kafka")
 """What a pure module must not import: clients of the servers, the metrics library, the tensor library."""
 
 
-@pytest.mark.parametrize("module", ["trainers.state", "coordinator.membership", "coordinator.assignment",
+@pytest.mark.parametrize("module", ["trainers.state", "trainers.progress", "coordinator.membership",
+                                    "coordinator.assignment", "coordinator.history", "coordinator.tables",
                                     "services.clocks"])
 def test_pure_modules_import_no_io(module: str) -> None:
     """A pure core imports its rules and their data types, nothing that does I/O (checked in a fresh

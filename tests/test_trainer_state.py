@@ -278,6 +278,20 @@ def test_freshness_is_sampled_once_the_push_is_applied() -> None:
     assert p.heartbeat_stats(2.0, clock=3, staleness=0, accuracy=None, lag={})["freshness_s"] == [1.5]
 
 
+def test_the_row_cache_hit_rate_covers_the_window_since_the_last_heartbeat() -> None:
+    p = Progress(started=0.0)
+    stats = p.heartbeat_stats(1.0, clock=1, staleness=0, accuracy=None, lag={}, row_cache=(30, 10))
+    assert stats["row_cache_hit_rate"] == 0.75
+    stats = p.heartbeat_stats(2.0, clock=2, staleness=0, accuracy=None, lag={}, row_cache=(40, 40))
+    assert stats["row_cache_hit_rate"] == 0.25  # 10 hits of 40 lookups since, not 40 of 80 overall
+    idle = p.heartbeat_stats(3.0, clock=2, staleness=0, accuracy=None, lag={}, row_cache=(40, 40))
+    assert "row_cache_hit_rate" not in idle  # no lookup in the window: nothing to report
+    fresh = p.heartbeat_stats(4.0, clock=3, staleness=0, accuracy=None, lag={}, row_cache=(1, 3))
+    assert fresh["row_cache_hit_rate"] == 0.25  # the counts went back (a new cache): counted anew
+    dense = p.heartbeat_stats(5.0, clock=3, staleness=0, accuracy=None, lag={})
+    assert "row_cache_hit_rate" not in dense
+
+
 def test_phases_are_reported_in_ms_per_step_every_report_period() -> None:
     p = Progress(started=0.0)
     for _ in range(PHASE_REPORT_STEPS):

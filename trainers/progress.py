@@ -51,6 +51,8 @@ class Progress:
     _phases: collections.defaultdict[str, float] = field(default_factory=lambda: collections.defaultdict(float),
                                                          init=False)
     _phase_steps: int = field(default=0, init=False)
+    _row_lookups: tuple[int, int] = field(default=(0, 0), init=False)
+    """The row cache's cumulative (hits, misses) at the last heartbeat."""
 
     def __post_init__(self) -> None:
         self._window = _Window(started=self.started)
@@ -97,11 +99,14 @@ class Progress:
         return report
 
     def heartbeat_stats(self, now: float, *, clock: int, staleness: int, accuracy: float | None,
-                        lag: Mapping[int, int]) -> dict[str, object]:
+                        lag: Mapping[int, int], row_cache: tuple[int, int] | None = None) -> dict[str, object]:
         """The stats one heartbeat carries, over the window since the last one (which closes now).
 
         ``clock`` is the last clock pushed, ``staleness`` the last step's, ``lag`` the consumer's
-        per partition. Only finite numbers are sent (JSON has no NaN).
+        per partition. ``row_cache`` is the row cache's (hits, misses) since it was made (None for
+        a model without embedding tables): ``row_cache_hit_rate`` is the hits over the lookups of
+        the window, sent when it had any (counts that went back, a new cache, start a new count).
+        Only finite numbers are sent (JSON has no NaN).
         """
         w, self._window = self._window, _Window(started=now)
         elapsed = max(now - w.started, 1e-6)
@@ -118,4 +123,12 @@ class Progress:
             stats["lag"] = sum(lag.values())
         if self._freshness:
             stats["freshness_s"], self._freshness = self._freshness[:MAX_FRESHNESS_SAMPLES], []
+        if row_cache is not None:
+            (hits, misses), (hits_before, misses_before) = row_cache, self._row_lookups
+            if hits < hits_before or misses < misses_before:
+                hits_before = misses_before = 0
+            self._row_lookups = row_cache
+            lookups = (hits - hits_before) + (misses - misses_before)
+            if lookups > 0:
+                stats["row_cache_hit_rate"] = (hits - hits_before) / lookups
         return stats

@@ -368,8 +368,10 @@ class Trainer:
     def _stats(self) -> dict[str, object]:
         accuracy = self.last_eval.accuracy if self.last_eval is not None else None
         lag = self.consumer.stats().lag if self.consumer is not None else {}
+        cache = self.row_cache.stats() if self.tables else None
         return self.progress.heartbeat_stats(time.monotonic(), clock=self.state.clock - 1,
-                                             staleness=self.state.staleness, accuracy=accuracy, lag=lag)
+                                             staleness=self.state.staleness, accuracy=accuracy, lag=lag,
+                                             row_cache=(cache.hits, cache.misses) if cache is not None else None)
 
     async def _assign_from_committed(self) -> None:
         """Restart the consumer on the wanted partitions from their committed offsets."""
