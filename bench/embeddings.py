@@ -12,11 +12,14 @@ Adam (the rows' ``SparseAdam``), the dense part by Adam.
    same dense module, ``SparseAdam`` for the tables and ``Adam`` for the dense part,
    one thread. Samples/s over the pass (data loading excluded).
 2. **Pipeline, one trainer** (one thread) and **two trainers** (one thread each):
-   everything real (Kafka, Redis, the coordinator, two parameter servers, one per
-   shard group); the data is produced first, so the producer is not what is
-   measured; samples/s counts the samples the servers applied, from the first to the
-   last applied update. Dense part SSP s = 2; tables ASP with a cached row used for
-   at most 4 more steps (``--table-consistency asp --table-staleness 4``).
+   everything real (Kafka, Redis, the coordinator, the parameter server); the data
+   is produced first, so the producer is not what is measured; samples/s counts the
+   samples the server applied, from the first to the last applied update. Dense part
+   SSP s = 2 (the job default); tables ASP with a cached row used for at most 4 more
+   steps (``--table-consistency asp --table-staleness 4``: 8 or 16 cache more rows
+   but cost AUC, 0.039 at 16 in one run). One shard group (the default): on two
+   cores a second server process only adds its fixed costs (2 groups: 0.32 of the
+   local loop against 0.42 with one, in the runs that chose this).
 3. What moves and what it costs: the bytes the trainer's row pulls read per step
    over the rows the batch needs (unique IDs x dim x 4), Redis's memory of the rows
    (``MEMORY USAGE``) over their raw bytes (values and optimizer state), and the
@@ -73,6 +76,9 @@ console = Console(width=120)
 BATCH = 512
 DIM = 16
 ROW_LR = 0.01
+GROUPS = 1
+TABLE_S = 4
+
 DENSE_LR = 0.001
 
 
@@ -154,8 +160,8 @@ def _score_local(model: torch.nn.Module, bags: dict, maps: dict, names: list[str
 
 def job(name: str, threads: int, metrics_port: int) -> ClusterSpec:
     return ClusterSpec(job=name, topic=name, trainers=0, producer=None,
-                       coordinator=CoordinatorSettings(partitions=4, ps_groups=2, optimizer="adam", lr=DENSE_LR,
-                                                       codec="none", table_consistency="asp", table_staleness=4),
+                       coordinator=CoordinatorSettings(partitions=4, ps_groups=GROUPS, optimizer="adam", lr=DENSE_LR,
+                                                       codec="none", table_consistency="asp", table_staleness=TABLE_S),
                        trainer=replace(LOCAL_TRAINER, model=model_spec(), batch_size=BATCH, threads=threads,
                                        eval_source="", prefetch=8, metrics_port=metrics_port))
 

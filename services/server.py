@@ -703,7 +703,7 @@ class ParameterServer:
         named = sorted({t for u, _ in updates for t in u.tables})
         wanted = {t: np.unique(np.concatenate([rows[t].ids for _, rows in updates if t in rows]
                                               or [np.empty(0, np.int64)])) for t in named}
-        _, loaded = load_rows(self.client, self.settings.job, self.settings.group, specs, wanted)
+        loaded = load_rows(self.client, self.settings.job, self.settings.group, specs, wanted)
         now_ms = int(time.time() * 1000)
         writes = []
         for kind in kinds([specs[t] for t in named]):

@@ -78,17 +78,22 @@ def connect(url: str, **kwargs: object) -> redis.Redis:
     shards), but its command packer copies every argument into one buffer,
     making a 4 MB SET 3-6x slower than redis-py's serializer, which sends large
     values as separate chunks. So this client keeps the default (hiredis)
-    parser and uses redis-py's serializer for commands; see
-    ``docs/parameter-plane.md`` and ``bench/paramserver.py``.
+    parser and uses redis-py's serializer for commands (through
+    :class:`services.resp.Packer`, which also takes thousands of row IDs packed
+    at once); see ``docs/parameter-plane.md`` and ``bench/paramserver.py``.
     """
     from redis._parsers import Encoder
-    from redis.connection import PythonRespSerializer
 
     from common import redis_client
 
+    from .resp import Packer, mark_bulk
+
     encoder = Encoder("utf-8", "strict", False)
-    kwargs.setdefault("command_packer", PythonRespSerializer(6000, encoder.encode))
-    return redis_client.connect(url, **kwargs)
+    kwargs.setdefault("command_packer", Packer(6000, encoder.encode))
+    client = redis_client.connect(url, **kwargs)
+    if isinstance(kwargs["command_packer"], Packer):
+        mark_bulk(client)
+    return client
 
 
 @dataclass(frozen=True)

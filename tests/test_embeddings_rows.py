@@ -288,3 +288,19 @@ def test_a_batch_of_many_tables_applies_like_one_update_after_another() -> None:
         assert (a.rows, a.seen, a.steps, a.admitted, a.dropped) == (b.rows, b.seen, b.steps, b.admitted, b.dropped)
         assert a.row_ids.tolist() == b.row_ids.tolist() and a.unseen_ids.tolist() == b.unseen_ids.tolist()
     assert sum(w.admitted for w in got) > 0 and sum(w.dropped for w in got) > 0
+
+
+def test_ids_packed_at_once_are_the_bytes_redis_py_would_send() -> None:
+    from redis._parsers import Encoder
+    from redis.connection import PythonRespSerializer
+
+    from services.resp import PackedArgs, Packer
+
+    encode = Encoder("utf-8", "strict", False).encode
+    ids = np.array([0, 1, -1, 2**62, 256], dtype=np.int64)
+    fields = list(ids.astype("<i8").view("V8").tolist())
+    want = b"".join(PythonRespSerializer(6000, encode).pack("HMGET", "st:{j:g0}:rows:t", *fields))
+    got = b"".join(Packer(6000, encode).pack("HMGET", "st:{j:g0}:rows:t", PackedArgs.ids(ids)))
+    assert got == want
+    assert Packer(6000, encode).pack("GET", "k") == PythonRespSerializer(6000, encode).pack("GET", "k")
+    assert repr(PackedArgs.ids(ids)) == "<5 packed arguments>"

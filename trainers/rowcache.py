@@ -16,13 +16,12 @@ was read, in the two clocks its table's consistency bound is written in:
 
 Eviction is least recently used, in whole steps: when a table's slots run out,
 the quarter used longest ago make room (one ``argpartition`` per eviction, not
-a linked list per lookup).
+a linked list per lookup). IDs are found by ``np.searchsorted`` in a sorted
+array of those held: every operation is vectorised, none works per ID in Python.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -66,12 +65,16 @@ class CacheStats:
 
 
 class _TableCache:
-    """One table's rows: a dict from ID to slot (looked up and filled by C-level ``map``/``update``, no
-    Python loop per ID) and arrays indexed by slot."""
+    """One table's rows: a sorted array of the cached IDs with each one's slot (found with
+    ``np.searchsorted``, filled with ``np.insert``: vectorised, no Python work per ID), and arrays
+    indexed by slot."""
 
     def __init__(self, dim: int, capacity: int) -> None:
         self.capacity = capacity
-        self.slot_of: dict[int, int] = {}
+        self.keys = np.empty(0, dtype=np.int64)
+        """The IDs held, sorted."""
+        self.key_slot = np.empty(0, dtype=np.int64)
+        """The slot of each of :attr:`keys`."""
         self.ids = np.zeros(capacity, dtype=np.int64)
         self.values = np.zeros((capacity, dim), dtype=np.float32)
         self.covers = np.zeros(capacity, dtype=np.int64)
@@ -81,8 +84,20 @@ class _TableCache:
         self.nfree = capacity
 
     def find(self, ids: np.ndarray) -> np.ndarray:
-        return np.fromiter(map(self.slot_of.get, ids.tolist(), itertools.repeat(-1, ids.size)), dtype=np.int64,
-                           count=ids.size)
+        """The slot of each of ``ids``, -1 where it is not held."""
+        if not self.keys.size:
+            return np.full(ids.size, -1, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(self.keys, ids), self.keys.size - 1)
+        return np.where(self.keys[pos] == ids, self.key_slot[pos], -1)
+
+    def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Hold ``ids`` (unique, none held yet) in ``slots``."""
+        if ids.size > 1 and not (ids[1:] > ids[:-1]).all():
+            order = np.argsort(ids)
+            ids, slots = ids[order], slots[order]
+        at = np.searchsorted(self.keys, ids)
+        self.keys = np.insert(self.keys, at, ids)
+        self.key_slot = np.insert(self.key_slot, at, slots)
 
     def take(self, n: int) -> np.ndarray:
         """``n`` free slots (the caller makes sure there are)."""
@@ -95,13 +110,17 @@ class _TableCache:
         if count <= 0:
             return
         oldest = live[np.argpartition(self.used[live], count - 1)[:count]] if count < live.size else live
-        collections.deque(map(self.slot_of.pop, self.ids[oldest].tolist()), maxlen=0)
+        gone = np.zeros(self.capacity, dtype=bool)
+        gone[oldest] = True
+        keep = ~gone[self.key_slot]
+        self.keys, self.key_slot = self.keys[keep], self.key_slot[keep]
         self.used[oldest] = -1
         self.free[self.nfree:self.nfree + oldest.size] = oldest
         self.nfree += oldest.size
 
     def clear(self) -> None:
-        self.slot_of.clear()
+        self.keys = np.empty(0, dtype=np.int64)
+        self.key_slot = np.empty(0, dtype=np.int64)
         self.used[:] = -1
         self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)
         self.nfree = self.capacity
@@ -161,7 +180,7 @@ class RowCache:
             slots[keep] = -2
         fresh = t.take(take)
         slots[new] = fresh
-        t.slot_of.update(zip(ids[new].tolist(), fresh.tolist()))
+        t.add(ids[new], fresh)
         ok = slots >= 0
         s = slots[ok]
         t.ids[s] = ids[ok]
@@ -177,4 +196,4 @@ class RowCache:
 
     def stats(self) -> CacheStats:
         """Hits and misses so far, and the rows held."""
-        return CacheStats(self._hits, self._misses, sum(len(t.slot_of) for t in self._tables.values()))
+        return CacheStats(self._hits, self._misses, sum(t.keys.size for t in self._tables.values()))

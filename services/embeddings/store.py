@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import redis
@@ -20,6 +21,7 @@ import redis
 from common.keys import JobKeys
 
 from ..errors import LayoutError
+from ..resp import PackedArgs, id_args
 from ..scripts import RowsAsk, RowsReadCall, RowsSweepCall, execute_with_script
 from .rows import SEEN_DTYPE, group_of_ids, id_bytes, initial_rows, pull_dtype, row_dtype
 from .spec import TableSpec
@@ -125,34 +127,65 @@ def pull_rows(client: redis.Redis, job: str, tables: Mapping[str, TableSpec], gr
             if records.size != int(found.sum()):
                 raise LayoutError(f"job {job}: table {name}: {records.size} rows for {int(found.sum())} found")
             dest = out[name]
-            values = initial_rows(spec, ids) if not found.all() else np.empty((len(ids), spec.dim), np.float32)
-            values[found] = records["values"]
-            dest.values[pick] = values
-            dest.versions[pick[found]] = records["version"]
-            dest.present[pick] = found
+            at = pick[found]
+            dest.values[at] = records["values"]
+            dest.versions[at] = records["version"]
+            dest.present[at] = True
+    for name, got in out.items():  # IDs without a row: their initial values, one pass per table
+        absent = np.flatnonzero(~got.present)
+        if absent.size:
+            got.values[absent] = initial_rows(tables[name], got.ids[absent])
     return RowPull(out, versions, wire)
 
 
+def _records(got: list[bytes | None], dtype: np.dtype, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """(mask of the fields found, their records) of an HMGET reply."""
+    present = np.fromiter((v is not None for v in got), dtype=bool, count=len(got))
+    blob = b"".join([v for v in got if v is not None])
+    if len(blob) != int(present.sum()) * dtype.itemsize:
+        raise LayoutError(f"{what}: records of {len(blob)} bytes in all for {int(present.sum())} found, "
+                          f"{dtype.itemsize} bytes each")
+    return present, np.frombuffer(blob, dtype=dtype)
+
+
+def _spread(fields: PackedArgs | list[bytes]) -> list[Any]:
+    return [fields] if isinstance(fields, PackedArgs) else fields
+
+
 def load_rows(client: redis.Redis, job: str, group: int, tables: Mapping[str, TableSpec],
-              wanted: Mapping[str, np.ndarray]) -> tuple[int, dict[str, LoadedRows]]:
+              wanted: Mapping[str, np.ndarray]) -> dict[str, LoadedRows]:
     """Whole records of ``group``'s rows of ``wanted`` (table -> int64 IDs the group owns), and the
     sighting records of those without a row where the table admits after more than one sighting;
-    one round trip. Returns (the group's version, table -> rows)."""
-    asks = [(tables[name], ids, row_dtype(tables[name]).itemsize, tables[name].admit_after > 1)
-            for name, ids in wanted.items()]
+    one round trip of plain HMGETs (a server reads its own group's rows: the compare-and-set of its
+    write, not an atomic read, keeps it exactly once; Redis spends a few microseconds a row, a
+    script many times that). Returns table -> rows."""
+    gk = JobKeys(job).group(group)
+    asks = [(tables[name], ids, id_args(client, ids)) for name, ids in wanted.items()]
     if not asks:
-        return 0, {}
-    version, parts, _ = _read(client, job, group, asks)
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for spec, ids, fields in asks:
+        if ids.size:
+            pipe.execute_command("HMGET", gk.table_rows(spec.name), *_spread(fields))
+            if spec.admit_after > 1:
+                pipe.execute_command("HMGET", gk.table_seen(spec.name), *_spread(fields))
+    replies = iter(pipe.execute())
     out = {}
-    for (spec, ids, _, _), (mask, rows, seen) in zip(asks, parts, strict=True):
-        m = _check(mask, len(ids), f"rows of table {spec.name}")
-        present, seen_mask = m == 1, m == 2
-        records = np.frombuffer(rows, dtype=row_dtype(spec))
-        seen_records = np.frombuffer(seen, dtype=SEEN_DTYPE)
-        if records.size != int(present.sum()) or seen_records.size != int(seen_mask.sum()):
-            raise LayoutError(f"job {job} group {group}: table {spec.name}: a reply that does not fit the IDs asked")
-        out[spec.name] = LoadedRows(ids, present, records, seen_mask, seen_records)
-    return version, out
+    for spec, ids, _ in asks:
+        what = f"job {job} group {group}: table {spec.name}"
+        if not ids.size:
+            empty = np.zeros(0, dtype=bool)
+            out[spec.name] = LoadedRows(ids, empty, np.zeros(0, row_dtype(spec)), empty, np.zeros(0, SEEN_DTYPE))
+            continue
+        present, records = _records(next(replies), row_dtype(spec), what)
+        seen = np.zeros(ids.size, dtype=bool)
+        seen_records = np.zeros(0, dtype=SEEN_DTYPE)
+        if spec.admit_after > 1:
+            sighted, found = _records(next(replies), SEEN_DTYPE, what)
+            seen = sighted & ~present
+            seen_records = found[~present[sighted]]
+        out[spec.name] = LoadedRows(ids, present, records, seen, seen_records)
+    return out
 
 
 @dataclass(frozen=True)
