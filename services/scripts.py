@@ -34,7 +34,7 @@ from .protocol import AccountPlan, PlanUpdate, Update
 from .wire import pack
 
 __all__ = ["ScriptCall", "PushCall", "ApplyCall", "ShardPublish", "ShardPlan", "TablePublish", "TablePlan",
-           "AccountCall", "RowsAsk", "RowsReadCall", "RowsSweepCall", "TableCutCall", "RowsScanCall", "CALLS",
+           "AccountCall", "RowsReadCall", "RowsSweepCall", "TableCutCall", "RowsScanCall", "CALLS",
            "script",
            "execute_with_script"]
 
@@ -422,50 +422,37 @@ class AccountCall(ScriptCall):
         return {"plan": self.plan.pack()}
 
 
-class RowsAsk(NamedTuple):
-    """One table's part of a :class:`RowsReadCall`."""
-
-    table: str
-    """Table name."""
-    ids: bytes
-    """IDs asked (8 little-endian bytes each)."""
-    width: int
-    """Bytes of each stored record to return (a prefix: version and values for a pull)."""
-    seen: bool
-    """Also return the sighting records of IDs without a row."""
-
-
 @dataclass(frozen=True)
 class RowsReadCall(ScriptCall):
-    """``rows_read.lua``: rows of a group's embedding tables by ID, as of one group version (the group's
-    slot)."""
+    """``rows_read.lua``: a trainer's pull of rows of a group's embedding tables by ID, as of one group
+    version (the group's slot)."""
 
     SCRIPT: ClassVar[str] = "rows_read"
     KEYS: ClassVar[tuple[str, ...]] = ("version",)
     KEYS_TAIL: ClassVar[str | None] = "tables"
-    ARGV: ClassVar[tuple[str, ...]] = ("count",)
+    ARGV: ClassVar[tuple[str, ...]] = ("width",)
     ARGV_TAIL: ClassVar[str | None] = "asks"
 
     group: GroupKeys
     """The group's keys."""
-    asks: Sequence[RowsAsk]
-    """What to read, table by table."""
+    width: int
+    """Bytes of each stored record to return (a prefix: its version and values)."""
+    asks: Sequence[tuple[str, bytes]]
+    """(table, its IDs: 8 little-endian bytes each), table by table."""
 
     def named_keys(self) -> dict[str, str]:
         return _named(self.group, self.KEYS)
 
     def key_tail(self) -> list[str]:
-        """Each table's rows hash, and its seen hash after it when its ask wants sighting records."""
-        return [k for a in self.asks
-                for k in ((self.group.table_rows(a.table), self.group.table_seen(a.table)) if a.seen
-                          else (self.group.table_rows(a.table),))]
+        """Each table's rows hash."""
+        return [self.group.table_rows(table) for table, _ in self.asks]
 
     def named_argv(self) -> dict[str, Any]:
-        return {"count": len(self.asks)}
+        return {"width": self.width}
 
     def argv_tail(self) -> list[Any]:
-        """Per table: the record width, 1/0 for the sighting records, the IDs."""
-        return [x for a in self.asks for x in (a.width, 1 if a.seen else 0, a.ids)]
+        """Each table's IDs."""
+        return [ids for _, ids in self.asks]
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """Reading rows from Redis by ID: a trainer's pull and a server's load (one round trip per group).
 
-Both run ``lua/rows_read.lua`` in each group's slot, which returns, as of one
-version of the group, a byte per ID asked (row, seen record, or nothing) and
-the records found concatenated: bulk bytes that numpy views without a Python
-object per row. A trainer asks for each row's version and values only
-(:func:`pull_rows`: never the optimizer state); an ID without a row reads as
-its initial value (``rows.initial_rows``). A server asks for whole records and
-for the sighting records of IDs not admitted yet (:func:`load_rows`).
+A trainer's pull (:func:`pull_rows`) runs ``lua/rows_read.lua`` in each
+group's slot, which returns, as of one version of the group, a byte per ID
+asked (a row or none) and each row's version and values (never its optimizer
+state) concatenated: bulk bytes that numpy views without a Python object per
+row. An ID without a row reads as its initial value (``rows.initial_rows``).
+A server (:func:`load_rows`) reads whole records of its own group's rows, and
+the sighting records of IDs not admitted yet, with plain HMGETs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from common.keys import JobKeys
 
 from ..errors import LayoutError
 from ..resp import PackedArgs, id_args
-from ..scripts import RowsAsk, RowsReadCall, RowsSweepCall, execute_with_script
+from ..scripts import RowsReadCall, RowsSweepCall, execute_with_script
 from .rows import SEEN_DTYPE, group_of_ids, id_bytes, initial_rows, pull_dtype, row_dtype
 from .spec import TableSpec
 
@@ -71,15 +71,14 @@ class LoadedRows:
     """``SEEN_DTYPE`` records of those IDs (in order: ``ids[seen]``)."""
 
 
-def _read(client: redis.Redis, job: str, group: int,
-          asks: Sequence[tuple[TableSpec, np.ndarray, int, bool]]) -> tuple[int, list[tuple[bytes, bytes, bytes]], int]:
-    """One ``rows_read.lua`` call in ``group``'s slot: (group version, per ask (mask, rows, seen), bytes read).
-    ``asks``: (table, IDs, record bytes to return, read the seen hash too)."""
-    call = RowsReadCall(JobKeys(job).group(group),
-                        [RowsAsk(spec.name, id_bytes(ids), width, want_seen) for spec, ids, width, want_seen in asks])
+def _read(client: redis.Redis, job: str, group: int, width: int, asks: Sequence[tuple[TableSpec, np.ndarray]]
+          ) -> tuple[int, list[tuple[bytes, bytes]], int]:
+    """One ``rows_read.lua`` call in ``group``'s slot: (group version, per ask (mask, rows), bytes read).
+    ``asks``: (table, IDs); ``width``: the bytes of each record returned."""
+    call = RowsReadCall(JobKeys(job).group(group), width, [(spec.name, id_bytes(ids)) for spec, ids in asks])
     res = execute_with_script(client, call.SCRIPT, call.queue)[-1]
-    parts = [(res[1 + 3 * j], res[2 + 3 * j], res[3 + 3 * j]) for j in range(len(asks))]
-    nbytes = sum(len(m) + len(r) + len(s) for m, r, s in parts)
+    parts = [(res[1 + 2 * j], res[2 + 2 * j]) for j in range(len(asks))]
+    nbytes = sum(len(m) + len(r) for m, r in parts)
     return int(res[0]), parts, nbytes
 
 
@@ -109,33 +108,44 @@ def pull_rows(client: redis.Redis, job: str, tables: Mapping[str, TableSpec], gr
            for name, ids in wanted.items()}
     versions: dict[int, int] = {}
     wire = 0
+    kinds: dict[int, list[str]] = {}  # one call per group and record width (tables of one dim share it)
+    for name in wanted:
+        kinds.setdefault(pull_dtype(tables[name]).itemsize, []).append(name)
     for g in range(groups):
-        asks, picks = [], []
-        for name, ids in wanted.items():
-            pick = np.flatnonzero(owners[name] == g)
-            if pick.size:
-                spec = tables[name]
-                asks.append((spec, ids[pick], pull_dtype(spec).itemsize, False))
-                picks.append((name, pick))
-        if not asks:
-            continue
-        versions[g], parts, nbytes = _read(client, job, g, asks)
-        wire += nbytes
-        for (spec, ids, _, _), (name, pick), (mask, rows, _) in zip(asks, picks, parts, strict=True):
-            found = _check(mask, len(ids), f"rows of table {name}") == 1
-            records = np.frombuffer(rows, dtype=pull_dtype(spec))
-            if records.size != int(found.sum()):
-                raise LayoutError(f"job {job}: table {name}: {records.size} rows for {int(found.sum())} found")
-            dest = out[name]
-            at = pick[found]
-            dest.values[at] = records["values"]
-            dest.versions[at] = records["version"]
-            dest.present[at] = True
+        for width, names in kinds.items():
+            wire += _pull_group(client, job, g, width, names, tables, wanted, owners, out, versions)
     for name, got in out.items():  # IDs without a row: their initial values, one pass per table
         absent = np.flatnonzero(~got.present)
         if absent.size:
             got.values[absent] = initial_rows(tables[name], got.ids[absent])
     return RowPull(out, versions, wire)
+
+
+def _pull_group(client: redis.Redis, job: str, g: int, width: int, names: Sequence[str],
+                tables: Mapping[str, TableSpec], wanted: Mapping[str, np.ndarray], owners: Mapping[str, np.ndarray],
+                out: dict[str, PulledRows], versions: dict[int, int]) -> int:
+    """Group ``g``'s rows of tables ``names`` (records ``width`` bytes) into ``out`` and its version into
+    ``versions``; returns the bytes read."""
+    asks, picks = [], []
+    for name in names:
+        pick = np.flatnonzero(owners[name] == g)
+        if pick.size:
+            asks.append((tables[name], wanted[name][pick]))
+            picks.append((name, pick))
+    if not asks:
+        return 0
+    versions[g], parts, nbytes = _read(client, job, g, width, asks)
+    for (spec, ids), (name, pick), (mask, rows) in zip(asks, picks, parts, strict=True):
+        found = _check(mask, len(ids), f"rows of table {name}") == 1
+        records = np.frombuffer(rows, dtype=pull_dtype(spec))
+        if records.size != int(found.sum()):
+            raise LayoutError(f"job {job}: table {name}: {records.size} rows for {int(found.sum())} found")
+        dest = out[name]
+        at = pick[found]
+        dest.values[at] = records["values"]
+        dest.versions[at] = records["version"]
+        dest.present[at] = True
+    return nbytes
 
 
 def _records(got: list[bytes | None], dtype: np.dtype, what: str) -> tuple[np.ndarray, np.ndarray]:
