@@ -75,10 +75,12 @@ class _TableCache:
         """The IDs held, sorted."""
         self.key_slot = np.empty(0, dtype=np.int64)
         """The slot of each of :attr:`keys`."""
-        self.ids = np.zeros(capacity, dtype=np.int64)
-        self.values = np.zeros((capacity, dim), dtype=np.float32)
-        self.covers = np.zeros(capacity, dtype=np.int64)
-        self.clock = np.zeros(capacity, dtype=np.int64)
+        # filled at once (np.zeros' pages would be taken as rows arrive): the cache's memory is all
+        # the trainer's from its start, whatever the tables hold
+        self.ids = np.full(capacity, 0, dtype=np.int64)
+        self.values = np.full((capacity, dim), 0.0, dtype=np.float32)
+        self.covers = np.full(capacity, 0, dtype=np.int64)
+        self.clock = np.full(capacity, 0, dtype=np.int64)
         self.used = np.full(capacity, -1, dtype=np.int64)
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self.nfree = capacity
