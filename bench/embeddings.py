@@ -41,6 +41,7 @@ import math
 import platform
 import shutil
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import replace
@@ -176,25 +177,42 @@ def _metrics(port: int) -> dict[str, float]:
     return out
 
 
-def _rss_mb(pid: int) -> float:
+def _rss_mb(pid: int, field: str = "VmHWM") -> float:
+    """A process's peak (``VmHWM``) or current (``VmRSS``) resident memory, MB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
 
-def _rows(cluster: LocalCluster) -> tuple[int, int]:
-    """(rows of every table over both groups, Redis bytes of their hashes by MEMORY USAGE)."""
+def _watch_memory(cluster: LocalCluster, out: list[tuple[float, int, float]]) -> None:
+    """Every 2 s until the stream is consumed: the tables' rows and the first trainer's resident memory."""
+    t0 = time.monotonic()
+    while not cluster.consumed(cluster.status() or {}):
+        try:
+            rows, _ = _rows(cluster, usage=False)
+            out.append((time.monotonic() - t0, rows, _rss_mb(cluster.trainers[0].pid or 0, "VmRSS")))
+        except (OSError, redis_lib.RedisError):
+            return
+        time.sleep(2.0)
+
+
+def _rows(cluster: LocalCluster, *, usage: bool = True) -> tuple[int, int]:
+    """(rows of every table over every group, Redis bytes of their hashes by MEMORY USAGE, all of
+    each: ``SAMPLES 0``; 0 without ``usage``)."""
     client = redis_lib.Redis.from_url(cluster.redis_url)
     try:
-        keys = [JobKeys(cluster.spec.job).group(g).table_rows(f"c{i}") for g in (0, 1) for i in range(1, 27)]
+        keys = [JobKeys(cluster.spec.job).group(g).table_rows(f"c{i}") for g in range(GROUPS) for i in range(1, 27)]
         pipe = client.pipeline(transaction=False)
         for k in keys:
             pipe.hlen(k)
-            pipe.memory_usage(k, samples=0)
+            if usage:
+                pipe.memory_usage(k, samples=0)
         got = pipe.execute()
     finally:
         client.close()
+    if not usage:
+        return sum(got), 0
     return sum(got[0::2]), sum(v or 0 for v in got[1::2])
 
 
@@ -218,6 +236,9 @@ def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path)
                          shard_size=BATCH, split="train")
         for _ in range(trainers):
             cluster.add_trainer()
+        memory: list[tuple[float, int, float]] = []  # (seconds, rows, the first trainer's RSS MB)
+        watch = threading.Thread(target=_watch_memory, args=(cluster, memory), daemon=True)
+        watch.start()
         cluster.wait_consumed(timeout_s=1800)
         metrics = _metrics(port) if port else {}
         rss = _rss_mb(cluster.trainers[0].pid or 0)
@@ -240,7 +261,7 @@ def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path)
         "span_s": span, "updates": len(entries), "rows": rows, "redis_bytes": redis_bytes,
         "pull_bytes": metrics.get("streamtrain_row_pull_bytes_total", 0.0), "row_lookups": lookups,
         "cache_hit_rate": metrics.get("streamtrain_row_cache_hit_rate"), "trainer_peak_rss_mb": rss,
-        "step_ms": phases}
+        "step_ms": phases, "memory": memory}
     if score is not None:
         out.update(auc=score[0], log_loss=score[1])
     return out
@@ -315,6 +336,10 @@ def main() -> None:
                       f"{r['trainer_peak_rss_mb']:.0f}", f"{r['cache_hit_rate']:.2f}" if r["cache_hit_rate"] else "")
     console.print(table)
     console.print(f"one trainer, ms per step: {one['step_ms']}")
+    curve = one["memory"]
+    if curve:
+        console.print("one trainer's resident memory as the tables grow: " + ", ".join(
+            f"{rows:,} rows {rss:.0f} MB" for _, rows, rss in curve[::max(1, len(curve) // 8)]))
     print(f"trainer peak RSS: {small['trainer_peak_rss_mb']:.0f} MB at {small['rows']:,} rows")
     print(f"trainer peak RSS: {one['trainer_peak_rss_mb']:.0f} MB at {one['rows']:,} rows")
     print(f"pull bytes per step / (unique ids x dim x 4): {ratios['pull_bytes_per_needed']:.3f}")
