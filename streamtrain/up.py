@@ -274,7 +274,7 @@ def _score(cluster: LocalCluster, s: UpSettings, outage: Outage | None = None) -
     if outage is not None:
         outage.recovered()
     return {"version": result.version, "accuracy": result.accuracy, "loss": result.loss,
-            "mae": result.mae, "r2": result.r2, "samples": result.samples}
+            "mae": result.mae, "r2": result.r2, "auc": result.auc, "samples": result.samples}
 
 
 def _ending(s: UpSettings, outcome: Outcome, classification: bool) -> str:
@@ -305,6 +305,8 @@ def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: 
     if classification:
         table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%") + ending)
         table.add_row("held-out loss", _fmt(final.get("loss")))
+        if final.get("auc") is not None:  # a binary model (one logit per record): its log loss, and AUC
+            table.add_row("held-out AUC", _fmt(final.get("auc")))
     else:
         table.add_row("held-out loss", _fmt(final.get("loss")) + ending)
         table.add_row("held-out MAE", _fmt(final.get("mae")))
