@@ -38,11 +38,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.hashing import mix64
+
 from .examples import Examples
 from .jagged import Jagged
 from .records import hash_id
 
-__all__ = ["BIAS", "BLOCK", "CATEGORICAL_STD", "ClickStream", "mix64", "zipf_ranks"]
+__all__ = ["BIAS", "BLOCK", "CATEGORICAL_STD", "ClickStream", "zipf_ranks"]
 
 BLOCK = 8192
 """Records generated per numpy pass."""
@@ -56,21 +58,9 @@ CATEGORICAL_STD = 1.5
 TAGS = "tags"
 """Name of the multi-hot feature."""
 
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31, _S32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
+_S32 = np.uint64(32)
 _LOW32 = np.uint64(0xFFFFFFFF)
 _UNIT = math.sqrt(12.0) / 2.0 ** 32  # a uniform 32-bit integer times this, less sqrt(3): mean 0, variance 1
-
-
-def mix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on uint64 values (a bijection), computed in place on a copy."""
-    z = np.array(z, dtype=np.uint64)
-    z ^= z >> _S30
-    z *= _M1
-    z ^= z >> _S27
-    z *= _M2
-    z ^= z >> _S31
-    return z
 
 
 def zipf_ranks(rng: np.random.Generator, n: np.ndarray | int, exponent: float, size: tuple[int, ...]

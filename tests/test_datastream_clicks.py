@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from datastream.clicks import BLOCK, ClickStream, mix64, zipf_ranks
+from common.hashing import mix64
+from datastream.clicks import BLOCK, ClickStream, zipf_ranks
 from datastream.producer import iter_shards
 from datastream.records import decode_record, encode_shard
 from datastream.sources import TEST_EVERY, SourceError, load_source

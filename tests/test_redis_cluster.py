@@ -49,6 +49,28 @@ def fresh_job() -> str:
     return f"cj-{uuid.uuid4().hex[:10]}"
 
 
+def spread_job(client: ClusterClient, groups: int) -> str:
+    """A fresh job name whose ``groups`` group slots sit on as many different masters."""
+    for _ in range(200):
+        job = fresh_job()
+        if len({client.get_node_from_key(JobKeys(job).group(g).version).name for g in range(groups)}) == groups:
+            return job
+    raise AssertionError(f"no job name spread its groups over {groups} masters")
+
+
+def apply_everything(redis_cluster: RedisCluster, client: ClusterClient, job: str, groups: int, *, what: str) -> None:
+    """One server per group until every pushed update is applied, then stopped."""
+    servers = [ParameterServer(ServerSettings(redis_url=redis_cluster.url, job=job, group=g, groups=groups,
+                                              block_ms=50)) for g in range(groups)]
+    try:
+        for server in servers:
+            server.start()
+        wait_until(lambda: unapplied_updates(client, job) == 0, 60, what=what)
+    finally:
+        for server in servers:
+            server.close()
+
+
 @pytest.fixture
 def client(redis_cluster: RedisCluster) -> Iterator[ClusterClient]:
     """A cluster client as the parameter plane makes it (``services.connect``)."""
@@ -224,13 +246,8 @@ def test_shard_groups_live_on_different_nodes_and_apply_there(redis_cluster: Red
     of the job and its groups spread over the masters, three servers apply in parallel, and a pull
     and the accounting equal applying the updates one by one."""
     # pick a job name whose three group slots are on three different masters
-    for _ in range(200):
-        job = f"cj-{uuid.uuid4().hex[:6]}"
-        keys = JobKeys(job)
-        nodes = {client.get_node_from_key(keys.group(g).version).name for g in range(3)}
-        if len(nodes) == 3:
-            break
-    assert len(nodes) == 3, "no job name spread its groups over the three masters"
+    job = spread_job(client, 3)
+    keys = JobKeys(job)
     store = ParameterStore(client, job)
     meta = store.init_model(small_model(), shard_elems=64, optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.0),
                             groups=3)
@@ -248,15 +265,7 @@ def test_shard_groups_live_on_different_nodes_and_apply_there(redis_cluster: Red
     for g in range(3):  # a group's blobs are in its slot only
         blobs = client.keys(keys.group(g).key("grad", "*"), target_nodes=ClusterClient.PRIMARIES)
         assert len(blobs) == 3 * sum(1 for s in meta.layout.shards if s.index % 3 == g)
-    servers = [ParameterServer(ServerSettings(redis_url=redis_cluster.url, job=job, group=g, groups=3, block_ms=50))
-               for g in range(3)]
-    try:
-        for server in servers:
-            server.start()
-        wait_until(lambda: unapplied_updates(client, job) == 0, 60, what="three updates applied by every group")
-    finally:
-        for server in servers:
-            server.close()
+    apply_everything(redis_cluster, client, job, 3, what="three updates applied by every group")
     snap = store.pull()
     for name, value in small_model().items():
         torch.testing.assert_close(snap.tensors[name], value - 3 * 0.5)  # three SGD steps of lr 0.5
@@ -274,13 +283,8 @@ def test_a_table_spreads_over_the_nodes_and_servers(redis_cluster: RedisCluster,
     from services.embeddings import RowGrads, TableSpec, group_of_ids
     from services.embeddings.store import pull_rows
 
-    for _ in range(200):
-        job = f"cj-{uuid.uuid4().hex[:6]}"
-        keys = JobKeys(job)
-        nodes = {client.get_node_from_key(keys.group(g).version).name for g in range(3)}
-        if len(nodes) == 3:
-            break
-    assert len(nodes) == 3, "no job name spread its groups over the three masters"
+    job = spread_job(client, 3)
+    keys = JobKeys(job)
     table = TableSpec("user", 4)
     ParameterStore(client, job).init_model(small_model(), shard_elems=64, groups=3, tables=(table,))
     set_membership(client, job, {"a": [0]}, generation=1)
@@ -290,15 +294,7 @@ def test_a_table_spreads_over_the_nodes_and_servers(redis_cluster: RedisCluster,
         pusher.push(None, generation=1, clock=clock, offsets={0: (10 * clock - 10, 10 * clock)},
                     samples=[("prod", 10 * clock - 10, 10)], batch_size=10,
                     rows=[RowGrads("user", ids, np.ones((ids.size, 4), np.float32))])
-    servers = [ParameterServer(ServerSettings(redis_url=redis_cluster.url, job=job, group=g, groups=3, block_ms=50))
-               for g in range(3)]
-    try:
-        for server in servers:
-            server.start()
-        wait_until(lambda: unapplied_updates(client, job) == 0, 60, what="two updates applied by every group")
-    finally:
-        for server in servers:
-            server.close()
+    apply_everything(redis_cluster, client, job, 3, what="two updates applied by every group")
     sizes = []
     for g in range(3):
         rows = keys.group(g).table_rows("user")
@@ -323,10 +319,7 @@ def test_a_checkpoint_and_an_export_of_a_table_on_the_cluster(redis_cluster: Red
     from services.embeddings import RowGrads, TableSpec
     from services.table_export import export_tables
 
-    for _ in range(200):
-        job = f"cj-{uuid.uuid4().hex[:6]}"
-        if len({client.get_node_from_key(JobKeys(job).group(g).version).name for g in range(2)}) == 2:
-            break
+    job = spread_job(client, 2)
     table = TableSpec("user", 4)
     ParameterStore(client, job).init_model(small_model(), shard_elems=64, groups=2, tables=(table,))
     set_membership(client, job, {"a": [0]}, generation=1)
@@ -334,15 +327,7 @@ def test_a_checkpoint_and_an_export_of_a_table_on_the_cluster(redis_cluster: Red
     Pusher(client, job, "a", codec="none").push(None, generation=1, clock=1, offsets={0: (0, 10)},
                                                 samples=[("prod", 0, 10)], batch_size=10,
                                                 rows=[RowGrads("user", ids, np.ones((ids.size, 4), np.float32))])
-    servers = [ParameterServer(ServerSettings(redis_url=redis_cluster.url, job=job, group=g, groups=2, block_ms=50))
-               for g in range(2)]
-    try:
-        for server in servers:
-            server.start()
-        wait_until(lambda: unapplied_updates(client, job) == 0, 60, what="the update applied by both groups")
-    finally:
-        for server in servers:
-            server.close()
+    apply_everything(redis_cluster, client, job, 2, what="the update applied by both groups")
     assert save_checkpoint(client, job, str(tmp_path / "c.pt"), rows_per_piece=16) == (1, 1)
     copy = f"{job}-copy"
     assert restore_checkpoint(client, str(tmp_path / "c.pt"), job=copy) == (1, 1)

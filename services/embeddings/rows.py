@@ -31,17 +31,17 @@ import hashlib
 
 import numpy as np
 
+from common.hashing import mix64
+
 from .spec import TableSpec
 
-__all__ = ["row_dtype", "pull_dtype", "SEEN_DTYPE", "mix64", "group_of_ids", "initial_rows", "id_bytes",
+__all__ = ["row_dtype", "pull_dtype", "SEEN_DTYPE", "group_of_ids", "initial_rows", "id_bytes",
            "ids_from_bytes"]
 
 SEEN_DTYPE = np.dtype([("count", "<u4"), ("seen_ms", "<u8")])
 """A not-yet-admitted ID: in how many updates a gradient for it arrived, and when it last did."""
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _PLACEMENT = np.uint64(0x5EED_0F_9A7C0DE5)
 """Seed of the placement hash (independent of the initial values')."""
 
@@ -57,12 +57,9 @@ def pull_dtype(spec: TableSpec) -> np.dtype:
     return np.dtype([("version", "<u8"), ("values", "<f4", (spec.dim,))])
 
 
-def mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser of each uint64 of ``x`` (a bijection that spreads every bit)."""
-    z = x + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's step: the golden-ratio increment, then its finaliser (``common.hashing.mix64``)."""
+    return mix64(x + _GOLDEN)
 
 
 def _as_u64(ids: np.ndarray) -> np.ndarray:
@@ -76,7 +73,7 @@ def group_of_ids(ids: np.ndarray, groups: int) -> np.ndarray:
     """The shard group (0..groups-1, int64) whose slot holds each ID's row."""
     if groups == 1:
         return np.zeros(len(ids), dtype=np.int64)
-    return (mix64(_as_u64(ids) ^ _PLACEMENT) % np.uint64(groups)).astype(np.int64)
+    return (_mix(_as_u64(ids) ^ _PLACEMENT) % np.uint64(groups)).astype(np.int64)
 
 
 def _table_seed(name: str) -> np.uint64:
@@ -85,9 +82,9 @@ def _table_seed(name: str) -> np.uint64:
 
 def initial_rows(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
     """The values ``[len(ids), dim]`` (float32) each ID's row has before anyone wrote it."""
-    base = mix64(_as_u64(ids) ^ _table_seed(spec.name))
+    base = _mix(_as_u64(ids) ^ _table_seed(spec.name))
     lanes = np.arange(spec.dim, dtype=np.uint64) * _GOLDEN
-    bits = mix64(base[:, None] + lanes[None, :]) >> np.uint64(40)  # 24 random bits per value
+    bits = _mix(base[:, None] + lanes[None, :]) >> np.uint64(40)  # 24 random bits per value
     unit = bits.astype(np.float32) * np.float32(2.0 ** -24)  # [0, 1), exact in float32
     return (unit * np.float32(2.0) - np.float32(1.0)) * np.float32(spec.init_scale)
 
