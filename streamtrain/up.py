@@ -282,7 +282,7 @@ def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float, task: Task,
     for col in ("records/s", "loss", *held_out, "version", "generation", "lag (msgs)", "staleness"):
         job.add_column(col, justify="right")
     versions = st.get("versions", {})
-    metrics = ((_fmt(score.get("auc")), _fmt(score.get("loss")), _fmt(score.get("accuracy"), ".1%"))
+    metrics = ((_fmt(score.get("auc"), ".4f"), _fmt(score.get("loss"), ".4f"), _fmt(score.get("accuracy"), ".1%"))
                if task.binary else (_fmt(score.get("accuracy"), ".1%"),) if classification else
                (_fmt(score.get("loss")), _fmt(score.get("mae")), _fmt(score.get("r2"))))
     job.add_row(f"{st.get('throughput_records_per_s', 0):,.0f}", _fmt(st.get("loss")), *metrics,
@@ -362,8 +362,8 @@ def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: 
     table = Table(title="final", show_header=False)
     ending = f" on {final.get('samples', 0)} records ({_ending(s, outcome, task)})"
     if task.binary:  # a binary model (one logit per record): AUC first, its log loss, then accuracy
-        table.add_row("held-out AUC", _fmt(final.get("auc")) + ending)
-        table.add_row("held-out log loss", _fmt(final.get("loss")))
+        table.add_row("held-out AUC", _fmt(final.get("auc"), ".4f") + ending)
+        table.add_row("held-out log loss", _fmt(final.get("loss"), ".4f"))
         table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%"))
     elif task.classification:
         table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%") + ending)
