@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 
-from datastream import load_source
+from datastream import Examples, load_source
 from services.embeddings import initial_rows
 from trainers.models import build_model
 
@@ -45,7 +45,7 @@ def local_loop(dim: int, batch: int, lr: float, row_lr: float, passes: int, seed
             bag.weight.copy_(torch.from_numpy(initial_rows(table, ids)))
         bags[table.name], maps[table.name] = bag, ids
 
-    def pooled(ex, start: int, stop: int) -> dict[str, torch.Tensor]:
+    def pooled(ex: Examples, start: int, stop: int) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
             col = ex.ids[name]

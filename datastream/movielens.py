@@ -124,7 +124,7 @@ class MovieLens:
 
 def train_size(n: int) -> int:
     """Records of ``n`` that come before the held-out last :data:`HELD_OUT` of them."""
-    return n - int(round(n * HELD_OUT))
+    return n - round(n * HELD_OUT)
 
 
 def time_split_mask(start: int, n: int, split: str, total: int) -> np.ndarray | None:
@@ -153,8 +153,7 @@ def _rows(root: Traversable, name: str) -> tuple[list[str], list[list[str]]]:
     entry = root / name
     if not entry.is_file():
         raise MovieLensMissing(f"MovieLens-100K: {name} is missing from {root}: {INSTALL}")
-    with entry.open("r", encoding="utf-8", newline="") as fh:
-        rows = list(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE))
+    rows = list(csv.reader(entry.read_text(encoding="utf-8").splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE))
     header = [col.split(":")[0] for col in rows[0]]
     return header, [r for r in rows[1:] if r]
 

@@ -105,7 +105,8 @@ def cluster_spec(s: UpSettings, environ: Mapping[str, str] | None = None) -> Clu
     assert base.producer is not None
     job = base.job if s.example == "digits" else s.example  # the example names its job and topic
     return replace(
-        base, job=job, topic=job if job != base.job else base.topic, trainers=s.trainers, kafka_heap_mb=s.kafka_heap_mb, kafka_brokers=s.kafka_brokers,
+        base, job=job, topic=job if job != base.job else base.topic, trainers=s.trainers,
+        kafka_heap_mb=s.kafka_heap_mb, kafka_brokers=s.kafka_brokers,
         redis_cluster=s.redis_cluster,
         coordinator=replace(base.coordinator, partitions=s.partitions, consistency=s.consistency,
                             staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr,

@@ -119,8 +119,8 @@ def dlrm_from_options(options: Mapping[str, str]) -> Dlrm:
     Raises:
         ValueError: an unknown option or a bad value, named.
     """
-    known = {"schema", "features", "tags", "dense", "dim", "bottom", "top", "row_optimizer", "row_lr", "admit", "expire_s",
-             "max_rows", "init_scale"}
+    known = {"schema", "features", "tags", "dense", "dim", "bottom", "top", "row_optimizer", "row_lr", "admit",
+             "expire_s", "max_rows", "init_scale"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"dlrm: unknown option(s) {unknown}; known: {sorted(known)}")
