@@ -21,7 +21,8 @@ of :data:`SINGLE`:
 ``gender``      ``M`` or ``F``
 ``occupation``  one of 21 occupations
 ``zip``         the first :data:`ZIP_PREFIX` characters of the zip code (a US region)
-``year``        the release year in 5-year buckets (``1995`` holds 1995-99); ``unknown``
+``year``        the release year in 5-year buckets (``1995`` holds 1995-99); ``unknown`` for
+                the one movie without a year
 ==============  ===========================================================================
 
 and the multi-hot :data:`MULTI` feature ``genres``: the movie's 1 to 6 genres of 19.
@@ -52,7 +53,8 @@ from .jagged import Jagged
 from .records import hash_id
 
 __all__ = ["AGE_BUCKETS", "FEATURES", "HELD_OUT", "INSTALL", "LIKED", "MULTI", "PACKAGE", "SINGLE", "ZIP_PREFIX",
-           "MovieLens", "MovieLensMissing", "load_movielens", "time_split_mask"]
+           "MovieLens", "MovieLensMissing", "age_bucket", "load_movielens", "time_split_mask", "train_size",
+           "year_bucket"]
 
 PACKAGE = "recbole"
 """The package whose ``dataset_example/ml-100k`` holds the files."""
