@@ -9,7 +9,7 @@ the coordinator's sampler (:mod:`coordinator.sampler`) does the reading, once
 every :data:`SAMPLE_INTERVAL_S`.
 
 A value nobody reported is ``None`` (JSON ``null``), never 0: a regression
-job reports no accuracy, a job without Kafka has no lag, a second without a
+job reports no accuracy, only a binary model an AUC and a log loss, a job without Kafka has no lag, a second without a
 heartbeat carrying freshness has no freshness quantiles, a dense model has no
 table series.
 
@@ -32,13 +32,13 @@ from .tables import TableTotals, mean_hit_rate
 SAMPLE_INTERVAL_S = 1.0
 """Seconds between two samples."""
 
-JOB_SERIES = ("loss", "accuracy", "records_per_s", "lag", "staleness_max", "staleness_mean",
+JOB_SERIES = ("loss", "accuracy", "auc", "log_loss", "records_per_s", "lag", "staleness_max", "staleness_mean",
               "freshness_p50_s", "freshness_p99_s", "version", "versions_per_s",
               "table_rows", "table_bytes", "table_admitted_per_s", "table_dropped_per_s",
               "table_expired_per_s", "table_evicted_per_s", "row_cache_hit_rate")
 """Job-wide series of a :class:`Sample`, in the order :meth:`History.columns` lists them."""
 
-MEMBER_SERIES = ("loss", "accuracy", "records_per_s")
+MEMBER_SERIES = ("loss", "accuracy", "auc", "log_loss", "records_per_s")
 """Per-member series of a :class:`MemberSample`."""
 
 TABLE_SERIES = ("rows", "bytes", "admitted_per_s", "dropped_per_s", "expired_per_s", "evicted_per_s")
@@ -53,6 +53,10 @@ class MemberSample:
     """Training loss (the trainer's moving average over recent batches)."""
     accuracy: float | None = None
     """Held-out accuracy of its last evaluation (None for regression or before the first one)."""
+    auc: float | None = None
+    """Held-out AUC of its last evaluation (a binary model only)."""
+    log_loss: float | None = None
+    """Held-out log loss of its last evaluation (a binary model only)."""
     records_per_s: float | None = None
     """Records it trained on per second, over its last heartbeat interval."""
 
@@ -94,6 +98,10 @@ class Sample:
     """Mean of the members' training losses."""
     accuracy: float | None = None
     """Mean of the members' held-out accuracies."""
+    auc: float | None = None
+    """Mean of the members' held-out AUCs (a binary model)."""
+    log_loss: float | None = None
+    """Mean of the members' held-out log losses (a binary model)."""
     records_per_s: float | None = None
     """Sum of the members' records/s."""
     lag: int | None = None
@@ -209,8 +217,8 @@ def take_sample(t_ms: int, member_stats: Mapping[str, Mapping[str, Any]], *, lag
         tables: each embedding table's totals over the groups, in the model's order (None or
             empty for a dense model).
     """
-    members = {m: MemberSample(loss=_number(s, "loss"), accuracy=_number(s, "accuracy"),
-                               records_per_s=_number(s, "records_per_s"))
+    members = {m: MemberSample(loss=_number(s, "loss"), accuracy=_number(s, "accuracy"), auc=_number(s, "auc"),
+                               log_loss=_number(s, "log_loss"), records_per_s=_number(s, "records_per_s"))
                for m, s in member_stats.items()}
     observed = [float(v) for m, v in staleness.items() if m in member_stats]
     if not observed:
@@ -226,6 +234,8 @@ def take_sample(t_ms: int, member_stats: Mapping[str, Mapping[str, Any]], *, lag
         t_ms=t_ms,
         loss=_mean(m.loss for m in members.values()),
         accuracy=_mean(m.accuracy for m in members.values()),
+        auc=_mean(m.auc for m in members.values()),
+        log_loss=_mean(m.log_loss for m in members.values()),
         records_per_s=sum(rates) if rates else None,
         lag=lag,
         staleness_max=max(observed) if observed else None,

@@ -107,7 +107,8 @@ def _mean(values: list[float]) -> float | None:
 def summary(state: Membership, config: JobConfig, versions: Sequence[bytes | None],
             clocks: Mapping[bytes, bytes], applied: Mapping[bytes, bytes]) -> dict[str, Any]:
     """Parameter versions (``versions``: the replies of :func:`queue_group_versions`; see
-    :func:`versions_view`), staleness, throughput, loss and accuracy of the job.
+    :func:`versions_view`), staleness, throughput, loss and accuracy of the job (and the held-out AUC
+    and log loss of a binary model).
 
     Measured staleness is the spread between the furthest live member's pushed
     clock and the slowest live member's applied clock (absent while the
@@ -131,4 +132,6 @@ def summary(state: Membership, config: JobConfig, versions: Sequence[bytes | Non
         "throughput_records_per_s": sum(s.get("records_per_s", 0.0) for s in stats),
         "loss": _mean([s["loss"] for s in stats if "loss" in s]),
         "accuracy": _mean([s["accuracy"] for s in stats if "accuracy" in s]),
+        "auc": _mean([s["auc"] for s in stats if "auc" in s]),
+        "log_loss": _mean([s["log_loss"] for s in stats if "log_loss" in s]),
     }

@@ -86,7 +86,10 @@ def render(status: dict[str, Any], console: Console) -> None:
         f"ps groups {cfg.get('ps_groups', 1)}"
         f"{'  [red]PAUSED[/red]' if cfg['paused'] else ''}\n"
         f"throughput {_fmt(status['throughput_records_per_s'])} records/s  "
-        f"loss {_fmt(status['loss'])}  accuracy {_fmt(status['accuracy'])}  lag {status['lag']}  "
+        f"loss {_fmt(status['loss'])}  "
+        + (f"held-out AUC {_fmt(status['auc'])}  log loss {_fmt(status.get('log_loss'))}  "
+           if status.get("auc") is not None else "")
+        + f"accuracy {_fmt(status['accuracy'])}  lag {status['lag']}  "
         f"versions {_fmt(status['versions']['min'])}..{_fmt(status['versions']['max'])}")
     members = Table(title="members")
     for col in ("member", "state", "device", "weight", "partitions", "records/s", "loss", "clock",

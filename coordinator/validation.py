@@ -158,6 +158,8 @@ STATS = {
     "records_per_s": Field("number", min=0),
     "loss": Field("number"),
     "accuracy": Field("number", min=0, max=1),
+    "auc": Field("number", min=0, max=1),
+    "log_loss": Field("number", min=0),
     "clock": Field("int", min=0),
     "lag": Field("int", min=0),
     "staleness": Field("int", min=0),
@@ -171,7 +173,8 @@ STATS = {
 records since the previous heartbeat, observed into the freshness histogram.
 ``row_cache_hit_rate``: the share of embedding rows its batches needed that the
 trainer's row cache served, since the previous heartbeat (absent for a dense model
-or a window without lookups)."""
+or a window without lookups). ``auc`` and ``log_loss``: a binary model's held-out AUC and log
+loss at its last evaluation (absent for other models)."""
 
 HEARTBEAT = {"stats": Field("object", schema=STATS)}
 """Body of ``POST /v1/members/{id}/heartbeat`` (may be empty)."""

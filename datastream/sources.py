@@ -16,6 +16,12 @@ A spec is ``NAME[:ARG][?key=value&...]``:
                            ``drift=0.1`` (radians per million records), ``seed=0``;
                            labels 0/1 from a hidden logistic truth; unbounded unless
                            ``limit=N``
+``movielens``              MovieLens-100K (:mod:`datastream.movielens`, from the ``recbole``
+                           wheel): the 100,000 ratings in time order as click records
+                           (label 1 for 4 stars or more; 8 categorical features, no dense
+                           ones); ``limit=N`` keeps the first N ratings by time,
+                           ``repeat=K`` passes K times, ``repeat=0`` forever. Its held-out
+                           split is the last 10 % by time, not every fifth record
 ``csv:PATH``               numbers, one record per row; ``label=last|first|<column>``;
                            a header row is detected
 ``npz:PATH``               arrays ``x`` [n, d] and ``y`` [n] (``x=``/``y=`` rename them)
@@ -33,7 +39,9 @@ A path ending in ``.csv``, ``.npz`` or ``.jsonl`` may be given without the prefi
 in its own order (a repeated data set restarts the numbering on each pass);
 record *i* belongs to the ``test`` split when ``i % 5 == 4`` and to ``train``
 otherwise, so 20 % is held out, deterministically, and the same records every
-time. ``split="all"`` keeps everything.
+time. ``split="all"`` keeps everything. A source ordered in time holds out its last records
+instead (``movielens``: the last 10 %, :func:`datastream.movielens.time_split_mask`): a model
+is then scored on the future it has not seen.
 
 A source yields :class:`~datastream.examples.Examples` (``x``, ``y`` and the
 categorical ``ids``) block by block, and :meth:`Source.read` returns them all
@@ -61,6 +69,7 @@ import numpy as np
 from .clicks import ClickStream
 from .examples import Examples
 from .jagged import Jagged
+from .movielens import MovieLensMissing, load_movielens, time_split_mask
 from .records import DecodeError, parse_ids
 
 __all__ = ["SPLITS", "Block", "Source", "SourceError", "TEST_EVERY", "load_source", "split_mask"]
@@ -80,6 +89,9 @@ _Default = TypeVar("_Default", int, None)
 
 Block = tuple[int, Examples]
 """(index of the first record in the source's numbering, its examples: x [n, d], y [n], ids)."""
+
+SplitRule = Callable[[int, int, str], "np.ndarray | None"]
+"""``rule(start, n, split)``: the mask of ``split`` among records ``start .. start+n-1`` (as :func:`split_mask`)."""
 
 
 class SourceError(ValueError):
@@ -124,19 +136,21 @@ class Source:
     ``ids`` the categorical features, empty for dense sources.
     """
 
-    def __init__(self, name: str, blocks: Callable[[], Iterator[Block]], split: str = "all") -> None:
+    def __init__(self, name: str, blocks: Callable[[], Iterator[Block]], split: str = "all",
+                 rule: SplitRule = split_mask) -> None:
         if split not in SPLITS:
             raise SourceError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
         self.name = name
         self.split = split
         self._blocks = blocks
+        self._rule = rule
 
     def __repr__(self) -> str:
         return f"Source({self.name!r}, split={self.split!r})"
 
     def __iter__(self) -> Iterator[Examples]:
         for start, block in self._blocks():
-            mask = split_mask(start, len(block), self.split)
+            mask = self._rule(start, len(block), self.split)
             if mask is not None:
                 block = block.take(mask)
             if len(block):
@@ -236,6 +250,19 @@ def _clicks(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
         raise SourceError(f"clicks: {exc}") from None
     limit = _int(opts, "limit", None)
     return lambda: stream.blocks(limit)
+
+
+def _movielens(opts: dict[str, str]) -> tuple[Callable[[], Iterator[Block]], SplitRule]:
+    repeat = _int(opts, "repeat", 1)
+    limit = _int(opts, "limit", None, lo=1)
+    try:
+        data = load_movielens()
+    except MovieLensMissing as exc:
+        raise SourceError(f"source movielens: {exc}") from None
+    if limit is not None:
+        data = data.first(limit)
+    total = len(data)
+    return (lambda: data.blocks(repeat)), (lambda start, n, split: time_split_mask(start, n, split, total))
 
 
 def _table(rows: list[list[str]], label: str, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -428,12 +455,15 @@ def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -
     base, _, query = spec.partition("?")
     opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
     prefix, colon, arg = base.partition(":")
+    rule: SplitRule = split_mask
     if base == "digits":
         blocks = _digits(opts)
     elif base == "synthetic":
         blocks = _synthetic(opts)
     elif base == "clicks":
         blocks = _clicks(opts)
+    elif base == "movielens":
+        blocks, rule = _movielens(opts)
     elif base == "stdin":
         blocks = _stdin(opts, stdin)
     elif (colon and prefix in _FILES) or (not colon and Path(base).suffix[1:] in _FILES):
@@ -444,8 +474,8 @@ def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -
     elif colon and arg:
         blocks = _plugin(base, opts)
     else:
-        raise SourceError(f"unknown source {spec!r}: use digits, synthetic, clicks, stdin, csv:PATH, "
+        raise SourceError(f"unknown source {spec!r}: use digits, synthetic, clicks, movielens, stdin, csv:PATH, "
                           "npz:PATH, jsonl:PATH or module:callable")
     if opts:
         raise SourceError(f"source {spec!r}: unknown option(s) {', '.join(sorted(opts))}")
-    return Source(spec, blocks, split)
+    return Source(spec, blocks, split, rule)

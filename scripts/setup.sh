@@ -5,7 +5,8 @@
 #   - iproute2 (`ip netns`, veth pairs) when missing, for the network-partition test
 #   - the Kafka broker's jars from Maven Central, into a cache outside the repo
 #     (skipped when KAFKA_HOME points at an unpacked Kafka distribution)
-#   - a virtual environment in .venv with streamtrain and its test extras;
+#   - a virtual environment in .venv with streamtrain and its test extras, and recbole's wheel
+#     without its dependencies (it carries MovieLens-100K, the `movielens` source's data);
 #     torch from a local wheel folder ($STREAMTRAIN_WHEELS, default ../shared/wheels) when it
 #     holds one, else from the registry
 set -euo pipefail
@@ -93,5 +94,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing streamtrain and its dependencies"
   "${pip[@]}" -e "$root[test]"
   echo "$want" > "$stamp"
+fi
+# MovieLens-100K (the `movielens` source, `up --example movielens`) ships inside the recbole wheel;
+# --no-deps: only its data files are read (datastream/movielens.py), none of its modules or heavy
+# dependencies. Not in pyproject.toml, whose dependencies would pull recbole's in.
+recbole_version=1.2.1
+if [ "$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("recbole"))' 2>/dev/null)" \
+     != "$recbole_version" ]; then
+  log "installing recbole $recbole_version (MovieLens-100K), without its dependencies"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "recbole==$recbole_version"
 fi
 log "ready"

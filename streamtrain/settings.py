@@ -42,6 +42,9 @@ class UpSettings:
     """Settings of the local main job. The job's own settings are declared by the service that owns
     them (:func:`_as_in`), so ``up``'s defaults are the services' defaults."""
 
+    example: str = cfg.setting("digits", env="STREAMTRAIN_EXAMPLE", choices=("digits", "movielens"),
+                               help="what to train: digits, or movielens (MovieLens-100K through the ranking model "
+                                    "with embedding tables); flags given beside it win over its settings")
     trainers: int = cfg.setting(_LOCAL.trainers, env="STREAMTRAIN_TRAINERS", min=1, max=64,
                                 help="trainer processes")
     partitions: int = _as_in(_LOCAL.coordinator, "partitions")
@@ -61,6 +64,9 @@ class UpSettings:
                               help="held-out data (its test split; default: one pass of --source)")
     target_accuracy: float = cfg.setting(0.95, env="STREAMTRAIN_TARGET_ACCURACY", min=0.0, max=1.0,
                                          help="stop once the held-out accuracy reaches this (classification)")
+    target_auc: float | None = cfg.setting(None, env="STREAMTRAIN_TARGET_AUC", min=0.0, max=1.0,
+                                           help="stop once the held-out AUC reaches this (a binary model; the "
+                                                "accuracy target then does not apply)")
     target_loss: float | None = cfg.setting(None, env="STREAMTRAIN_TARGET_LOSS", min=0.0,
                                             help="stop once the held-out loss is at or below this (any task)")
     max_records: int = cfg.setting(0, env="STREAMTRAIN_MAX_RECORDS", min=0,

@@ -4,11 +4,17 @@ Starts a real Kafka broker and Redis server on loopback, the coordinator, a
 parameter server (one per shard group with ``--ps-groups N``), the trainers and a
 producer streaming the digits data set
 (:class:`streamtrain.cluster.LocalCluster`); shows a live view; stops when a
-held-out target is reached (the accuracy of a classifier, the loss of any model),
+held-out target is reached (the accuracy of a classifier, the AUC of a binary one with
+``--target-auc``, the loss of any model),
 or the stream, up to ``--max-records``, is consumed, or time runs out; scores the
-final parameters itself on the held-out split (accuracy for classification;
-loss, MAE and R² for regression); and stops everything it started, also on
-Ctrl-C and on error.
+final parameters itself on the held-out split (AUC, log loss and accuracy for a
+binary model, accuracy and loss for other classifiers; loss, MAE and R² for
+regression); and stops everything it started, also on Ctrl-C and on error.
+
+``--example`` picks what it trains: ``digits`` (the default: scikit-learn's digits
+through the built-in MLP) or ``movielens`` (MovieLens-100K in time order through the
+ranking model with embedding tables, :mod:`streamtrain.examples`); a flag or variable
+given beside it wins over the example's setting.
 
 With ``--forever`` it trains online from an unbounded stream at ``--rate``
 records/s (:data:`FOREVER_RATE` by default) until Ctrl-C, and the live view
@@ -31,7 +37,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Any
 
@@ -45,6 +51,7 @@ from common.outage import REDIS_DOWN, Outage
 from datastream.sources import one_pass
 
 from .cluster import ClusterSpec, LocalCluster
+from .examples import with_example
 from .overload import LagWindow, Trend, Verdict, sample_from_status
 from .settings import FOREVER_RATE, UpSettings
 
@@ -52,6 +59,16 @@ logger = logging.getLogger(__name__)
 
 LAG_WINDOW_S = 30.0
 """Seconds of lag samples the keeping-up verdict fits (``docs/online.md``)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """What the job's model is, which decides its scores and targets."""
+
+    classification: bool
+    """A classifier: it has an accuracy."""
+    binary: bool = False
+    """A binary classifier (one logit per record): it has an AUC and a log loss too."""
 
 
 class Outcome(str, Enum):
@@ -81,12 +98,15 @@ def cluster_spec(s: UpSettings, environ: Mapping[str, str] | None = None) -> Clu
     """
     base = ClusterSpec().with_environment(os.environ if environ is None else environ)
     source = s.source
-    if s.forever and source.split("?")[0] == "digits":
-        source = "digits?repeat=0"  # online continuous training: the data set, pass after pass
+    if s.forever and source.split("?")[0] in ("digits", "movielens"):
+        source = one_pass(source)  # online continuous training: the data set, pass after pass
+        source += ("&" if "?" in source else "?") + "repeat=0"
     rate = s.rate if s.rate is not None else (FOREVER_RATE if s.forever else None)
     assert base.producer is not None
+    job = base.job if s.example == "digits" else s.example  # the example names its job and topic
     return replace(
-        base, trainers=s.trainers, kafka_heap_mb=s.kafka_heap_mb, kafka_brokers=s.kafka_brokers,
+        base, job=job, topic=job if job != base.job else base.topic, trainers=s.trainers,
+        kafka_heap_mb=s.kafka_heap_mb, kafka_brokers=s.kafka_brokers,
         redis_cluster=s.redis_cluster,
         coordinator=replace(base.coordinator, partitions=s.partitions, consistency=s.consistency,
                             staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr,
@@ -102,47 +122,81 @@ def held_out(s: UpSettings) -> str:
     return s.eval_source or one_pass(s.source)
 
 
-def has_target(s: UpSettings, *, classification: bool) -> bool:
-    """True when a held-out target is a stop condition: the accuracy target of a classifier, or
-    ``--target-loss``."""
-    return classification or s.target_loss is not None
+def auc_target(s: UpSettings, task: Task) -> bool:
+    """True when ``--target-auc`` is in force, in place of the accuracy target (a binary model).
+
+    Raises:
+        SettingsError: ``--target-auc`` for a model that is not a binary classifier.
+    """
+    if s.target_auc is None:
+        return False
+    if not task.binary:
+        raise cfg.SettingsError("--target-auc / STREAMTRAIN_TARGET_AUC: the AUC needs a binary model (one logit "
+                                "per record, such as dlrm); use --target-accuracy or --target-loss")
+    return True
 
 
-def reached_target(score: dict[str, Any], s: UpSettings, *, classification: bool) -> bool:
-    """True when ``score`` meets a target in force: accuracy >= ``--target-accuracy`` (classification
-    only), or loss <= ``--target-loss`` (when given)."""
-    acc, loss = score.get("accuracy"), score.get("loss")
-    if classification and acc is not None and acc >= s.target_accuracy:
+def has_target(s: UpSettings, task: Task) -> bool:
+    """True when a held-out target is a stop condition: the AUC target of a binary model, else the
+    accuracy target of a classifier, or ``--target-loss``."""
+    return task.classification or s.target_loss is not None
+
+
+def reached_target(score: dict[str, Any], s: UpSettings, task: Task) -> bool:
+    """True when ``score`` meets a target in force: AUC >= ``--target-auc`` (a binary model, when
+    given; the accuracy target then does not apply), else accuracy >= ``--target-accuracy``
+    (classification), or loss <= ``--target-loss`` (when given)."""
+    acc, auc, loss = score.get("accuracy"), score.get("auc"), score.get("loss")
+    if auc_target(s, task):
+        if auc is not None and s.target_auc is not None and auc >= s.target_auc:
+            return True
+    elif task.classification and acc is not None and acc >= s.target_accuracy:
         return True
     return s.target_loss is not None and loss is not None and loss <= s.target_loss
 
 
-def exit_code(outcome: Outcome, s: UpSettings, *, classification: bool) -> int:
+def exit_code(outcome: Outcome, s: UpSettings, task: Task) -> int:
     """0 when the run ended as asked, 1 when it failed, 130 for Ctrl-C of a bounded run (module docstring)."""
     if outcome is Outcome.TARGET:
         return 0
     if outcome is Outcome.INTERRUPTED:
         return 0 if s.forever else 130
-    targeted = has_target(s, classification=classification)
+    targeted = has_target(s, task)
     if outcome is Outcome.CONSUMED:
         return 0 if s.max_records or not targeted else 1
     return 1 if targeted or s.max_records else 0  # the time ran out first
 
 
-def _classification(model: str) -> bool:
-    """Whether ``model`` is a classifier; a bad spec is a settings error, before anything starts."""
+def task_of(model: str) -> Task:
+    """What ``model`` is; a bad spec is a settings error, before anything starts."""
     from trainers import build_model
 
     try:
-        return build_model(model).classification
+        spec = build_model(model)
     except ValueError as exc:
         raise cfg.SettingsError(f"--model / STREAMTRAIN_MODEL: {exc}") from None
+    return Task(spec.classification, spec.binary)
+
+
+def settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> UpSettings:
+    """``up``'s settings: the flags, then the environment, then ``--example``'s settings, then the defaults.
+
+    Raises:
+        SettingsError: a bad value, or ``--target-auc`` for a model that is not binary.
+    """
+    env = os.environ if environ is None else environ
+    settings = cfg.from_args(UpSettings, args, env)
+    given = {f.name for f in fields(UpSettings)
+             if getattr(args, f.name, None) is not None or f.metadata.get("env") in env}
+    settings = with_example(settings, given)
+    auc_target(settings, task_of(settings.model))
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the local main job; its exit status follows :func:`exit_code`."""
-    settings = cfg.from_args(UpSettings, args)
-    classification = _classification(settings.model)
+    settings = settings_of(args)
+    task = task_of(settings.model)
     console = Console()
     cluster = LocalCluster(cluster_spec(settings))
     final: dict[str, Any] = {}
@@ -157,24 +211,24 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"Kafka {cluster.bootstrap} (ready in {cluster.kafka.ready_after_s:.1f}s) · "
                       f"Redis {cluster.redis.display_url} · coordinator {cluster.coordinator_url} · "
                       f"logs in {cluster.workdir}")
-        outcome = _watch(console, cluster, settings, final, classification)  # final: the score that ended it
+        outcome = _watch(console, cluster, settings, final, task)  # final: the score that ended it
         if outcome is not Outcome.TARGET:  # the stream ended, time ran out or Ctrl-C: score what training left
             with console.status("draining trainers and applying their last updates"):
                 cluster.quiesce()
             final.update(_score(cluster, settings) or {})
-            if outcome is not Outcome.INTERRUPTED and reached_target(final, settings, classification=classification):
+            if outcome is not Outcome.INTERRUPTED and reached_target(final, settings, task):
                 outcome = Outcome.TARGET  # the last updates made it
         final["status"] = cluster.status()
     finally:
         with console.status("stopping everything"):
             cluster.stop()
-    _print_final(console, cluster, settings, final, outcome, classification)
+    _print_final(console, cluster, settings, final, outcome, task)
     cluster.cleanup()
-    return exit_code(outcome, settings, classification=classification)
+    return exit_code(outcome, settings, task)
 
 
 def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[str, Any],
-           classification: bool) -> Outcome:
+           task: Task) -> Outcome:
     """Show the live view until a target, the end of the stream, Ctrl-C or the timeout.
 
     ``latest`` receives the newest independent score of the stored parameters, and,
@@ -205,8 +259,8 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
                 if score is not None:
                     latest.update(score)
                 if status is not None:
-                    live.update(_view(status, latest, time.monotonic() - t0, classification, verdict))
-                    if not s.forever and reached_target(latest, s, classification=classification):
+                    live.update(_view(status, latest, time.monotonic() - t0, task, verdict))
+                    if not s.forever and reached_target(latest, s, task):
                         return Outcome.TARGET
                     if not s.forever and cluster.consumed(status):
                         return Outcome.CONSUMED
@@ -217,16 +271,20 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
     return Outcome.TIMEOUT
 
 
-def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float, classification: bool,
+def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float, task: Task,
           verdict: Verdict | None) -> Group:
-    """The live tables: the job (with the independent held-out score: accuracy for a classifier,
-    loss, MAE and R² for regression), one row per trainer, then whether training keeps up."""
+    """The live tables: the job (with the independent held-out score: AUC, log loss and accuracy for
+    a binary model, accuracy for another classifier, loss, MAE and R² for regression), one row per
+    trainer, then whether training keeps up."""
+    classification = task.classification
     job = Table(title=f"job {st.get('job')} · {elapsed:.0f}s", expand=False)
-    held_out = ("held-out acc",) if classification else ("held-out loss", "MAE", "R²")
+    held_out = (("held-out AUC", "log loss", "acc") if task.binary else ("held-out acc",) if classification
+                else ("held-out loss", "MAE", "R²"))
     for col in ("records/s", "loss", *held_out, "version", "generation", "lag (msgs)", "staleness"):
         job.add_column(col, justify="right")
     versions = st.get("versions", {})
-    metrics = ((_fmt(score.get("accuracy"), ".1%"),) if classification else
+    metrics = ((_fmt(score.get("auc"), ".4f"), _fmt(score.get("loss"), ".4f"), _fmt(score.get("accuracy"), ".1%"))
+               if task.binary else (_fmt(score.get("accuracy"), ".1%"),) if classification else
                (_fmt(score.get("loss")), _fmt(score.get("mae")), _fmt(score.get("r2"))))
     job.add_row(f"{st.get('throughput_records_per_s', 0):,.0f}", _fmt(st.get("loss")), *metrics,
                 str(versions.get("max", "-")), str(st.get("generation")),
@@ -277,11 +335,13 @@ def _score(cluster: LocalCluster, s: UpSettings, outage: Outage | None = None) -
             "mae": result.mae, "r2": result.r2, "auc": result.auc, "samples": result.samples}
 
 
-def _ending(s: UpSettings, outcome: Outcome, classification: bool) -> str:
+def _ending(s: UpSettings, outcome: Outcome, task: Task) -> str:
     """How the run ended, in words, with the targets in force."""
     if s.forever:
         return "continuous training (--forever) until stopped"
-    targets = ([f"accuracy {s.target_accuracy:.0%}"] if classification else []) + (
+    first = ([f"AUC {s.target_auc:g}"] if auc_target(s, task) else
+             [f"accuracy {s.target_accuracy:.0%}"] if task.classification else [])
+    targets = first + (
         [f"loss {s.target_loss:g}"] if s.target_loss is not None else [])
     wanted = f"target {' or '.join(targets)}: " if targets else ""
     if outcome is Outcome.TARGET:
@@ -296,17 +356,19 @@ def _ending(s: UpSettings, outcome: Outcome, classification: bool) -> str:
 
 
 def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: dict[str, Any],
-                 outcome: Outcome, classification: bool) -> None:
+                 outcome: Outcome, task: Task) -> None:
     st = final.get("status") or {}
     parts = st.get("partitions", [])
     committed = sum(p["committed"] or 0 for p in parts)
     table = Table(title="final", show_header=False)
-    ending = f" on {final.get('samples', 0)} records ({_ending(s, outcome, classification)})"
-    if classification:
+    ending = f" on {final.get('samples', 0)} records ({_ending(s, outcome, task)})"
+    if task.binary:  # a binary model (one logit per record): AUC first, its log loss, then accuracy
+        table.add_row("held-out AUC", _fmt(final.get("auc"), ".4f") + ending)
+        table.add_row("held-out log loss", _fmt(final.get("loss"), ".4f"))
+        table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%"))
+    elif task.classification:
         table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%") + ending)
         table.add_row("held-out loss", _fmt(final.get("loss")))
-        if final.get("auc") is not None:  # a binary model (one logit per record): its log loss, and AUC
-            table.add_row("held-out AUC", _fmt(final.get("auc")))
     else:
         table.add_row("held-out loss", _fmt(final.get("loss")) + ending)
         table.add_row("held-out MAE", _fmt(final.get("mae")))

@@ -107,3 +107,13 @@ def test_status_prints_the_embedding_tables_only_for_a_model_with_tables() -> No
         console = Console(record=True, width=200)
         render(dense, console)
         assert "embedding tables" not in console.export_text()
+
+
+def test_status_prints_a_binary_models_held_out_auc_and_log_loss() -> None:
+    console = Console(record=True, width=200)
+    render({**_status(None), "auc": 0.7213, "log_loss": 0.6091, "accuracy": 0.66}, console)
+    out = console.export_text()
+    assert "held-out AUC 0.7213  log loss 0.6091  accuracy 0.66" in out, out
+    console = Console(record=True, width=200)
+    render(_status(None), console)  # not a binary model: no AUC
+    assert "AUC" not in console.export_text()

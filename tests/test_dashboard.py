@@ -38,7 +38,7 @@ JOB = "dash"
 KEYS = JobKeys(JOB)
 JOB_AUTH = {"Authorization": "Bearer job-secret"}
 DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img" / "dashboard.png"
-PLOT_IDS = {"loss", "accuracy", "records", "lag", "staleness", "freshness", "versions"}
+PLOT_IDS = {"loss", "auc", "accuracy", "records", "lag", "staleness", "freshness", "versions"}
 TABLE_PLOT_IDS = {"table_rows", "table_bytes", "table_rates", "row_cache"}
 
 
@@ -107,8 +107,8 @@ async def test_history_samples_heartbeats_and_redis_once_a_second(
         b = await register(client, "host-b")
         redis.set(KEYS.group(0).version, 100)
         redis.hset(KEYS.staleness, mapping={a: 1, b: 3})
-        await heartbeat(client, a, {"loss": 0.5, "accuracy": 0.8, "records_per_s": 300.0,
-                                    "freshness_s": [1.0, 2.0, 3.0]})
+        await heartbeat(client, a, {"loss": 0.5, "accuracy": 0.8, "auc": 0.75, "log_loss": 0.6,
+                                    "records_per_s": 300.0, "freshness_s": [1.0, 2.0, 3.0]})
         await heartbeat(client, b, {"loss": 0.25, "records_per_s": 100.0})
 
         def seen_both(h: dict[str, Any]) -> bool:
@@ -118,6 +118,7 @@ async def test_history_samples_heartbeats_and_redis_once_a_second(
         last = {name: column[-1] for name, column in h["job"].items()}
         assert last["records_per_s"] == 400.0
         assert last["accuracy"] == 0.8  # b reports none: the mean is a's, not dragged to 0.4
+        assert (last["auc"], last["log_loss"]) == (0.75, 0.6) and h["members"][b]["auc"][-1] is None
         assert (last["staleness_max"], last["staleness_mean"]) == (3.0, 2.0)
         assert last["lag"] is None  # Kafka is down
         assert h["members"][a]["loss"][-1] == 0.5 and h["members"][b]["accuracy"][-1] is None
@@ -198,7 +199,7 @@ async def test_vendored_uplot_is_served_and_nothing_else(redis_url: str, silent_
 async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis,
                                 members: list[str]) -> AsyncIterator[None]:
     """Heartbeat like two trainers and publish versions, four times a second, until the block
-    ends. The first reports a held-out accuracy; the second none, and a training loss of 3e-5 and
+    ends. The first reports a held-out accuracy, AUC and log loss; the second none, and a training loss of 3e-5 and
     below (a memorised training set: what the page once showed as 0.0000). Once the job has a
     model with embedding tables (:func:`make_tables`), they grow as a parameter server would grow
     them (:func:`grow_table`) and the trainers report their row cache's hit rate."""
@@ -211,8 +212,10 @@ async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis,
                                          "records_per_s": 800.0 + 100 * i + 10 * (step % 7),
                                          "clock": step, "staleness": i,
                                          "freshness_s": [0.2 + 0.05 * (step % 5), 0.9]}
-                if i == 0:
+                if i == 0:  # a binary model's held-out scores
                     stats["accuracy"] = min(0.97, 0.2 + 0.05 * step)
+                    stats["auc"] = min(0.8, 0.5 + 0.01 * step)
+                    stats["log_loss"] = 0.69 - min(0.1, 0.005 * step)
                 if tables:
                     stats["row_cache_hit_rate"] = 0.6 + 0.1 * i + 0.02 * (step % 5)
                 await heartbeat(client, member, stats)
@@ -249,7 +252,7 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
         redis.hset(KEYS.offsets, "0", 10)  # lag: 30 - 10 on partition 0, 30 on partition 1
         async with trainers_heartbeating(client, redis, members), chromium(tmp_path / "profile") as page:
             await page.navigate(str(client.make_url("/")))
-            await page.wait_for("window.plots && Object.keys(window.plots).length === 7 && "
+            await page.wait_for("window.plots && Object.keys(window.plots).length === 8 && "
                                 "Object.values(window.plots).every(u => u.data[0].length > 3 && "
                                 "u.data.slice(1).some(s => s.some(v => v !== null)))", timeout_s=90)
             points = await page.evaluate(
@@ -260,6 +263,8 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
                 assert any(n > 0 for _, n in series), f"plot {plot_id} has no values: {series}"
             for plot_id in ("loss", "records", "accuracy"):  # a line per trainer, and the job's
                 assert [label for label, _ in points[plot_id]][1:] == sorted(members), points[plot_id]
+            auc = dict(points["auc"])  # the job's AUC and log loss, a line per trainer
+            assert auc["AUC"] > 0 and auc["log loss"] > 0 and auc[members[0]] > 0 and auc[members[1]] == 0
             accuracy = dict(points["accuracy"])
             assert accuracy[members[0]] > 0 and accuracy[members[1]] == 0  # b reports none: no line
             lag = await page.evaluate("window.plots.lag.data[1].filter(v => v !== null).slice(-1)[0]")
@@ -272,6 +277,7 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
             assert any(float(v) < 3e-5 for v in losses), losses
             summary = await page.evaluate("document.getElementById('summary').textContent")
             assert summary.startswith("ssp (s=2) · lazyadam") and "tables" not in summary, summary
+            assert "held-out AUC 0." in summary and "log loss 0." in summary, summary
             # the embedding tables' own mode and bound, once the job has them, beside the dense part's
             resp = await client.patch("/v1/admin/config", headers={"Authorization": "Bearer admin-secret"},
                                       json={"table_consistency": "asp", "table_staleness": 8})

@@ -37,13 +37,15 @@ def test_quantile_interpolates_between_ranks_like_numpy() -> None:
 
 
 def test_take_sample_aggregates_members_and_keeps_missing_values_null() -> None:
-    stats = {"a": {"loss": 0.5, "accuracy": 0.75, "records_per_s": 100.0, "staleness": 9},
+    stats = {"a": {"loss": 0.5, "accuracy": 0.75, "auc": 0.7, "log_loss": 0.6, "records_per_s": 100.0,
+                   "staleness": 9},
              "b": {"loss": 0.25, "records_per_s": 50.0},
              "c": {}}  # registered, no step yet
     s = take_sample(10_000, stats, lag=42, staleness={"a": 1, "b": 3, "gone": 100}, version=7,
                     freshness_s=[0.1, 0.2, 0.3, 0.4, 5.0], previous=None)
     assert s.loss == pytest.approx(0.375)
     assert s.accuracy == 0.75  # the mean of those that report one, not a zero for b and c
+    assert (s.auc, s.log_loss) == (0.7, 0.6)
     assert s.records_per_s == 150.0
     assert s.lag == 42
     assert (s.staleness_max, s.staleness_mean) == (3.0, 2.0)  # a departed member's entry is ignored
@@ -51,7 +53,7 @@ def test_take_sample_aggregates_members_and_keeps_missing_values_null() -> None:
     assert s.freshness_p99_s == pytest.approx(0.4 + 4.6 * 0.96)
     assert s.version == 7 and s.versions_per_s is None  # no previous sample: no rate
     assert s.members["c"] == MemberSample(None, None, None)
-    assert s.members["a"] == MemberSample(loss=0.5, accuracy=0.75, records_per_s=100.0)
+    assert s.members["a"] == MemberSample(loss=0.5, accuracy=0.75, auc=0.7, log_loss=0.6, records_per_s=100.0)
 
 
 def test_take_sample_with_nothing_reported_is_all_null_not_zero() -> None:

@@ -17,7 +17,7 @@ import pytest
 from common import settings as cfg
 from streamtrain.cli import COMMANDS, build_parser
 from streamtrain.settings import UpSettings
-from streamtrain.up import Outcome, exit_code
+from streamtrain.up import Outcome, Task, exit_code
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -85,7 +85,7 @@ def test_every_script_and_file_an_example_runs_exists() -> None:
 
 def test_the_readme_names_every_exit_code_of_up() -> None:
     codes = {exit_code(outcome, cfg.from_args(UpSettings, {"forever": forever, "max_records": records}, environ={}),
-                       classification=classification)
+                       Task(classification))
              for outcome in Outcome for forever in (False, True) for records in (0, 5)
              for classification in (False, True)}
     text = " ".join(README.split())

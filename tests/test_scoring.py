@@ -13,7 +13,7 @@ from torch import nn
 from common import settings as cfg
 from streamtrain.overload import LagSample, assess
 from streamtrain.settings import FOREVER_RATE, UpSettings
-from streamtrain.up import Outcome, _view, cluster_spec, exit_code, reached_target
+from streamtrain.up import Outcome, Task, _view, cluster_spec, exit_code, reached_target
 from trainers import build_model, evaluate
 
 
@@ -78,36 +78,39 @@ def test_classification_has_accuracy_and_no_regression_metrics() -> None:
     assert result.mae is None and result.r2 is None
 
 
+CLASSIFIER, REGRESSION, BINARY = Task(classification=True), Task(classification=False), Task(True, binary=True)
+
+
 def settings(**given: object) -> UpSettings:
     return cfg.from_args(UpSettings, argparse.Namespace(**given), environ={})
 
 
 def test_targets_follow_the_task() -> None:
     s = settings(target_accuracy=0.9, target_loss=0.5)
-    assert reached_target({"accuracy": 0.91, "loss": 2.0}, s, classification=True)
-    assert reached_target({"accuracy": 0.5, "loss": 0.5}, s, classification=True)  # the loss target too
-    assert not reached_target({"accuracy": 0.5, "loss": 0.6}, s, classification=True)
-    assert reached_target({"loss": 0.4, "mae": 0.3}, s, classification=False)
-    assert not reached_target({"loss": 0.6, "accuracy": 0.99}, s, classification=False)  # accuracy: classification only
-    assert not reached_target({}, s, classification=True)
-    assert not reached_target({"loss": 0.1}, settings(), classification=False)  # no loss target
+    assert reached_target({"accuracy": 0.91, "loss": 2.0}, s, CLASSIFIER)
+    assert reached_target({"accuracy": 0.5, "loss": 0.5}, s, CLASSIFIER)  # the loss target too
+    assert not reached_target({"accuracy": 0.5, "loss": 0.6}, s, CLASSIFIER)
+    assert reached_target({"loss": 0.4, "mae": 0.3}, s, REGRESSION)
+    assert not reached_target({"loss": 0.6, "accuracy": 0.99}, s, REGRESSION)  # accuracy: classification only
+    assert not reached_target({}, s, CLASSIFIER)
+    assert not reached_target({"loss": 0.1}, settings(), REGRESSION)  # no loss target
 
 
 def test_exit_codes() -> None:
     default, limited = settings(), settings(max_records=7000)
     forever = settings(forever=True)
-    assert exit_code(Outcome.TARGET, default, classification=True) == 0
+    assert exit_code(Outcome.TARGET, default, CLASSIFIER) == 0
     # the stream (up to --max-records) consumed, as asked, whatever the score
-    assert exit_code(Outcome.CONSUMED, limited, classification=True) == 0
-    assert exit_code(Outcome.CONSUMED, limited, classification=False) == 0
+    assert exit_code(Outcome.CONSUMED, limited, CLASSIFIER) == 0
+    assert exit_code(Outcome.CONSUMED, limited, REGRESSION) == 0
     # a bounded stream ended before the target that was the stop condition
-    assert exit_code(Outcome.CONSUMED, default, classification=True) == 1
-    assert exit_code(Outcome.CONSUMED, settings(target_loss=0.1), classification=False) == 1
-    assert exit_code(Outcome.CONSUMED, default, classification=False) == 0  # regression without a target
-    assert exit_code(Outcome.TIMEOUT, default, classification=True) == 1
-    assert exit_code(Outcome.TIMEOUT, limited, classification=False) == 1
-    assert exit_code(Outcome.INTERRUPTED, forever, classification=True) == 0
-    assert exit_code(Outcome.INTERRUPTED, default, classification=True) == 130
+    assert exit_code(Outcome.CONSUMED, default, CLASSIFIER) == 1
+    assert exit_code(Outcome.CONSUMED, settings(target_loss=0.1), REGRESSION) == 1
+    assert exit_code(Outcome.CONSUMED, default, REGRESSION) == 0  # regression without a target
+    assert exit_code(Outcome.TIMEOUT, default, CLASSIFIER) == 1
+    assert exit_code(Outcome.TIMEOUT, limited, REGRESSION) == 1
+    assert exit_code(Outcome.INTERRUPTED, forever, CLASSIFIER) == 0
+    assert exit_code(Outcome.INTERRUPTED, default, CLASSIFIER) == 130
 
 
 def test_forever_streams_at_a_bounded_rate_by_default() -> None:
@@ -135,11 +138,15 @@ def test_live_view_shows_the_task_metrics_and_the_keeping_up_line() -> None:
     score = {"loss": 0.125, "mae": 0.25, "r2": 0.875}
     behind = assess([LagSample(i, 100 + 40 * i, 100 + 30 * i, 10 * i) for i in range(11)], trainers=1,
                     records_per_message=32)
-    regression = render(_view(status, score, 5.0, False, behind))
+    regression = render(_view(status, score, 5.0, REGRESSION, behind))
     assert "MAE" in regression and "R²" in regression and "0.875" in regression and "0.25" in regression
     assert "acc" not in regression  # neither the job's held-out accuracy nor the trainers' column
     assert "falling behind: lag +320 records/s; consumption 960/s vs input 1,280/s; add about 1 trainer " \
            "(each does ~960 records/s)" in regression
-    classifier = render(_view(status, {"accuracy": 0.9, "loss": 0.3}, 5.0, True, None))
+    classifier = render(_view(status, {"accuracy": 0.9, "loss": 0.3}, 5.0, CLASSIFIER, None))
     assert "held-out acc" in classifier and "90.0%" in classifier and "50.0%" in classifier
     assert "MAE" not in classifier and "keeping up" not in classifier and "falling" not in classifier
+    assert "AUC" not in classifier
+    binary = render(_view(status, {"auc": 0.71234, "loss": 0.61, "accuracy": 0.66}, 5.0, BINARY, None))
+    assert binary.index("held-out AUC") < binary.index("log loss") < binary.index("acc ")  # AUC first
+    assert "0.7123" in binary and "0.6100" in binary and "66.0%" in binary and "MAE" not in binary

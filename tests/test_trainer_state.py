@@ -259,6 +259,9 @@ def test_heartbeat_stats_cover_the_window_since_the_last_one() -> None:
     assert (stats["clock"], stats["staleness"], stats["accuracy"], stats["lag"]) == (7, 1, 0.9, 7)
     empty = p.heartbeat_stats(104.0, clock=7, staleness=1, accuracy=None, lag={})
     assert empty["records_per_s"] == 0 and "step_time_s" not in empty and "accuracy" not in empty
+    assert "auc" not in empty and "log_loss" not in empty  # not a binary model
+    binary = p.heartbeat_stats(105.0, clock=7, staleness=1, accuracy=0.6, lag={}, auc=0.71, log_loss=0.62)
+    assert (binary["accuracy"], binary["auc"], binary["log_loss"]) == (0.6, 0.71, 0.62)
 
 
 def test_a_non_finite_loss_is_not_sent() -> None:

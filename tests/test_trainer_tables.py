@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sklearn.metrics import log_loss, roc_auc_score
 
+from datastream import movielens
 from datastream.jagged import Jagged
 from services.consistency import Consistency
 from services.embeddings import TableSpec
@@ -84,6 +86,43 @@ def test_the_ranking_model_declares_its_tables_and_scores_one_logit_per_record()
                          ("dlrm?features=0", "at least one"), ("dlrm?top=a-b", "widths")):
         with pytest.raises(ValueError, match=message):
             build_model(bad)
+
+
+def test_the_movielens_schema_declares_the_sources_features_without_dense_ones() -> None:
+    spec = build_model("dlrm?schema=movielens&dim=8&row_lr=0.02")
+    assert spec.binary and [t.name for t in spec.tables] == list(movielens.FEATURES)
+    assert {t.name: t.pooling for t in spec.tables}[movielens.MULTI] == "mean"
+    assert all(t.pooling == "sum" for t in spec.tables if t.name != movielens.MULTI)
+    assert spec.tables[0].dim == 8 and spec.tables[0].optimizer.lr == 0.02
+    model = spec.model
+    assert isinstance(model, Dlrm) and model.dense == 0 and model.bottom is None
+    assert model(torch.empty(3, 0), {f: torch.randn(3, 8) for f in movielens.FEATURES}).shape == (3,)
+    for bad, message in (("dlrm?schema=movielens&dense=4", "schema=movielens fixes the features; drop dense"),
+                         ("dlrm?schema=movielens&features=3&tags=1", "drop features, tags"),
+                         ("dlrm?schema=criteo", "schema: one of clicks, movielens")):
+        with pytest.raises(ValueError, match=message):
+            build_model(bad)
+
+
+def test_the_binary_loss_is_scikit_learns_log_loss_and_the_models_own() -> None:
+    spec = build_model("dlrm?features=1&dense=2&dim=2")
+    tables = {t.name: t for t in spec.tables}
+    n = 64
+    ids = {"c1": Jagged.from_lists([[i % 5] for i in range(n)])}
+    x = torch.randn(n, 2)
+    y = torch.tensor([(i * 7) % 3 == 0 for i in range(n)]).long()
+
+    def pull(wanted: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: np.stack([np.sin(v), np.cos(v)], axis=1).astype(np.float32) for k, v in wanted.items()}  # row of ID
+
+    result = evaluate(spec.model, spec.loss_fn, x, y, version=1, classification=True, binary=True, batch_size=16,
+                      inputs=table_inputs(tables, ids, pull, torch.device("cpu")))
+    with torch.no_grad():
+        logits = spec.model(x, *table_inputs(tables, ids, pull, torch.device("cpu"))(0, n)).double()
+    p = torch.sigmoid(logits).numpy()
+    assert result.loss == pytest.approx(log_loss(y.numpy(), p, labels=[0, 1]), rel=1e-9)
+    assert result.loss == pytest.approx(float(spec.loss_fn(logits.float(), y)), rel=1e-5)  # the same quantity
+    assert result.auc == pytest.approx(roc_auc_score(y.numpy(), logits.numpy()))
 
 
 def test_a_step_waits_for_the_stricter_synchronous_part() -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .models import LossFn
@@ -23,7 +24,8 @@ class EvalResult:
     version: int
     """Parameter version that was scored."""
     loss: float
-    """Mean loss over the held-out set."""
+    """Mean loss over the held-out set; for a binary model, the log loss of scikit-learn's
+    ``log_loss`` (see :attr:`auc`)."""
     accuracy: float | None
     """Fraction of correct predictions (None for regression)."""
     samples: int
@@ -36,7 +38,9 @@ class EvalResult:
     auc: float | None = None
     """Binary classification: the area under the ROC curve of the logits (scikit-learn's
     ``roc_auc_score``; None otherwise, and when the held-out labels are all one class). The loss is
-    then the log loss."""
+    then the log loss, also scikit-learn's: ``log_loss`` of the sigmoid of the logits, clipped as it
+    clips probabilities — the mean of the model's own loss (``binary_cross_entropy_with_logits``) up to
+    that clipping and float rounding (``tests/test_scoring.py`` checks they agree)."""
 
     @property
     def classification(self) -> bool:
@@ -51,8 +55,8 @@ def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.
     """Score ``model`` on ``(x, y)`` in batches; the model's mode is restored afterwards.
 
     Classification counts correct predictions (argmax of the logits; with
-    ``binary``, one logit per row, a positive logit predicts 1, and the AUC of
-    the logits is computed too); regression
+    ``binary``, one logit per row, a positive logit predicts 1, and the AUC and the
+    log loss of the logits come from scikit-learn); regression
     sums absolute and squared errors (in float64) for :attr:`EvalResult.mae` and
     :attr:`EvalResult.r2`, comparing an output of one value per row (``[n]`` or
     ``[n, 1]``) with the targets; any other output (a loss that is neither
@@ -75,12 +79,12 @@ def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.
             stop = min(start + batch_size, len(x))
             xb, yb = x[start:stop], y[start:stop]
             out = model(xb, *inputs(start, stop)) if inputs is not None else model(xb)
-            total_loss += float(loss_fn(out, yb)) * len(xb)
-            if binary:
+            if binary:  # the loss below, from all the logits at once
                 out = out.reshape(-1).float()
                 correct += int(((out > 0).long() == yb.reshape(-1).long()).sum())
                 logits.append(out.cpu())
                 continue
+            total_loss += float(loss_fn(out, yb)) * len(xb)
             if classification:
                 correct += int((out.argmax(dim=1) == yb).sum())
                 continue
@@ -94,11 +98,13 @@ def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.
         model.train(was_training)
     n = len(x)
     if binary:
-        from sklearn.metrics import roc_auc_score  # scikit-learn loads in ~1 s: only when scoring a binary model
+        from sklearn.metrics import log_loss, roc_auc_score  # scikit-learn loads in ~1 s: only when scoring one
 
         labels = y.reshape(-1).long().cpu().numpy()
-        auc = float(roc_auc_score(labels, torch.cat(logits).numpy())) if len(set(labels.tolist())) == 2 else None
-        return EvalResult(version, total_loss / n, correct / n, n, auc=auc)
+        scores = torch.cat(logits).double().numpy()
+        auc = float(roc_auc_score(labels, scores)) if len(set(labels.tolist())) == 2 else None
+        logloss = float(log_loss(labels, 1.0 / (1.0 + np.exp(-scores)), labels=[0, 1]))
+        return EvalResult(version, logloss, correct / n, n, auc=auc)
     if classification:
         return EvalResult(version, total_loss / n, correct / n, n)
     if not per_target:

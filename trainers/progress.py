@@ -99,13 +99,15 @@ class Progress:
         return report
 
     def heartbeat_stats(self, now: float, *, clock: int, staleness: int, accuracy: float | None,
-                        lag: Mapping[int, int], row_cache: tuple[int, int] | None = None) -> dict[str, object]:
+                        lag: Mapping[int, int], row_cache: tuple[int, int] | None = None,
+                        auc: float | None = None, log_loss: float | None = None) -> dict[str, object]:
         """The stats one heartbeat carries, over the window since the last one (which closes now).
 
         ``clock`` is the last clock pushed, ``staleness`` the last step's, ``lag`` the consumer's
         per partition. ``row_cache`` is the row cache's (hits, misses) since it was made (None for
         a model without embedding tables): ``row_cache_hit_rate`` is the hits over the lookups of
         the window, sent when it had any (counts that went back, a new cache, start a new count).
+        ``auc`` and ``log_loss``: a binary model's held-out AUC and log loss at its last evaluation.
         Only finite numbers are sent (JSON has no NaN).
         """
         w, self._window = self._window, _Window(started=now)
@@ -117,8 +119,9 @@ class Progress:
         if w.steps:
             stats["step_time_s"] = w.step_time_s / w.steps
             stats["bytes_per_step"] = w.wire_bytes / w.steps
-        if accuracy is not None:
-            stats["accuracy"] = accuracy
+        for name, value in (("accuracy", accuracy), ("auc", auc), ("log_loss", log_loss)):
+            if value is not None and math.isfinite(value):
+                stats[name] = value
         if lag:
             stats["lag"] = sum(lag.values())
         if self._freshness:

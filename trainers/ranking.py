@@ -15,6 +15,8 @@ one ``[n, dim]`` tensor per feature, so no trainer ever holds a table
 Spec: ``dlrm?features=26&dense=13&dim=16``; options (all optional):
 
 ==================  ======================================================  ==========
+``schema``          whose features: ``clicks`` (``c1`` .. ``cN``, ``tags``)  clicks
+                    or ``movielens`` (see below)
 ``features``        single-valued categorical features ``c1`` .. ``cN``      26
 ``tags``            1: also the multi-hot feature ``tags`` (mean-pooled)     0
 ``dense``           dense features (0: none, no bottom MLP)                 13
@@ -29,7 +31,14 @@ Spec: ``dlrm?features=26&dense=13&dim=16``; options (all optional):
 ``init_scale``      rows start uniform in [-s, s)                           0.05
 ==================  ======================================================  ==========
 
-The feature names match the ``clicks`` source (``datastream.clicks``).
+With the default ``schema=clicks`` the feature names match the ``clicks`` source
+(``datastream.clicks``). ``schema=movielens`` declares the features of the ``movielens`` source
+instead (:mod:`datastream.movielens`): one table for each of ``user``, ``item``, ``age``,
+``gender``, ``occupation``, ``zip``, ``year`` and a mean-pooled one for the multi-hot
+``genres``, and no dense features — so ``dlrm?schema=movielens`` is the whole spec of a ranking
+model for it (``features``, ``tags`` and ``dense`` are refused with it: the schema fixes them; the
+other options apply). It is the one way to fit the model to a data set's features: a schema names
+them, as the source names them.
 """
 
 from __future__ import annotations
@@ -39,9 +48,14 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from datastream.movielens import MULTI as MOVIELENS_MULTI
+from datastream.movielens import SINGLE as MOVIELENS_SINGLE
 from services.embeddings import RowOptimizerConfig, TableSpec
 
-__all__ = ["Dlrm", "dlrm_from_options", "binary_logistic_loss"]
+__all__ = ["SCHEMAS", "Dlrm", "dlrm_from_options", "binary_logistic_loss"]
+
+SCHEMAS = ("clicks", "movielens")
+"""Feature sets the ``schema`` option names."""
 
 
 def binary_logistic_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -105,8 +119,8 @@ def dlrm_from_options(options: Mapping[str, str]) -> Dlrm:
     Raises:
         ValueError: an unknown option or a bad value, named.
     """
-    known = {"features", "tags", "dense", "dim", "bottom", "top", "row_optimizer", "row_lr", "admit", "expire_s",
-             "max_rows", "init_scale"}
+    known = {"schema", "features", "tags", "dense", "dim", "bottom", "top", "row_optimizer", "row_lr", "admit",
+             "expire_s", "max_rows", "init_scale"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"dlrm: unknown option(s) {unknown}; known: {sorted(known)}")
@@ -121,6 +135,12 @@ def dlrm_from_options(options: Mapping[str, str]) -> Dlrm:
             raise ValueError(f"dlrm option {key}: must be >= {lo}, got {text!r}")
         return value
 
+    schema = options.get("schema", "clicks")
+    if schema not in SCHEMAS:
+        raise ValueError(f"dlrm option schema: one of {', '.join(SCHEMAS)}, got {schema!r}")
+    fixed = sorted({"features", "tags", "dense"} & set(options)) if schema != "clicks" else []
+    if fixed:
+        raise ValueError(f"dlrm: schema={schema} fixes the features; drop {', '.join(fixed)}")
     features = int(number("features", "26", int, 0))
     tags = int(number("tags", "0", int, 0))
     dim = int(number("dim", "16", int, 1))
@@ -132,10 +152,15 @@ def dlrm_from_options(options: Mapping[str, str]) -> Dlrm:
         return TableSpec(name, dim, pooling=pooling, init_scale=scale, optimizer=row_opt, admit_after=admit,
                          expire_after_s=expire, max_rows=cap)
 
-    tables = [table(f"c{i}") for i in range(1, features + 1)]
-    if tags:
-        tables.append(table("tags", pooling="mean"))
+    if schema == "movielens":
+        tables = [table(name) for name in MOVIELENS_SINGLE] + [table(MOVIELENS_MULTI, pooling="mean")]
+        dense = 0
+    else:
+        tables = [table(f"c{i}") for i in range(1, features + 1)]
+        if tags:
+            tables.append(table("tags", pooling="mean"))
+        dense = int(number("dense", "13", int, 0))
     if not tables:
         raise ValueError("dlrm: needs at least one categorical feature (features >= 1 or tags=1)")
-    return Dlrm(tuple(tables), dense=int(number("dense", "13", int, 0)), dim=dim,
+    return Dlrm(tuple(tables), dense=dense, dim=dim,
                 bottom=_ints(options.get("bottom", "64"), "bottom"), top=_ints(options.get("top", "64-32"), "top"))

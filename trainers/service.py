@@ -366,12 +366,16 @@ class Trainer:
             await asyncio.sleep(0.2)  # the coordinator restarted, or we registered anew
 
     def _stats(self) -> dict[str, object]:
-        accuracy = self.last_eval.accuracy if self.last_eval is not None else None
+        held_out = self.last_eval
+        accuracy = held_out.accuracy if held_out is not None else None
+        binary = held_out is not None and self.replica.spec.binary  # its loss is the log loss
         lag = self.consumer.stats().lag if self.consumer is not None else {}
         cache = self.row_cache.stats() if self.tables else None
         return self.progress.heartbeat_stats(time.monotonic(), clock=self.state.clock - 1,
                                              staleness=self.state.staleness, accuracy=accuracy, lag=lag,
-                                             row_cache=(cache.hits, cache.misses) if cache is not None else None)
+                                             row_cache=(cache.hits, cache.misses) if cache is not None else None,
+                                             auc=held_out.auc if held_out is not None else None,
+                                             log_loss=held_out.loss if binary and held_out is not None else None)
 
     async def _assign_from_committed(self) -> None:
         """Restart the consumer on the wanted partitions from their committed offsets."""

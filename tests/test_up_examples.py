@@ -1,0 +1,65 @@
+"""``up --example`` and ``--target-auc``, without servers: what an example sets, what the user's flags
+and variables keep, and which target stops a binary model's run."""
+
+from __future__ import annotations
+
+import pytest
+
+from common import settings as cfg
+from streamtrain.cli import build_parser
+from streamtrain.examples import EXAMPLES, MOVIELENS_TARGET_AUC
+from streamtrain.settings import UpSettings
+from streamtrain.up import Outcome, Task, _ending, cluster_spec, exit_code, has_target, reached_target, settings_of
+
+BINARY, DIGITS = Task(classification=True, binary=True), Task(classification=True)
+
+
+def _up(*flags: str, environ: dict[str, str] | None = None) -> UpSettings:
+    return settings_of(build_parser("up").parse_args(list(flags)), environ or {})
+
+
+def test_the_movielens_example_sets_its_job_and_the_users_flags_and_variables_win() -> None:
+    s = _up("--example", "movielens")
+    assert s.source == "movielens" and s.model.startswith("dlrm?schema=movielens")
+    assert s.target_auc == MOVIELENS_TARGET_AUC and all(getattr(s, k) == v for k, v in EXAMPLES["movielens"].items())
+    spec = cluster_spec(s, environ={})
+    assert (spec.job, spec.topic, spec.producer.source, spec.trainer.eval_source) == (
+        "movielens", "movielens", "movielens", "movielens")
+    assert spec.coordinator.table_consistency == "asp" and spec.trainer.model == s.model
+    mine = _up("--example", "movielens", "--trainers", "1", "--target-auc", "0.6", "--lr", "0.01",
+               environ={"STREAMTRAIN_CODEC": "int8"})
+    assert (mine.trainers, mine.target_auc, mine.lr, mine.codec) == (1, 0.6, 0.01, "int8")
+    assert mine.source == "movielens"  # the rest stays the example's
+    from_env = _up(environ={"STREAMTRAIN_EXAMPLE": "movielens"})
+    assert from_env.source == "movielens"
+    assert _up() == cfg.from_args(UpSettings, {}, environ={})  # digits: the defaults themselves
+    assert cluster_spec(_up(), environ={}).job == "digits"
+    forever = cluster_spec(_up("--example", "movielens", "--forever"), environ={})
+    assert forever.producer.source == "movielens?repeat=0"  # online: pass after pass
+
+
+def test_target_auc_is_checked_against_the_model() -> None:
+    with pytest.raises(cfg.SettingsError, match="--target-auc / STREAMTRAIN_TARGET_AUC: the AUC needs a binary model"):
+        _up("--target-auc", "0.8")  # digits: a ten-class MLP
+    with pytest.raises(cfg.SettingsError, match=r"--target-auc / STREAMTRAIN_TARGET_AUC: must be <= 1\.0"):
+        _up("--example", "movielens", "--target-auc", "1.5")
+    with pytest.raises(cfg.SettingsError, match="STREAMTRAIN_TARGET_AUC: expected float"):
+        _up("--example", "movielens", environ={"STREAMTRAIN_TARGET_AUC": "high"})
+    assert _up("--model", "dlrm?features=2&dense=1", "--target-auc", "0.75").target_auc == 0.75
+
+
+def test_a_target_auc_stops_a_binary_run_in_place_of_the_accuracy_target() -> None:
+    s = _up("--example", "movielens", "--target-auc", "0.72")
+    assert has_target(s, BINARY)
+    assert not reached_target({"auc": 0.719, "accuracy": 0.99}, s, BINARY)  # accuracy is not the target
+    assert reached_target({"auc": 0.72, "accuracy": 0.5}, s, BINARY)
+    assert not reached_target({"accuracy": 0.99}, s, BINARY)  # no AUC yet
+    assert exit_code(Outcome.CONSUMED, s, BINARY) == 1 and exit_code(Outcome.TARGET, s, BINARY) == 0
+    assert _ending(s, Outcome.CONSUMED, BINARY) == "the stream ended; target AUC 0.72: NOT reached"
+    plain = _up("--model", "dlrm?features=2&dense=1")  # a binary model without --target-auc: accuracy, as before
+    assert reached_target({"auc": 0.5, "accuracy": 0.96}, plain, BINARY)
+    assert not reached_target({"auc": 0.99, "accuracy": 0.9}, plain, BINARY)
+    with_loss = _up("--example", "movielens", "--target-loss", "0.6")
+    assert reached_target({"auc": 0.5, "loss": 0.59}, with_loss, BINARY)
+    assert _ending(with_loss, Outcome.TARGET, BINARY) == "target AUC 0.7 or loss 0.6: reached"
+    assert reached_target({"accuracy": 0.96}, _up(), DIGITS) and not reached_target({"accuracy": 0.9}, _up(), DIGITS)
