@@ -31,6 +31,7 @@ from services import (
 )
 from services.checkpoint_tables import SavedPiece, tables_folder
 from services.embeddings import TableSpec
+from services.embeddings.feed import feed_heads
 from services.embeddings.rows import SEEN_DTYPE, row_dtype
 from services.embeddings.store import sweep_rows
 from services.errors import CheckpointError
@@ -393,6 +394,7 @@ def test_tables_export_in_pieces_that_read_back_as_the_rows_in_redis(
     pulled = ParameterStore(redis, JOB).pull().tensors
     assert sorted(dense) == sorted(pulled) and all(torch.equal(dense[k], pulled[k]) for k in pulled)
     assert listed["format"] == "streamtrain-tables-1" and [t["table"] for t in listed["tables"]] == ["user", "item"]
+    assert listed["feed_position"] == ".".join(map(str, feed_heads(redis, JOB, GROUPS)))
     for spec, table in zip((USER, ITEM), listed["tables"], strict=True):
         want = stored(redis, JOB, spec, GROUPS)
         assert table["dim"] == spec.dim and table["rows"] == len(want) > 4 and len(table["pieces"]) > GROUPS

@@ -34,6 +34,7 @@ from services.embeddings.feed_copy import FeedCopy, lag_of
 from services.embeddings.rows import id_bytes, row_dtype
 from services.embeddings.store import sweep_rows
 from services.export import snapshot
+from services.table_export import export_tables
 from streamtrain.launcher import wait_until
 
 JOB = "feed"
@@ -146,6 +147,26 @@ def test_a_row_removed_then_readmitted_in_one_range_reads_as_an_upsert(
     now = rows_now(redis, JOB, USER, 1)
     for i, v in zip(changes.tables["user"].ids.tolist(), changes.tables["user"].values, strict=True):
         assert v.tobytes() == now[i].tobytes()
+
+
+def test_a_copy_loaded_from_an_export_follows_the_feed_from_the_position_it_names(
+        redis: redis_lib.Redis, redis_url: str, servers: list, tmp_path) -> None:
+    setup(redis, JOB, groups=2)
+    push_rows(redis, range(1, 4), job=JOB)
+    start(servers, redis_url, 2)
+    wait_until(lambda: applied(redis, JOB) == 3, 60, what="3 updates applied")
+    export_tables(redis, JOB, str(tmp_path / "tables"), rows_per_piece=3)
+    pusher = Pusher(redis, JOB, "a", row_dtype="float32")
+    for c in range(4, 8):  # more rows change and are born after the export
+        pusher.push(None, generation=1, clock=c, offsets={0: (10 * (c - 1), 10 * c)},
+                    samples=[("prod", 10 * (c - 1), 10)], batch_size=10, rows=batch_rows(c))
+    wait_until(lambda: applied(redis, JOB) == 7, 60, what="7 updates applied")
+    capped = TableSpec(ITEM.name, ITEM.dim, optimizer=ITEM.optimizer, admit_after=2, max_rows=2)
+    assert sum(sweep_rows(redis, JOB, g, capped, 2, now_ms=2**41).evicted for g in range(2)) > 0
+    copy = FeedCopy.load_export(str(tmp_path / "tables"))
+    assert copy.position != "0.0" and copy.tables["user"]
+    catch_up(redis, JOB, copy)
+    assert_copy_is_the_rows(copy, redis, JOB, 2)
 
 
 def _fill(redis: redis_lib.Redis, job: str, spec: TableSpec, n: int) -> None:

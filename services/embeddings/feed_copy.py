@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -25,8 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .feed import DecodedChanges, changes_from_safetensors
+from .pieces import read_manifest, read_piece
 
-__all__ = ["FeedCopy", "FeedHttpError", "fetch_changes", "follow", "FeedLag", "measure_feed_lag"]
+__all__ = ["FeedCopy", "FeedHttpError", "fetch_changes", "follow", "FeedLag", "lag_of", "measure_feed_lag"]
 
 
 class FeedHttpError(Exception):
@@ -60,6 +62,28 @@ class FeedCopy:
     def __post_init__(self) -> None:
         if not self.position:
             self.position = ".".join(["0"] * self.groups)
+
+    @classmethod
+    def load_export(cls, folder: str) -> FeedCopy:
+        """A copy of the tables that ``streamtrain export --tables-dir folder`` wrote, at the feed position
+        its manifest names (follow the feed from there to bring it up to date; the dense part is not in
+        it: the first answer that changes dense shards carries them, or load ``GET /v1/model``).
+
+        Raises:
+            ValueError: the folder's manifest names no feed position (an export older than the feed).
+            OSError: it cannot be read.
+        """
+        manifest = read_manifest(folder)
+        position = manifest.get("feed_position")
+        if not isinstance(position, str):
+            raise ValueError(f"{folder}: the manifest names no feed_position (exported before the feed existed)")
+        copy = cls(groups=int(manifest["groups"]), position=position)
+        for table in manifest["tables"]:
+            rows = copy.tables.setdefault(table["table"], {})
+            for piece in table["pieces"]:
+                t = read_piece(os.path.join(folder, piece["file"]))
+                rows.update(zip(t["ids"].tolist(), t["values"], strict=True))
+        return copy
 
     def apply(self, changes: DecodedChanges) -> int:
         """Apply one answer (upserts, then tombstones; the groups' IDs are disjoint, so the order
