@@ -1,10 +1,11 @@
 """``GET /v1/model/updates`` (the feed of row changes) and ``GET /v1/embeddings/<table>`` (rows by ID):
 what a serving system needs of the embedding tables, beside ``GET /v1/model``'s dense part.
 
-- ``/v1/model/updates?since=P[&limit=N]``: the changes since feed position ``P`` (one integer per shard
-  group joined by '.', like a version name; ``0`` per group: from the start) as safetensors
+- ``/v1/model/updates?since=P[&limit=N][&dense=0]``: the changes since feed position ``P`` (one integer
+  per shard group joined by '.', like a version name; ``0`` per group: from the start) as safetensors
   (``services.embeddings.feed``): per table ``<table>.ids``, ``<table>.values``, ``<table>.removed``,
-  and the dense tensors by parameter name when a shard changed in the range. ``X-Feed-Position`` is
+  and the dense tensors by parameter name when a shard changed in the range (not with ``dense=0``:
+  ``X-Dense-Changed`` says when to fetch ``/v1/model``). ``X-Feed-Position`` is
   the position reached (the next ``since``), ``X-Feed-Head`` each group's newest (equal: caught up),
   ``X-Model-Version`` the groups' versions at the read. No change: 200 with empty tensors, the
   position unchanged (one form for every answer). ``limit``: most entries per group (default
@@ -115,8 +116,10 @@ def _meta(client: redis.Redis, job: str) -> Any:
 
 
 @_translate
-def _updates(client: redis.Redis, job: str, since_text: str, limit: int) -> tuple[bytes, str, str, str, int]:
-    """(body, position reached, heads, versions, entries) of the changes since ``since_text``."""
+def _updates(client: redis.Redis, job: str, since_text: str, limit: int, with_dense: bool
+             ) -> tuple[bytes, str, str, str, int, bool]:
+    """(body, position reached, heads, versions, entries, dense changed) of the changes since ``since_text``
+    (the dense tensors in the body when they changed and ``with_dense``)."""
     from services.embeddings.feed import (
         FeedAheadError,
         changes_to_safetensors,
@@ -134,19 +137,19 @@ def _updates(client: redis.Redis, job: str, since_text: str, limit: int) -> tupl
         raise FeedAheadError(f"job {job} has no feed position {since_text!r}: {exc}", head=heads) from None
     changes = read_changes(client, job, meta.tables, since, limit=limit)
     dense = dense_version = None
-    if changes.dense:
+    if changes.dense and with_dense:
         dense_version, tensors = snapshot(client, job)
         dense = {name: t.numpy() for name, t in tensors.items()}
     body = changes_to_safetensors(changes, job=job, dense=dense, dense_version=dense_version)
     return (body, position_name(changes.position), position_name(changes.head), position_name(changes.version),
-            int(changes.applied_ms.size))
+            int(changes.applied_ms.size), changes.dense)
 
 
 async def get_updates(request: web.Request) -> web.Response:
     """The changes since ``?since=`` as safetensors, with the position reached."""
     settings = request.app[SETTINGS]
     _authorise(request)
-    from_query = _query(request, frozenset({"since", "limit"}), "/v1/model/updates")
+    from_query = _query(request, frozenset({"since", "limit", "dense"}), "/v1/model/updates")
     since = from_query.get("since")
     if since is None:
         raise ApiError(400, "invalid_query", "since is required: the feed position the copy holds ('0' per shard "
@@ -162,11 +165,17 @@ async def get_updates(request: web.Request) -> web.Response:
             raise ApiError(400, "invalid_query", f"limit must be an integer from 1 to {MOST_LIMIT} (entries per "
                                                  f"shard group), got {raw[:100]!r}")
         limit = int(raw)
-    body, position, head, version, entries = await request.app[FEED_READER].call(_updates, settings.job, since, limit)
+    with_dense = from_query.get("dense", "1")
+    if with_dense not in ("0", "1"):
+        raise ApiError(400, "invalid_query", f"dense must be 1 (the dense tensors when they changed, the default) "
+                                             f"or 0 (never: follow them with /v1/model), got {with_dense[:100]!r}")
+    body, position, head, version, entries, dense = await request.app[FEED_READER].call(
+        _updates, settings.job, since, limit, with_dense == "1")
     logger.debug("feed job=%s since=%s position=%s head=%s entries=%d bytes=%d", settings.job, since, position, head,
                  entries, len(body))
     return web.Response(body=body, content_type="application/octet-stream", headers={
-        "X-Feed-Position": position, "X-Feed-Head": head, "X-Model-Version": version, "Cache-Control": "no-store"})
+        "X-Feed-Position": position, "X-Feed-Head": head, "X-Model-Version": version,
+        "X-Dense-Changed": "1" if dense else "0", "Cache-Control": "no-store"})
 
 
 @_translate

@@ -257,6 +257,12 @@ async def test_the_routes_serve_the_feed_and_the_rows_and_refuse_bad_requests(
         version, dense = snapshot(redis, JOB)  # the last apply changed dense shards: the tensors came along
         assert sorted(copy.dense) == sorted(dense) and copy.version == str(version[0])
         assert all(copy.dense[n].tobytes() == t.numpy().tobytes() for n, t in dense.items())
+        last = f"/v1/model/updates?since={head - 1}"
+        with_dense = await client.get(last, headers=AUTH)
+        without = await client.get(last + "&dense=0", headers=AUTH)
+        assert with_dense.headers["X-Dense-Changed"] == without.headers["X-Dense-Changed"] == "1"
+        assert changes_from_safetensors(await with_dense.read()).dense
+        assert not changes_from_safetensors(await without.read()).dense
         resp = await client.get(f"/v1/model/updates?since={head}", headers={"Authorization": "Bearer admin-secret"})
         empty = changes_from_safetensors(await resp.read())
         assert resp.status == 200 and empty.position == str(head) and empty.applied_ms.size == 0
@@ -283,7 +289,8 @@ async def test_the_routes_serve_the_feed_and_the_rows_and_refuse_bad_requests(
         for query, problem in (("", "since is required"), ("?since=abc", "since must be a feed position"),
                                ("?since=0&limit=0", "limit must be an integer from 1 to 10000"),
                                ("?since=0&limit=x", "limit must be"), ("?since=0&since=1", "given once"),
-                               ("?since=0&v=1", "unknown query parameter 'v'")):
+                               ("?since=0&v=1", "unknown query parameter 'v'"),
+                               ("?since=0&dense=yes", "dense must be")):
             bad = await error(f"/v1/model/updates{query}", 400)
             assert bad["code"] == "invalid_query" and problem in bad["message"], bad
         ahead = await error(f"/v1/model/updates?since={head + 5}", 404)

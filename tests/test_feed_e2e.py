@@ -64,6 +64,9 @@ class Consumer:
 
     def _run(self) -> None:
         try:
+            with self.lock:
+                self.poll(timed=False)  # the coordinator's first answer imports the parameter plane: no lag
+            self.started_ms = time.time() * 1000
             while not self.stop.is_set():
                 with self.lock:
                     more = self.poll()

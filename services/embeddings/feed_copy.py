@@ -164,29 +164,30 @@ def lag_of(seen_ms: np.ndarray, applied_ms: np.ndarray) -> FeedLag:
 def measure_feed_lag(url: str, token: str, *, seconds: float, poll_interval_s: float = 0.05, groups: int = 1,
                      limit: int | None = None) -> FeedLag:
     """Poll the feed every ``poll_interval_s`` for ``seconds`` (on the machine of Redis, or one whose
-    clock agrees with it: lag is this clock minus Redis's), applying nothing, and measure each entry
-    applied after the start: from its apply to the answer that carried it. Starts at the feed's
-    oldest position answered when position 0 is gone; entries applied before the start are not
-    counted."""
-    copy = FeedCopy(groups=groups)
-    start_ms = time.time() * 1000
+    clock agrees with it: lag is this clock minus Redis's), applying nothing, and measure each entry:
+    from its apply to the answer that carried it. The first answer only finds the head (the
+    coordinator imports the parameter plane on its first request: seconds of a cold start, no lag of
+    the feed); the entries after it are measured."""
+    position = ".".join(["0"] * groups)
+    start_ms: float | None = None
     seen: list[np.ndarray] = []
     applied: list[np.ndarray] = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            changes = fetch_changes(url, token, copy.position, limit=limit)
+            changes = fetch_changes(url, token, position, limit=limit)
         except FeedHttpError as exc:
-            if exc.code != "feed_gone":
+            if exc.code != "feed_gone" or start_ms is not None:
                 raise
-            oldest = exc.body["error"]["oldest"]
-            copy.position = str(oldest)
+            position = str(exc.body["error"]["oldest"])
             continue
         now_ms = time.time() * 1000
-        fresh = changes.applied_ms[changes.applied_ms >= start_ms]
-        applied.append(fresh)
-        seen.append(np.full(fresh.size, now_ms))
-        copy.position = changes.position
+        if start_ms is None:  # start at the head
+            start_ms, position = now_ms, changes.head
+            continue
+        applied.append(changes.applied_ms)
+        seen.append(np.full(changes.applied_ms.size, now_ms))
+        position = changes.position
         if not changes.more:
             time.sleep(poll_interval_s)
     return lag_of(np.concatenate(seen) if seen else np.zeros(0), np.concatenate(applied) if applied else np.zeros(0))
