@@ -312,6 +312,26 @@ class GroupKeys:
         read the blobs of the updates pending at its cut). Deleted as soon as the save has read them."""
         return self.key("rows_blob_shadow")
 
+    @property
+    def feed(self) -> str:
+        """Stream: the changelog of the group's rows, which a serving system follows
+        (``services.embeddings.feed``). Entry ``<n>-0`` is the group's feed position n (1, 2, 3, ...),
+        written by the same script as what it records: one per apply that bumps the group version
+        (fields ``v`` the version, ``ms`` Redis's time in ms, ``d`` 1 when dense shards changed, and
+        ``w:<table>`` the IDs of the rows written, 8 little-endian bytes each), one per sweep step
+        that removed rows (``v`` unchanged, ``ms``, ``d`` 0, ``r:<table>`` the IDs removed). Trimmed
+        by those scripts to about the servers' ``feed_entries`` newest entries (``MAXLEN ~``). Deleted
+        when the group is created, and emptied when it is restored from a checkpoint (:attr:`feed_head`
+        then moves past every position before the restore)."""
+        return self.key("feed")
+
+    @property
+    def feed_head(self) -> str:
+        """Integer: the group's last feed position (:attr:`feed`'s newest entry, or past it), INCRed by
+        the script that appends an entry; a restore from a checkpoint INCRs it once more with no entry,
+        so every position before the restore reads as gone. Deleted when the group is created."""
+        return self.key("feed_head")
+
     def staging(self, token: str, slot: int) -> str:
         """A server's staged value ``slot`` of apply ``token``, renamed into place by the atomic apply
         (or deleted when it loses the compare-and-set)."""

@@ -24,6 +24,7 @@ from common.outage import REDIS_DOWN, Outage
 from common.redis_client import connect_async
 
 from .channel import channel, close_channels
+from .feed_route import setup_feed_routes
 from .kafka_probe import KafkaProbe
 from .membership import RenewLeases
 from .metrics import Metrics
@@ -106,6 +107,7 @@ def create_app(settings: CoordinatorSettings) -> web.Application:
     app.cleanup_ctx.append(_runtime_ctx)
     setup_routes(app)
     setup_model_route(app)  # GET /v1/model (imports the parameter plane and torch on first use only)
+    setup_feed_routes(app)  # GET /v1/model/updates and /v1/embeddings/{table} (likewise)
     app.router.add_get("/v1/members/{member_id}/channel", channel)
     app.on_shutdown.append(close_channels)
     return app

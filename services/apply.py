@@ -46,7 +46,7 @@ from .embeddings.apply import TableWrites
 from .embeddings.rows import SEEN_DTYPE, id_bytes
 from .errors import ParameterPlaneError
 from .protocol import AccountingRecord, AccountPlan, PlanUpdate, Status, Update
-from .scripts import AccountCall, ApplyCall, ShardPublish, TablePublish, execute_with_script
+from .scripts import DEFAULT_FEED_ENTRIES, AccountCall, ApplyCall, ShardPublish, TablePublish, execute_with_script
 
 __all__ = ["Outcome", "ShardWrite", "Persist", "Housekeeping", "WriteResult", "AccountingError", "write_batch",
            "finish_accounting"]
@@ -155,7 +155,8 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
                 outcomes: Sequence[Outcome], shards: Sequence[ShardWrite], persist: Persist | None = None,
                 housekeeping: Housekeeping | None = None, version: int | None = None,
                 tables: Sequence[TableWrites] = (), row_blobs: Sequence[str] = (),
-                before_exec: Callable[[], None] = lambda: None) -> WriteResult:
+                feed_entries: int = DEFAULT_FEED_ENTRIES, before_exec: Callable[[], None] = lambda: None
+                ) -> WriteResult:
     """Write a batch for ``group``: its half (deltas, compactions, cursor, optionally the persisted
     optimizer state) in one MULTI/EXEC if nothing moved since ``cursor``, then the job's half (the
     per-update accounting, optionally the :class:`Housekeeping`).
@@ -171,6 +172,7 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
     ``tables``: what the batch writes to the group's embedding tables (rows stamped with
     ``version + 1``, ``version`` being the group version the server read: the script checks it);
     ``row_blobs``: the row-gradient blobs of the batch's updates, deleted by the same step.
+    ``feed_entries``: entries the group's feed keeps (a write that bumps the version appends one).
 
     Raises:
         ValueError: ``tables`` without the ``version`` their rows are stamped from.
@@ -207,7 +209,7 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
                      tables=[TablePublish(w.table, id_bytes(w.row_ids), w.rows, w.record_size, id_bytes(w.seen_ids),
                                           w.seen, SEEN_DTYPE.itemsize, id_bytes(w.unseen_ids), w.steps, w.admitted,
                                           w.dropped) for w in tables],
-                     row_blobs=row_blobs)
+                     row_blobs=row_blobs, feed_entries=feed_entries)
 
     def build(pipe: redis.client.Pipeline, sha: str) -> None:
         for key, value in staged:

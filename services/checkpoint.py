@@ -213,6 +213,10 @@ def _restore_group(client: redis.Redis, job: str, meta: ModelMeta, group: int, s
     pipe.delete(gk.version, gk.cursor, gk.persisted, gk.unaccounted, *(getattr(gk, h) for h in GROUP_HASHES),
                 *(gk.shard(i) for i in own), *(gk.deltas(i) for i in own),
                 *(gk.optimizer_state(i, s) for i in own for s in range(k)), gk.table_stats, gk.table_cut)
+    # the feed starts over past every position before the restore (its rows were not recorded in it):
+    # a consumer that follows it from before reads `gone` and reloads the tables
+    pipe.xtrim(gk.feed, maxlen=0, approximate=False)
+    pipe.incr(gk.feed_head)
     if meta.tables:  # possibly large: freed off Redis's main thread
         pipe.unlink(gk.rows_blob_shadow, *(key for t in meta.tables for key in (
             gk.table_rows(t.name), gk.table_seen(t.name), gk.table_shadow(t.name), gk.seen_shadow(t.name))))

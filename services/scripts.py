@@ -8,8 +8,8 @@ plan entries it reads by position). Its :class:`ScriptCall` lists the same names
 ``ARGV``, ``KEYS_TAIL``, ``ARGV_TAIL``, ``ENTRIES``) and renders the arguments from them, so a
 call never counts positions: :class:`PushCall` (``push.lua``), :class:`ApplyCall` (``apply.lua``),
 :class:`AccountCall` (``account.lua``), :class:`RowsReadCall`, :class:`RowsSweepCall`,
-:class:`TableCutCall` and :class:`RowsScanCall`. ``tests/test_protocol.py`` reads each header and its
-locals and fails when they and the class disagree on any position.
+:class:`TableCutCall`, :class:`RowsScanCall` and :class:`FeedReadCall`. ``tests/test_protocol.py``
+reads each header and its locals and fails when they and the class disagree on any position.
 
 On a Redis Cluster client (``common.redis_client``) SCRIPT LOAD goes to every master and an
 EVALSHA to the master of its keys' slot (a job's keys share one), so a script is loaded up front
@@ -34,7 +34,8 @@ from .protocol import AccountPlan, PlanUpdate, Update
 from .wire import pack
 
 __all__ = ["ScriptCall", "PushCall", "ApplyCall", "ShardPublish", "ShardPlan", "TablePublish", "TablePlan",
-           "AccountCall", "RowsReadCall", "RowsSweepCall", "TableCutCall", "RowsScanCall", "CALLS",
+           "AccountCall", "RowsReadCall", "RowsSweepCall", "TableCutCall", "RowsScanCall", "FeedReadCall",
+           "DEFAULT_FEED_ENTRIES", "CALLS",
            "script",
            "execute_with_script"]
 
@@ -81,6 +82,11 @@ def execute_with_script(client: redis.Redis, name: str,
 
 
 # -- the calls -------------------------------------------------------------------------------------
+
+DEFAULT_FEED_ENTRIES = 1000
+"""Entries a group's feed (``GroupKeys.feed``) keeps unless the servers say otherwise (``streamtrain ps
+--feed-entries``): one per apply that writes rows or shards, one per sweep step that removes rows."""
+
 
 class ScriptCall:
     """One call of a script of ``services/lua``, rendering its KEYS and ARGV by name.
@@ -294,7 +300,8 @@ class ApplyCall(ScriptCall):
 
     SCRIPT: ClassVar[str] = "apply"
     KEYS: ClassVar[tuple[str, ...]] = ("cursor", "versions", "version", "optimizer_steps", "bases", "delta_floors",
-                                       "persisted", "unaccounted", "table_stats", "table_cut", "rows_blob_shadow")
+                                       "persisted", "unaccounted", "table_stats", "table_cut", "rows_blob_shadow",
+                                       "feed", "feed_head")
     KEYS_TAIL: ClassVar[str] = "renames"
     ARGV: ClassVar[tuple[str, ...]] = ("plan", "accounting")
     ARGV_TAIL: ClassVar[str] = "deltas"
@@ -324,6 +331,8 @@ class ApplyCall(ScriptCall):
     """What it writes for each embedding table the batch touched."""
     row_blobs: Sequence[str] = ()
     """Row-gradient blob keys of the batch's updates, deleted now (their rows are written here)."""
+    feed_entries: int = DEFAULT_FEED_ENTRIES
+    """Entries the group's feed keeps (about: ``MAXLEN ~``); a call that bumps the version appends one."""
 
     @property
     def rows(self) -> int:
@@ -376,7 +385,8 @@ class ApplyCall(ScriptCall):
                 "persist": 0 if self.steps is None else {
                     "steps": [x for kv in sorted(self.steps.items()) for x in kv],
                     "blobs": [first_stream + len(self.shards), len(self.blobs)]},
-                "row_blobs": [first_row_blob, len(self.row_blobs)], "rows": self.rows, "tables": tables}
+                "row_blobs": [first_row_blob, len(self.row_blobs)], "rows": self.rows, "tables": tables,
+                "feed": self.feed_entries}
 
     def named_argv(self) -> dict[str, Any]:
         return {"plan": pack(self._plan()), "accounting": "" if self.accounting is None else self.accounting.pack()}
@@ -461,9 +471,10 @@ class RowsSweepCall(ScriptCall):
     beyond a row cap; the group's slot)."""
 
     SCRIPT: ClassVar[str] = "rows_sweep"
-    KEYS: ClassVar[tuple[str, ...]] = ("rows", "seen", "table_stats", "table_cut", "rows_shadow", "seen_shadow")
+    KEYS: ClassVar[tuple[str, ...]] = ("rows", "seen", "table_stats", "table_cut", "rows_shadow", "seen_shadow",
+                                       "version", "feed", "feed_head")
     ARGV: ClassVar[tuple[str, ...]] = ("table", "written_at", "cutoff_ms", "cursor", "seen_cursor", "count", "cap",
-                                       "most_evicted")
+                                       "most_evicted", "feed_entries")
 
     group: GroupKeys
     """The group's keys."""
@@ -483,16 +494,19 @@ class RowsSweepCall(ScriptCall):
     """Most rows the group keeps of the table (0: no cap)."""
     most_evicted: int
     """Most rows one call evicts."""
+    feed_entries: int = DEFAULT_FEED_ENTRIES
+    """Entries the group's feed keeps; a call that removes rows appends one."""
 
     def named_keys(self) -> dict[str, str]:
         return {"rows": self.group.table_rows(self.table), "seen": self.group.table_seen(self.table),
                 "table_stats": self.group.table_stats, "table_cut": self.group.table_cut,
-                "rows_shadow": self.group.table_shadow(self.table), "seen_shadow": self.group.seen_shadow(self.table)}
+                "rows_shadow": self.group.table_shadow(self.table), "seen_shadow": self.group.seen_shadow(self.table),
+                "version": self.group.version, "feed": self.group.feed, "feed_head": self.group.feed_head}
 
     def named_argv(self) -> dict[str, Any]:
         return {"table": self.table, "written_at": self.written_at, "cutoff_ms": self.cutoff_ms,
                 "cursor": self.cursor, "seen_cursor": self.seen_cursor, "count": self.count, "cap": self.cap,
-                "most_evicted": self.most_evicted}
+                "most_evicted": self.most_evicted, "feed_entries": self.feed_entries}
 
 
 @dataclass(frozen=True)
@@ -569,6 +583,48 @@ class RowsScanCall(ScriptCall):
                 "newest": self.newest, "skip_present": 0 if self.skip is None else 1}
 
 
+@dataclass(frozen=True)
+class FeedReadCall(ScriptCall):
+    """``feed_read.lua``: the entries of a group's feed after a position, and the rows they name as they
+    are now (the group's slot)."""
+
+    SCRIPT: ClassVar[str] = "feed_read"
+    KEYS: ClassVar[tuple[str, ...]] = ("version", "feed", "feed_head")
+    KEYS_TAIL: ClassVar[str | None] = "tables"
+    ARGV: ClassVar[tuple[str, ...]] = ("since", "limit", "most_rows")
+    ARGV_TAIL: ClassVar[str | None] = "tables"
+
+    group: GroupKeys
+    """The group's keys."""
+    since: int
+    """The position the reader has applied (0: none)."""
+    limit: int
+    """Most entries read (at least 1)."""
+    most_rows: int
+    """Stop after the entry that brings the IDs named to this many (at least one entry is read)."""
+    tables: Sequence[tuple[str, int]]
+    """(name, bytes of each record returned) of every table of the model."""
+
+    def __post_init__(self) -> None:
+        if self.since < 0 or self.limit < 1 or self.most_rows < 1:
+            raise ValueError(f"feed_read.lua: since >= 0, limit >= 1 and most_rows >= 1, got {self.since}, "
+                             f"{self.limit}, {self.most_rows}")
+
+    def named_keys(self) -> dict[str, str]:
+        return _named(self.group, self.KEYS)
+
+    def key_tail(self) -> list[str]:
+        """Each table's rows hash."""
+        return [self.group.table_rows(name) for name, _ in self.tables]
+
+    def named_argv(self) -> dict[str, Any]:
+        return {"since": self.since, "limit": self.limit, "most_rows": self.most_rows}
+
+    def argv_tail(self) -> list[Any]:
+        """Each table's name and record width."""
+        return [x for name, width in self.tables for x in (name, width)]
+
+
 CALLS: tuple[type[ScriptCall], ...] = (PushCall, ApplyCall, AccountCall, RowsReadCall, RowsSweepCall, TableCutCall,
-                                       RowsScanCall)
+                                       RowsScanCall, FeedReadCall)
 """The call class of every script in ``services/lua``."""

@@ -452,6 +452,7 @@ class ParameterServer:
                              groups=self.settings.groups, cursor=st.cursor, outcomes=outcomes, shards=writes,
                              persist=self._persist(covered) if persist else None, housekeeping=housekeeping,
                              version=st.version, tables=tables, row_blobs=row_blobs,
+                             feed_entries=self.settings.feed_entries,
                              before_exec=lambda: self._fault("kill-before-write", n))
         self._fault("kill-after-write", n)
         if not result.ok:
@@ -546,7 +547,7 @@ class ParameterServer:
             cursor, seen_cursor = self._table_cursors.get(spec.name, ("0", "0"))
             done = sweep_rows(self.client, self.settings.job, self.settings.group, spec, self.settings.groups,
                               now_ms=now_ms, cursor=cursor, seen_cursor=seen_cursor,
-                              count=self.settings.table_sweep_count)
+                              count=self.settings.table_sweep_count, feed_entries=self.settings.feed_entries)
             self._table_cursors[spec.name] = (done.cursor, done.seen_cursor)
             self.metrics.table_rows("expired", spec.name, done.expired)
             self.metrics.table_rows("evicted", spec.name, done.evicted)

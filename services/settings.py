@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from common.keys import validate_job
 from common.settings import setting
 
+from .scripts import DEFAULT_FEED_ENTRIES
 from .wire import DEFAULT_MAX_BYTES
 
 __all__ = ["ServerSettings", "ExportSettings"]
@@ -58,6 +59,11 @@ class ServerSettings:
                                               "(expiry and the row cap, for tables that have them; 0: every round)")
     table_sweep_count: int = setting(2000, env="STREAMTRAIN_PS_TABLE_SWEEP_COUNT", min=10, max=1_000_000,
                                      help="rows (and sighting records) one sweep step of a table looks at for expiry")
+    feed_entries: int = setting(DEFAULT_FEED_ENTRIES, env="STREAMTRAIN_PS_FEED_ENTRIES", min=1, max=10_000_000,
+                                help="entries the group's feed of row changes keeps (GET /v1/model/updates; "
+                                     "one per apply that writes rows or shards, one per sweep step that removes "
+                                     "rows; each holds 8 bytes per row it names): a consumer that falls further "
+                                     "behind reloads the tables")
     sweep_grace_s: float = setting(120.0, env="STREAMTRAIN_PS_SWEEP_GRACE_S", min=1.0,
                                    help="delete an orphaned gradient blob once no logged update has named it "
                                         "for this long (longer than a push can take, backpressure waits included)")

@@ -241,8 +241,8 @@ class ParameterStore:
         gk = self.keys.group(group)
         own = own_shards(meta.layout, meta.groups, group)
         stale = [gk.version, gk.versions, gk.bases, gk.delta_floors, gk.cursor, gk.persisted, gk.unaccounted,
-                 gk.optimizer_steps, gk.table_stats, *(k for t in meta.tables for k in (gk.table_rows(t.name),
-                                                                                          gk.table_seen(t.name))),
+                 gk.optimizer_steps, gk.table_stats, gk.feed, gk.feed_head,
+                 *(k for t in meta.tables for k in (gk.table_rows(t.name), gk.table_seen(t.name))),
                  *(gk.deltas(i) for i in own),
                  *(gk.optimizer_state(i, k) for i in own for k in range(slots(meta.optimizer)))]
         pipe = self.client.pipeline(transaction=True)

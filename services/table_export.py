@@ -8,8 +8,11 @@
   ``values`` (float32 ``[rows, dim]``); metadata ``streamtrain.job``, ``streamtrain.table``,
   ``streamtrain.dim``, ``streamtrain.group`` and ``streamtrain.version``, the group's version when
   the piece's last scan step ran (every row in it was written at or before it);
-* ``DIR/manifest.json``: ``{"format": "streamtrain-tables-1", "job", "groups", "tables": [{"table",
-  "dim", "rows", "pieces": [{"file", "group", "rows", "version"}, ...]}, ...]}``.
+* ``DIR/manifest.json``: ``{"format": "streamtrain-tables-1", "job", "groups", "feed_position",
+  "tables": [{"table", "dim", "rows", "pieces": [{"file", "group", "rows", "version"}, ...]}, ...]}``;
+  ``feed_position`` is each group's feed position (``services.embeddings.feed``) before the export read
+  anything: a copy loaded from the export and brought up to date by following the feed from it
+  (``GET /v1/model/updates?since=<feed_position>``) holds exactly the rows Redis holds.
 
 **What it holds.** Each row as its group last wrote it when the scan read it: the table as a whole
 is no cut (rows written while it is read may be before or after, and a group's rows are read over
@@ -36,6 +39,7 @@ import redis
 from common.keys import JobKeys
 
 from .embeddings.cut import live_pieces
+from .embeddings.feed import feed_heads, position_name
 from .embeddings.pieces import (
     MANIFEST,
     install_folder,
@@ -100,6 +104,10 @@ def export_tables(client: redis.Redis, job: str, folder: str, *, rows_per_piece:
     if not _replaceable(folder):
         raise ParameterPlaneError(f"{folder} exists and is not an earlier export of tables (no {MANIFEST} of "
                                   f"{TABLES_EXPORT_FORMAT}): choose another --tables-dir")
+    # each group's feed position before any of its rows is read: every change after it is in the feed,
+    # and a row no entry after it names has not changed since (its value read here is current), so the
+    # export plus the feed followed from these positions is exact
+    feed = feed_heads(client, job, meta.groups)
     tmp = new_folder(folder)
     try:
         tables, rows, pieces = [], 0, 0
@@ -116,7 +124,8 @@ def export_tables(client: redis.Redis, job: str, folder: str, *, rows_per_piece:
             count = sum(p["rows"] for p in listed)
             tables.append({"table": spec.name, "dim": spec.dim, "rows": count, "pieces": listed})
             rows, pieces = rows + count, pieces + len(listed)
-        write_manifest(tmp, {"format": TABLES_EXPORT_FORMAT, "job": job, "groups": meta.groups, "tables": tables})
+        write_manifest(tmp, {"format": TABLES_EXPORT_FORMAT, "job": job, "groups": meta.groups,
+                             "feed_position": position_name(feed), "tables": tables})
         old = install_folder(tmp, folder)
     except BaseException:
         remove_folder(tmp)

@@ -31,6 +31,7 @@ from services import (
 )
 from services.checkpoint_tables import SavedPiece, tables_folder
 from services.embeddings import TableSpec
+from services.embeddings.feed import FeedGoneError, feed_heads, read_group
 from services.embeddings.rows import SEEN_DTYPE, row_dtype
 from services.embeddings.store import sweep_rows
 from services.errors import CheckpointError
@@ -370,6 +371,13 @@ def test_a_servers_automatic_checkpoint_saves_the_tables(redis: redis_lib.Redis,
     restore_checkpoint(fresh_client, str(tmp_path / name))
     rows = stored(fresh_client, JOB, USER, 1)
     assert rows and max(int(r["version"]) for r in rows.values()) == 2
+    # the restored rows are in no feed entry: every position before the restore is gone, following
+    # goes on from the restore's (a copy loads an export taken after it)
+    assert feed_heads(fresh_client, JOB, 1) == (1,)
+    with pytest.raises(FeedGoneError) as gone:
+        read_group(fresh_client, JOB, 0, (USER, ITEM), 0)
+    assert gone.value.oldest == (1,)
+    assert read_group(fresh_client, JOB, 0, (USER, ITEM), 1).position == 1
 
 
 # -- export ----------------------------------------------------------------------------------------
@@ -393,6 +401,7 @@ def test_tables_export_in_pieces_that_read_back_as_the_rows_in_redis(
     pulled = ParameterStore(redis, JOB).pull().tensors
     assert sorted(dense) == sorted(pulled) and all(torch.equal(dense[k], pulled[k]) for k in pulled)
     assert listed["format"] == "streamtrain-tables-1" and [t["table"] for t in listed["tables"]] == ["user", "item"]
+    assert listed["feed_position"] == ".".join(map(str, feed_heads(redis, JOB, GROUPS)))
     for spec, table in zip((USER, ITEM), listed["tables"], strict=True):
         want = stored(redis, JOB, spec, GROUPS)
         assert table["dim"] == spec.dim and table["rows"] == len(want) > 4 and len(table["pieces"]) > GROUPS

@@ -37,7 +37,17 @@ from services.protocol import (
     group_of,
     own_shards,
 )
-from services.scripts import CALLS, AccountCall, ApplyCall, PushCall, ScriptCall, ShardPlan, ShardPublish
+from services.scripts import (
+    CALLS,
+    AccountCall,
+    ApplyCall,
+    FeedReadCall,
+    PushCall,
+    RowsSweepCall,
+    ScriptCall,
+    ShardPlan,
+    ShardPublish,
+)
 
 LUA = Path(__file__).resolve().parents[1] / "services" / "lua"
 JOB = "protocol"
@@ -141,7 +151,8 @@ def _renumber(text: str, line: str, new: str) -> str:
     # the header moves two keys, the locals and the class stay
     (PushCall, lambda s: _swap_lines(s, "-- KEYS[3] offsets", "-- KEYS[4] update_log")),
     # a local moves, the header and the class stay
-    (ApplyCall, lambda s: _renumber(s, "local K_RENAMES = 12", "local K_RENAMES = 13")),
+    (ApplyCall, lambda s: _renumber(s, "local K_RENAMES = 14", "local K_RENAMES = 15")),
+    (FeedReadCall, lambda s: _renumber(s, "local K_TABLES = 4", "local K_TABLES = 3")),
     (AccountCall, lambda s: _renumber(s, "local A_PLAN = 1", "local A_PLAN = 2")),
     # the tail starts later in the header only
     (AccountCall, lambda s: _renumber(s, "-- KEYS[11..] applied_by", "-- KEYS[12..] applied_by")),
@@ -150,7 +161,7 @@ def _renumber(text: str, line: str, new: str) -> str:
     (AccountCall, lambda s: _renumber(s, "local U_VERDICT = 4", "local U_VERDICT = 3")),
     # an ARGV position is inserted in the script (header and locals alike), not in the class
     (PushCall, lambda s: _renumber(s, "-- ARGV[3] fence ", "-- ARGV[3] lease_ms\n-- ARGV[4] fence ")),
-], ids=["push-header", "apply-local", "account-local", "account-tail", "apply-entry", "account-entry",
+], ids=["push-header", "apply-local", "feed-local", "account-local", "account-tail", "apply-entry", "account-entry",
         "push-argv"])
 def test_moving_a_position_in_the_script_only_fails_the_check(call: type[ScriptCall], altered) -> None:
     assert mismatches(call, source(call)) == []
@@ -227,6 +238,26 @@ def test_apply_call_renders_by_the_headers_positions_and_its_plan_points_at_them
     first, count = decoded["persist"]["blobs"]
     assert keys[first - 1:first - 1 + count] == ["b1", "b2"] and len(keys) == first - 1 + count
     assert decoded["persist"]["steps"] == [3, 11, 5, 12]
+    assert decoded["feed"] == call.feed_entries > 0
+
+
+def test_the_feed_calls_render_by_the_headers_positions() -> None:
+    gk = JobKeys(JOB).group(2)
+    call = FeedReadCall(gk, since=7, limit=50, most_rows=1000, tables=[("user", 24), ("item", 16)])
+    k, a = _positions(FeedReadCall, "KEYS"), _positions(FeedReadCall, "ARGV")
+    keys, argv = call.keys(), call.argv()
+    assert (keys[k["version"] - 1], keys[k["feed"] - 1], keys[k["feed_head"] - 1]) == (gk.version, gk.feed,
+                                                                                       gk.feed_head)
+    assert keys[k["tables"] - 1:] == [gk.table_rows("user"), gk.table_rows("item")]
+    assert (argv[a["since"] - 1], argv[a["limit"] - 1], argv[a["most_rows"] - 1]) == (7, 50, 1000)
+    assert argv[a["tables"] - 1:] == ["user", 24, "item", 16]
+    with pytest.raises(ValueError, match="limit >= 1"):
+        FeedReadCall(gk, since=0, limit=0, most_rows=1, tables=[])
+    sweep = RowsSweepCall(gk, "user", written_at=25, cutoff_ms=0, cursor="0", seen_cursor="0", count=10, cap=5,
+                          most_evicted=9, feed_entries=321)
+    k, a = _positions(RowsSweepCall, "KEYS"), _positions(RowsSweepCall, "ARGV")
+    assert [sweep.keys()[k[n] - 1] for n in ("version", "feed", "feed_head")] == [gk.version, gk.feed, gk.feed_head]
+    assert sweep.argv()[a["feed_entries"] - 1] == 321
 
 
 def test_account_call_renders_by_the_headers_positions() -> None:

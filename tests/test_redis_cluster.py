@@ -306,6 +306,14 @@ def test_a_table_spreads_over_the_nodes_and_servers(redis_cluster: RedisCluster,
     assert sum(sizes) == ids.size and min(sizes) > ids.size // 5  # spread, none empty
     pulled = pull_rows(client, job, {"user": table}, 3, {"user": ids})
     assert pulled.tables["user"].present.all() and sorted(pulled.group_versions) == [0, 1, 2]
+    # the feed: each group's changelog on its master, read there with the rows it names
+    from services.embeddings.feed import read_changes
+    assert all(client.get_node_from_key(keys.group(g).feed).name == client.get_node_from_key(keys.group(g).version).name
+               for g in range(3))
+    changes = read_changes(client, job, (table,), (0, 0, 0))
+    assert sorted(changes.tables["user"].ids.tolist()) == ids.tolist() and not changes.more
+    assert changes.tables["user"].values.tobytes() == pulled.tables["user"].values[
+        np.searchsorted(ids, changes.tables["user"].ids)].tobytes()
 
 
 def test_a_checkpoint_and_an_export_of_a_table_on_the_cluster(redis_cluster: RedisCluster, client: ClusterClient,

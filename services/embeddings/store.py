@@ -22,7 +22,7 @@ from common.keys import JobKeys
 
 from ..errors import LayoutError
 from ..resp import PackedArgs, id_args
-from ..scripts import RowsReadCall, RowsSweepCall, execute_with_script
+from ..scripts import DEFAULT_FEED_ENTRIES, RowsReadCall, RowsSweepCall, execute_with_script
 from .rows import SEEN_DTYPE, group_of_ids, id_bytes, initial_rows, pull_dtype, row_dtype
 from .spec import TableSpec
 
@@ -224,15 +224,17 @@ def _offset(dtype: np.dtype, name: str) -> int:
 
 
 def sweep_rows(client: redis.Redis, job: str, group: int, spec: TableSpec, groups: int, *, now_ms: int,
-               cursor: str = "0", seen_cursor: str = "0", count: int = 1000, most_evicted: int = 10000) -> SweepStep:
+               cursor: str = "0", seen_cursor: str = "0", count: int = 1000, most_evicted: int = 10000,
+               feed_entries: int = DEFAULT_FEED_ENTRIES) -> SweepStep:
     """One step of keeping ``group``'s part of table ``spec`` bounded: expire what was not written
     (sighted) for ``spec.expire_after_s`` over ``count`` entries of each scan, and evict the least
-    recently written rows beyond the group's share of ``spec.max_rows`` (at most ``most_evicted``)."""
+    recently written rows beyond the group's share of ``spec.max_rows`` (at most ``most_evicted``).
+    A step that removed rows appends their IDs to the group's feed (which keeps ``feed_entries``)."""
     cutoff = now_ms - round(spec.expire_after_s * 1000) if spec.expire_after_s > 0 else 0
     cap = -(-spec.max_rows // groups) if spec.max_rows else 0
     call = RowsSweepCall(JobKeys(job).group(group), spec.name, written_at=_offset(row_dtype(spec), "written_ms") + 1,
                          cutoff_ms=max(cutoff, 0), cursor=cursor, seen_cursor=seen_cursor, count=count, cap=cap,
-                         most_evicted=most_evicted)
+                         most_evicted=most_evicted, feed_entries=feed_entries)
     res = execute_with_script(client, call.SCRIPT, call.queue)[-1]
     text = [x.decode() if isinstance(x, bytes) else str(x) for x in res[:2]]
     return SweepStep(text[0], text[1], int(res[2]), int(res[3]), int(res[4]), int(res[5]))

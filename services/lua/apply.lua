@@ -19,7 +19,9 @@
 -- KEYS[9] table_stats
 -- KEYS[10] table_cut       a checkpoint's cut of the group's tables (absent: none; below)
 -- KEYS[11] rows_blob_shadow
--- KEYS[12..] renames      plan.renames (staging key, destination) pairs, then the delta streams, the
+-- KEYS[12] feed            the group's changelog (below)
+-- KEYS[13] feed_head       its last position
+-- KEYS[14..] renames      plan.renames (staging key, destination) pairs, then the delta streams, the
 --                         gradient blob keys, the row-gradient blob keys and the tables' rows, seen,
 --                         rows shadow and seen shadow hashes, which the plan names by KEYS index
 -- ARGV[1] plan            msgpack, below
@@ -40,6 +42,7 @@
 --   row_blobs {KEYS index of the first, count}: the row-gradient blobs of the batch's updates,
 --            deleted now (their rows are written here with their optimizer state: nothing replays them)
 --   rows     rows written in all (a call that writes rows bumps the version)
+--   feed     entries the group's feed keeps (about: MAXLEN ~)
 --   tables   per table touched, a TablePlan {name, KEYS index of its rows hash, KEYS index of its
 --            seen hash, ARGV index of the IDs of the rows written (0: none), ARGV index of their
 --            records, bytes per record, ARGV index of the IDs of the seen records written (0: none),
@@ -56,6 +59,11 @@
 -- per ID. With <blobs> = 1 the row-gradient blobs this call deletes are copied into
 -- `rows_blob_shadow` first (the save reads them there).
 --
+-- A call that bumps the group version appends one entry to the group's feed (GroupKeys.feed), at
+-- the next position (feed_head + 1, its ID <position>-0): the new version `v`, Redis's time `ms`,
+-- `d` = 1 when shards changed, and per table whose rows it writes `w:<table>` = the IDs written (the
+-- plan's ARGV, as they are). Written in this script, the entry can never disagree with the rows.
+--
 -- Returns {'OK', group version} or {'CURSOR', cursor} / {'VERSION', index, version} / {'GROUP',
 -- version} when the state moved since the server read it (then only the staging keys are deleted).
 -- The group version is bumped once per call that writes shards or rows.
@@ -70,7 +78,9 @@ local K_UNACCOUNTED = 8
 local K_TABLE_STATS = 9
 local K_TABLE_CUT = 10
 local K_ROWS_BLOB_SHADOW = 11
-local K_RENAMES = 12
+local K_FEED = 12
+local K_FEED_HEAD = 13
+local K_RENAMES = 14
 local A_PLAN = 1
 local A_ACCOUNTING = 2
 local A_DELTAS = 3  -- (the plan names each delta by its ARGV index)
@@ -253,6 +263,18 @@ for _, t in ipairs(plan.tables) do
   if t[T_DROPPED] > 0 then
     redis.call('HINCRBY', KEYS[K_TABLE_STATS], t[T_NAME] .. ':dropped', t[T_DROPPED])
   end
+end
+if #plan.shards > 0 or plan.rows > 0 then
+  local now = redis.call('TIME')
+  local entry = {'v', version, 'ms', now[1] * 1000 + math.floor(now[2] / 1000), 'd', #plan.shards > 0 and 1 or 0}
+  for _, t in ipairs(plan.tables) do
+    if t[T_ROW_IDS] > 0 then
+      entry[#entry + 1] = 'w:' .. t[T_NAME]
+      entry[#entry + 1] = ARGV[t[T_ROW_IDS]]
+    end
+  end
+  local position = redis.call('INCR', KEYS[K_FEED_HEAD])
+  redis.call('XADD', KEYS[K_FEED], 'MAXLEN', '~', plan.feed, position .. '-0', unpack(entry))
 end
 if row_blobs > 0 then
   redis.call('DEL', unpack(KEYS, first_row_blob, first_row_blob + row_blobs - 1))

@@ -15,6 +15,9 @@
 -- KEYS[4] table_cut      a checkpoint's cut of the group's tables (absent: none)
 -- KEYS[5] rows_shadow    the table's rows shadow
 -- KEYS[6] seen_shadow    its seen shadow
+-- KEYS[7] version        the group's version
+-- KEYS[8] feed           the group's changelog (GroupKeys.feed)
+-- KEYS[9] feed_head      its last position
 -- ARGV[1] table          the table's name (its counters are <table>:expired and <table>:evicted)
 -- ARGV[2] written_at     1-based byte position of `written_ms` (u64, little-endian) in a row record
 -- ARGV[3] cutoff_ms      remove what was last written (or sighted) before this; 0: no expiry
@@ -23,6 +26,11 @@
 -- ARGV[6] count          entries each scan step looks at
 -- ARGV[7] cap            most rows this group keeps of the table; 0: no cap
 -- ARGV[8] most_evicted   most rows one call evicts
+-- ARGV[9] feed_entries   entries the group's feed keeps (about: MAXLEN ~)
+--
+-- A call that removed rows (expired or evicted alike) appends one entry to the group's feed at the
+-- next position, in this script: `v` the group version (a sweep does not bump it), `ms` Redis's time,
+-- `d` 0, `r:<table>` the IDs removed (8 bytes each): tombstones for whoever follows the feed.
 --
 -- Returns {next cursor of the rows scan, next cursor of the seen scan ('0': a pass is complete), rows
 -- expired, rows evicted, sighting records expired, rows left}.
@@ -32,6 +40,9 @@ local K_TABLE_STATS = 3
 local K_TABLE_CUT = 4
 local K_ROWS_SHADOW = 5
 local K_SEEN_SHADOW = 6
+local K_VERSION = 7
+local K_FEED = 8
+local K_FEED_HEAD = 9
 local A_TABLE = 1
 local A_WRITTEN_AT = 2
 local A_CUTOFF_MS = 3
@@ -40,6 +51,7 @@ local A_SEEN_CURSOR = 5
 local A_COUNT = 6
 local A_CAP = 7
 local A_MOST_EVICTED = 8
+local A_FEED_ENTRIES = 9
 
 local at, cutoff = tonumber(ARGV[A_WRITTEN_AT]), tonumber(ARGV[A_CUTOFF_MS])
 local count, cap, most = tonumber(ARGV[A_COUNT]), tonumber(ARGV[A_CAP]), tonumber(ARGV[A_MOST_EVICTED])
@@ -76,7 +88,8 @@ local function hdel(hash, fields)
   end
 end
 
-local function expire(hash, cursor, when, keep)
+local removed = {}  -- the IDs of the rows removed, for the feed
+local function expire(hash, cursor, when, keep, gone)
   if cutoff == 0 then
     return '0', 0
   end
@@ -86,14 +99,17 @@ local function expire(hash, cursor, when, keep)
     if when(entries[j + 1]) < cutoff then
       keep(entries[j], entries[j + 1])
       old[#old + 1] = entries[j]
+      if gone then
+        gone[#gone + 1] = entries[j]
+      end
     end
   end
   hdel(hash, old)
   return step[1], #old
 end
 
-local cursor, expired = expire(KEYS[K_ROWS], ARGV[A_CURSOR], written, keep_row)
-local seen_cursor, seen_expired = expire(KEYS[K_SEEN], ARGV[A_SEEN_CURSOR], seen_at, keep_seen)
+local cursor, expired = expire(KEYS[K_ROWS], ARGV[A_CURSOR], written, keep_row, removed)
+local seen_cursor, seen_expired = expire(KEYS[K_SEEN], ARGV[A_SEEN_CURSOR], seen_at, keep_seen, nil)
 
 local evicted = 0
 if cap > 0 then
@@ -110,6 +126,7 @@ if cap > 0 then
     local victims = {}
     for j = 1, take do
       victims[j] = ages[j][2]
+      removed[#removed + 1] = ages[j][2]
       keep_row(ages[j][2], ages[j][3])
     end
     hdel(KEYS[K_ROWS], victims)
@@ -124,5 +141,12 @@ if expired > 0 then
 end
 if evicted > 0 then
   redis.call('HINCRBY', KEYS[K_TABLE_STATS], name .. ':evicted', evicted)
+end
+if #removed > 0 then
+  local now = redis.call('TIME')
+  local position = redis.call('INCR', KEYS[K_FEED_HEAD])
+  redis.call('XADD', KEYS[K_FEED], 'MAXLEN', '~', ARGV[A_FEED_ENTRIES], position .. '-0',
+             'v', redis.call('GET', KEYS[K_VERSION]) or '0', 'ms', now[1] * 1000 + math.floor(now[2] / 1000),
+             'd', 0, 'r:' .. name, table.concat(removed))
 end
 return {cursor, seen_cursor, expired, evicted, seen_expired, redis.call('HLEN', KEYS[K_ROWS])}
