@@ -14,7 +14,7 @@ example also names the job it runs (its job and topic are the example's name).
 =============  ====================================================================================
 
 The MovieLens settings were chosen by measuring (``docs/recommendation.md``): a plain local PyTorch
-loop of the same model, one pass in time order (``bench/movielens.py``), reaches a held-out AUC of
+loop of the same model, one pass in time order (``bench/recommendation.py``), reaches a held-out AUC of
 0.728-0.731, the pipeline's whole pass 0.721-0.735; on two cores it reaches the target after 30-60 s
 of training.
 """
