@@ -39,7 +39,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -72,6 +72,7 @@ from .evaluate import EvalResult, evaluate
 from .metrics import TrainerMetrics, TrainerReport
 from .models import build_model
 from .progress import PHASE_LOG, Progress
+from .progressive import ProgressiveWindow, WindowScore
 from .rowcache import RowCache, TableBound
 from .settings import TrainerSettings
 from .state import Adopt, Instruction, Move, Outcome, Resync, TrainerState, needs_pull
@@ -115,6 +116,8 @@ class _Computed:
     """None for an empty batch (a clock tick)."""
     seconds: dict[str, float]
     """Seconds of each phase: wait, pull, compute."""
+    windows: list[WindowScore] = field(default_factory=list)
+    """Progressive-validation windows the step's logits closed."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,11 @@ class Trainer:
         self.settings = settings
         self.plan = plan_device(settings.device, settings.threads, settings.mixed_precision)
         self.replica = Replica(build_model(settings.model, seed=settings.seed), self.plan,
-                               row_dtype=getattr(torch, settings.row_dtype))
+                               row_dtype=getattr(torch, settings.row_dtype),
+                               keep_logits=settings.progressive_every > 0)
+        self.progressive = (ProgressiveWindow(settings.progressive_every) if self.replica.keep_logits else None)
+        """Progressive validation of a binary model: its training logits scored in windows
+        (:mod:`trainers.progressive`); None for other models or when off."""
         self.redis = connect(settings.redis_url)
         self.store = ParameterStore(self.redis, settings.job)
         # A reply slower than a second is as good as none: the lease is a few seconds.
@@ -240,7 +247,8 @@ class Trainer:
             loss=self.progress.loss_ema, version=self.snapshot.version if self.snapshot is not None else None,
             last_eval=self.last_eval, consumer=self.consumer.stats() if self.consumer is not None else None,
             row_cache=self.row_cache.stats() if self.tables else None,
-            row_pull_bytes=self.rows.pulled_bytes if self.rows is not None else 0)
+            row_pull_bytes=self.rows.pulled_bytes if self.rows is not None else 0,
+            progressive=self.progress.last_window)
 
     @staticmethod
     async def _cancel(task: asyncio.Task[None] | None) -> None:
@@ -502,6 +510,7 @@ class Trainer:
             return
         self.progress.stepped(len(batch), time.monotonic() - t0,
                               done.result.loss if done.result is not None else None)
+        self.progress.scored(done.windows)
         self.progress.applied(done.wait.own_applied, time.time() * 1000)
         if (report := self.progress.phase_report()) is not None:
             logger.info("member %s: %s %s", self.coordinator.member_id, PHASE_LOG,
@@ -514,7 +523,8 @@ class Trainer:
         """Runs on a worker thread (one hand-off per step): wait for the clock bound, pull what the
         bound needs into the model's parameters (and the batch's rows of the embedding tables: the
         row cache's, or pulled), then forward and backward on the batch. It reads the state only
-        through its arguments and changes nothing but the replica's parameters and the row cache."""
+        through its arguments and changes nothing but the replica's parameters, the row cache and the
+        progressive-validation window (only this thread touches it)."""
         assert self.pusher is not None
         t0 = time.monotonic()
         wait = wait_for_clock(self.redis, self.settings.job, self.pusher.member_id, clock,
@@ -540,7 +550,10 @@ class Trainer:
         seconds = {"wait": t1 - t0, "pull": t2 - t1, "compute": time.monotonic() - t3}
         if lookups is not None:
             seconds["rows"] = t3 - t2
-        return _Computed(wait, snapshot, result, seconds)
+        windows = []
+        if self.progressive is not None and result.logits is not None:  # scored here, off the event loop
+            windows = self.progressive.add(result.logits, batch.y.numpy())
+        return _Computed(wait, snapshot, result, seconds, windows)
 
     async def _settle_push(self) -> None:
         """Wait for the push in flight, tell the state how it ended, and do what the state says.
