@@ -541,7 +541,7 @@ def test_tokens_are_compared_with_compare_digest(monkeypatch: pytest.MonkeyPatch
 
 
 _OPENAPI_TYPES = {"str": "string", "int": "integer", "number": "number", "bool": "boolean",
-                  "object": "object", "numbers": "array"}
+                  "object": "object", "numbers": "array", "objects": "array"}
 
 
 def _resolve(doc: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
@@ -576,6 +576,11 @@ def _limit_problems(doc: dict[str, Any], where: str, fields: dict[str, Field],
             problems.append(f"{path}: type {prop.get('type')!r}, validated as {kind!r}")
         if field.kind == "object":
             problems += _limit_problems(doc, path, dict(field.schema or {}), prop)
+            continue
+        if field.kind == "objects":
+            if prop.get("maxItems") != field.max_len:
+                problems.append(f"{path}: maxItems {prop.get('maxItems')} != {field.max_len}")
+            problems += _limit_problems(doc, f"{path}[]", dict(field.schema or {}), prop.get("items", {}))
             continue
         bounded = prop
         if field.kind == "numbers":
