@@ -215,3 +215,27 @@ def test_mean_auc_over_the_first_and_last_tenth_of_the_records() -> None:
     assert mean_auc({"records": [], "n": [], "auc": []}, 0.0, 0.1) is None
     with pytest.raises(ValueError, match="span"):
         mean_auc(series, 0.5, 0.5)
+
+
+def test_up_shows_the_trainers_progressive_auc_and_sums_up_the_run() -> None:
+    from rich.console import Console
+
+    from streamtrain.up import _view, progressive_summary
+
+    status = {"job": "clicks", "versions": {"max": 9}, "generation": 2, "lag": 0, "loss": 0.6,
+              "members": [{"member_id": "a", "state": "active", "partitions": [0], "stats": {"progressive_auc": 0.7}},
+                          {"member_id": "b", "state": "active", "partitions": [1], "stats": {"progressive_auc": 0.8}}]}
+    console = Console(width=200, record=True)
+    console.print(_view(status, {"accuracy": 0.7}, 10.0, True, None))
+    text = console.export_text()
+    assert "progressive AUC" in text and "0.75" in text and "0.7" in text and "0.8" in text
+    dense = {**status, "members": [{"member_id": "a", "state": "active", "partitions": [0], "stats": {}}]}
+    console = Console(width=200, record=True)
+    console.print(_view(dense, {}, 10.0, True, None))
+    assert "progressive" not in console.export_text()  # not a binary model: no column
+
+    series = {"job": {"records": [100, 500, 1000], "n": [100, 400, 500], "auc": [0.55, 0.6, 0.8]}}
+    assert progressive_summary(series) == ("0.55 over the first tenth → 0.8 over the last tenth of "
+                                           "1,000 records scored before training on them")
+    assert progressive_summary(None) is None
+    assert progressive_summary({"job": {"records": [], "n": [], "auc": []}, "members": {}}) is None
