@@ -67,11 +67,12 @@ def pooled(t_ms: int, records: int, windows: Sequence[Mapping[str, Any]]) -> Poi
 
 
 def mean_auc(series: Mapping[str, Sequence[Any]], start: float, stop: float) -> float | None:
-    """Records-weighted mean AUC of the points of ``series`` (a column dict of
-    :meth:`ProgressiveHistory.columns`) scored within the fraction ``start``..``stop`` of its
-    records: ``(0, 0.1)`` is the run's first tenth, ``(0.9, 1)`` its last. A point belongs to the
-    span where its records count (the end of its windows) falls in ``(start, stop]`` of the last
-    point's count (the first point counts in a span from 0). None when no point there has an AUC.
+    """Mean AUC of ``series`` (a column dict of :meth:`ProgressiveHistory.columns`) over the records
+    scored within the fraction ``start``..``stop`` of all it scored: ``(0, 0.1)`` is the run's first
+    tenth, ``(0.9, 1)`` its last. A point stands for the records of its windows (the ``n`` records up
+    to its ``records`` count) and weighs by how many of them fall in the span, so a point pooled over
+    more than the span (a fast run's first second) still speaks for it. None when no point with an AUC
+    overlaps the span.
 
     Raises:
         ValueError: ``start`` and ``stop`` are not fractions with ``start < stop``.
@@ -81,11 +82,11 @@ def mean_auc(series: Mapping[str, Sequence[Any]], start: float, stop: float) -> 
     records, n, auc = series.get("records") or [], series.get("n") or [], series.get("auc") or []
     if not records:
         return None
-    total = records[-1]
-    picked = [(k, a) for r, k, a in zip(records, n, auc, strict=True)
-              if a is not None and (start * total < r or (start == 0 and r == records[0])) and r <= stop * total]
-    weight = sum(k for k, _ in picked)
-    return sum(k * a for k, a in picked) / weight if weight else None
+    lo, hi = start * records[-1], stop * records[-1]
+    weighted = [(min(r, hi) - max(r - k, lo), a) for r, k, a in zip(records, n, auc, strict=True) if a is not None]
+    picked = [(w, a) for w, a in weighted if w > 0]
+    weight = sum(w for w, _ in picked)
+    return sum(w * a for w, a in picked) / weight if weight else None
 
 
 class ProgressiveHistory:

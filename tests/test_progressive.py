@@ -205,13 +205,17 @@ def test_the_history_keeps_a_bounded_number_of_trainers_dropping_the_longest_sil
 
 
 def test_mean_auc_over_the_first_and_last_tenth_of_the_records() -> None:
+    # points stand for the records (records - n, records]: 0-100, 100-200, 200-500, 500-900, 900-1000
     series = {"records": [100, 200, 500, 900, 1000], "n": [100, 100, 300, 400, 100],
               "auc": [0.5, 0.55, None, 0.8, 0.9]}
     assert mean_auc(series, 0.0, 0.1) == pytest.approx(0.5)
     assert mean_auc(series, 0.0, 0.2) == pytest.approx(0.525)
     assert mean_auc(series, 0.9, 1.0) == pytest.approx(0.9)
-    assert mean_auc(series, 0.8, 1.0) == pytest.approx((400 * 0.8 + 100 * 0.9) / 500)
+    assert mean_auc(series, 0.8, 1.0) == pytest.approx((100 * 0.8 + 100 * 0.9) / 200)  # by the overlap
     assert mean_auc(series, 0.3, 0.5) is None  # the one point there has no AUC
+    coarse = {"records": [4000, 16000], "n": [4000, 12000], "auc": [0.6, 0.75]}  # a fast run's first second
+    assert mean_auc(coarse, 0.0, 0.1) == pytest.approx(0.6)
+    assert mean_auc(coarse, 0.2, 0.3) == pytest.approx(0.675)  # 800 records of each point
     assert mean_auc({"records": [], "n": [], "auc": []}, 0.0, 0.1) is None
     with pytest.raises(ValueError, match="span"):
         mean_auc(series, 0.5, 0.5)
