@@ -17,7 +17,7 @@ from datastream.jagged import Jagged
 from trainers.device import plan_device
 from trainers.models import build_model
 from trainers.progress import MAX_PROGRESSIVE_WINDOWS, Progress
-from trainers.progressive import ProgressiveWindow, WindowScore, score_window
+from trainers.progressive import ClosedWindow, ProgressiveWindow, WindowScore, score_window
 from trainers.step import Replica
 from trainers.tables import plan_lookups
 
@@ -29,7 +29,7 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 def test_a_window_scores_auc_and_log_loss_as_scikit_learn_does() -> None:
     logits = np.array([2.0, -1.0, 0.5, -3.0, 1.0, -0.2])
     labels = np.array([1, 0, 0, 0, 1, 1])
-    w = score_window(logits, labels, records=6)
+    w = score_window(ClosedWindow(6, logits, labels))
     # of the nine positive-negative pairs one is ranked wrong: the negative at 0.5 above the positive at -0.2
     assert w.auc == pytest.approx(roc_auc_score(labels, logits))
     assert w.auc == pytest.approx(8 / 9)
@@ -39,13 +39,13 @@ def test_a_window_scores_auc_and_log_loss_as_scikit_learn_does() -> None:
 
 def test_a_perfect_ranking_scores_1_and_a_reversed_one_0() -> None:
     labels = np.array([0, 0, 1, 1])
-    assert score_window(np.array([-2.0, -1.0, 1.0, 2.0]), labels, records=4).auc == 1.0
-    assert score_window(np.array([2.0, 1.0, -1.0, -2.0]), labels, records=4).auc == 0.0
+    assert score_window(ClosedWindow(4, np.array([-2.0, -1.0, 1.0, 2.0]), labels)).auc == 1.0
+    assert score_window(ClosedWindow(4, np.array([2.0, 1.0, -1.0, -2.0]), labels)).auc == 0.0
 
 
 @pytest.mark.parametrize("label", [0, 1])
 def test_a_window_of_one_class_has_no_auc_but_a_log_loss(label: int) -> None:
-    w = score_window(np.array([0.3, -0.4, 1.2]), np.full(3, label), records=3)
+    w = score_window(ClosedWindow(3, np.array([0.3, -0.4, 1.2]), np.full(3, label)))
     assert w.auc is None
     p = _sigmoid(np.array([0.3, -0.4, 1.2]))
     expected = -np.mean(np.log(p if label else 1 - p))
@@ -54,15 +54,15 @@ def test_a_window_of_one_class_has_no_auc_but_a_log_loss(label: int) -> None:
 
 
 def test_extreme_logits_give_a_finite_log_loss() -> None:
-    w = score_window(np.array([1e4, -1e4]), np.array([0, 1]), records=2)
+    w = score_window(ClosedWindow(2, np.array([1e4, -1e4]), np.array([0, 1])))
     assert w.auc == 0.0 and math.isfinite(w.log_loss) and w.log_loss > 10
 
 
 def test_an_empty_or_mismatched_window_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one"):
-        score_window(np.array([]), np.array([]), records=0)
+        score_window(ClosedWindow(0, np.array([]), np.array([])))
     with pytest.raises(ValueError, match="as many labels"):
-        score_window(np.array([1.0, 2.0]), np.array([1]), records=2)
+        score_window(ClosedWindow(2, np.array([1.0, 2.0]), np.array([1])))
     with pytest.raises(ValueError, match="at least 1 record"):
         ProgressiveWindow(0)
     with pytest.raises(ValueError, match="3 logits for 2 labels"):
@@ -77,7 +77,7 @@ def test_windows_span_batches_and_split_a_batch_at_their_boundary() -> None:
     window = ProgressiveWindow(5)
     closed: list[WindowScore] = []
     for start, stop in ((0, 3), (3, 4), (4, 16), (16, 23)):  # 3 + 1 + 12 (two boundaries inside) + 7
-        closed += window.add(logits[start:stop], labels[start:stop])
+        closed += map(score_window, window.add(logits[start:stop], labels[start:stop]))
     assert [w.records for w in closed] == [5, 10, 15, 20]
     assert all(w.n == 5 for w in closed)
     assert window.records == 23 and window.open == 3
@@ -91,7 +91,9 @@ def test_a_batch_that_closes_no_window_returns_none() -> None:
     window = ProgressiveWindow(100)
     assert window.add(np.zeros(40), np.ones(40)) == []
     assert window.add(np.zeros(59), np.ones(59)) == []
-    [w] = window.add(np.zeros(1), np.zeros(1))
+    [closed] = window.add(np.zeros(1), np.zeros(1))
+    assert closed.records == 100 and closed.labels.tolist() == [1] * 99 + [0]
+    w = score_window(closed)
     assert (w.records, w.n) == (100, 100) and w.auc == 0.5  # all ties: chance
 
 

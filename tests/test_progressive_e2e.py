@@ -21,6 +21,10 @@ RECORDS = 16000
 TRAINED = RECORDS - RECORDS // TEST_EVERY
 """The producer streams the train split; every fifth record is held out."""
 EVERY = 1000
+RATE = 1000.0
+"""Records/s produced: the last records arrive at least TRAINED / RATE = 12.8 s after the first, so each
+trainer's windows (one every two seconds or so) reach the coordinator over several of its samples,
+however fast the trainers are."""
 SOURCE = f"clicks?features=4&dense=3&vocab=2000&seed=5&limit={RECORDS}"
 MODEL = "dlrm?features=4&dense=3&dim=8&row_lr=0.05"
 
@@ -30,7 +34,7 @@ def test_trainers_score_the_next_records_before_training_on_them_and_the_history
                        coordinator=CoordinatorSettings(optimizer="adam", lr=0.005, codec="fp16"),
                        trainer=replace(LOCAL_TRAINER, model=MODEL, eval_source="", batch_size=128,
                                        progressive_every=EVERY),
-                       producer=replace(LOCAL_STREAM, source=SOURCE, shard_size=64))
+                       producer=replace(LOCAL_STREAM, source=SOURCE, shard_size=64, rate=RATE))
     cluster = LocalCluster(spec, workdir=tmp_path / "cluster")
     found: dict = {}
 

@@ -7,10 +7,12 @@ score of the model on records it has never trained on, at no extra cost
 (Blum, Kalai and Langford's *progressive validation*; the "online AUC" of
 online-learning papers). :class:`ProgressiveWindow` collects those logits and
 the labels, and closes a window every ``every`` records (a batch that straddles
-the boundary is split, so every window holds exactly ``every`` records) with
-its AUC and log loss (:func:`score_window`: scikit-learn's ``roc_auc_score`` and
-``log_loss``). Pure bookkeeping, no I/O; the service feeds it and sends the
-closed windows with its heartbeat (``docs/online.md``).
+the boundary is split, so every window holds exactly ``every`` records);
+:func:`score_window` scores a closed window, its AUC and log loss
+(scikit-learn's ``roc_auc_score`` and ``log_loss``: some milliseconds of input
+checks each, so the service scores on a thread of its own, off the training
+step). Pure bookkeeping, no I/O; the service feeds it and sends the scored
+windows with its heartbeat (``docs/online.md``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["WindowScore", "ProgressiveWindow", "score_window"]
+__all__ = ["ClosedWindow", "WindowScore", "ProgressiveWindow", "score_window"]
+
+
+@dataclass(frozen=True)
+class ClosedWindow:
+    """A window of records, closed, not yet scored."""
+
+    records: int
+    """Records scored so far when it closed (this one's included)."""
+    logits: np.ndarray
+    """The logits of its records (float ``[n]``), computed before training on them."""
+    labels: np.ndarray
+    """Their 0/1 labels."""
 
 
 @dataclass(frozen=True)
@@ -40,15 +54,15 @@ class WindowScore:
         return {"records": self.records, "n": self.n, "auc": self.auc, "log_loss": self.log_loss}
 
 
-def score_window(logits: np.ndarray, labels: np.ndarray, *, records: int) -> WindowScore:
-    """Score one window: AUC and log loss of ``logits`` (one per record) against 0/1 ``labels``,
-    closed after ``records`` records scored in all.
+def score_window(window: ClosedWindow) -> WindowScore:
+    """Score one window: the AUC and log loss of its logits (one per record) against its 0/1 labels.
 
     Raises:
         ValueError: empty window, or logits and labels of different lengths.
     """
-    logits = np.asarray(logits, dtype=np.float64).reshape(-1)
-    labels = np.asarray(labels).reshape(-1).astype(np.int64)
+    records = window.records
+    logits = np.asarray(window.logits, dtype=np.float64).reshape(-1)
+    labels = np.asarray(window.labels).reshape(-1).astype(np.int64)
     if len(logits) == 0 or len(logits) != len(labels):
         raise ValueError(f"a window needs as many labels as logits, at least one: got {len(logits)} "
                          f"and {len(labels)}")
@@ -88,9 +102,10 @@ class ProgressiveWindow:
         """Records in the window not yet closed."""
         return self._open
 
-    def add(self, logits: np.ndarray, labels: np.ndarray) -> list[WindowScore]:
+    def add(self, logits: np.ndarray, labels: np.ndarray) -> list[ClosedWindow]:
         """Add one batch's logits (computed before training on it) and labels; return the windows
-        it closed, oldest first (none, one, or several for a batch larger than a window).
+        it closed, oldest first (none, one, or several for a batch larger than a window), for
+        :func:`score_window`.
 
         Raises:
             ValueError: logits and labels of different lengths.
@@ -109,7 +124,7 @@ class ProgressiveWindow:
             self.records += take
             start += take
             if self._open == self.every:
-                closed.append(score_window(np.concatenate(self._logits), np.concatenate(self._labels),
-                                           records=self.records))
+                closed.append(ClosedWindow(self.records, np.concatenate(self._logits),
+                                           np.concatenate(self._labels)))
                 self._logits, self._labels, self._open = [], [], 0
         return closed
