@@ -94,7 +94,7 @@ class Progress:
             self._freshness.append(max(0.0, (now_ms - produced) / 1000))
 
     def scored(self, windows: list[WindowScore]) -> None:
-        """Progressive-validation windows closed by the last step, for the next heartbeat."""
+        """Progressive-validation windows scored since the last call (oldest first), for the next heartbeat."""
         if windows:
             self._windows.extend(windows)
             self.last_window = windows[-1]

@@ -587,7 +587,7 @@ class Trainer:
         if lookups is not None:
             seconds["rows"] = t3 - t2
         windows = []
-        if self.progressive is not None and result.logits is not None:  # scored here, off the event loop
+        if self.progressive is not None and result.logits is not None:  # scored on the scoring thread (_score)
             windows = self.progressive.add(result.logits, batch.y.numpy())
         return _Computed(wait, snapshot, result, seconds, windows)
 
