@@ -43,6 +43,10 @@ class Metrics:
                          "consumer lag (Kafka messages) per member, as its heartbeat reports it: the sum over "
                          "its partitions of the end offset minus its consumer's position", ["member"],
                          registry=r)
+        self.progressive_auc = Gauge("streamtrain_member_progressive_auc",
+                                     "AUC of each member's newest progressive-validation window (binary models: "
+                                     "records scored on the training forward pass, before training on them)",
+                                     ["member"], registry=r)
         self.heartbeats = Counter("streamtrain_heartbeats", "heartbeats accepted", registry=r)
 
     def observe_actions(self, actions: Iterable[Action], now_ms: int) -> None:
@@ -64,7 +68,7 @@ class Metrics:
                 self.moved.inc(len(a.moved))
 
     def _forget(self, member_id: str) -> None:
-        for gauge in (self.records_per_s, self.loss, self.lag):
+        for gauge in (self.records_per_s, self.loss, self.lag, self.progressive_auc):
             try:
                 gauge.remove(member_id)
             except KeyError:
@@ -88,6 +92,8 @@ class Metrics:
             self.records_per_s.labels(member.member_id).set(stats["records_per_s"])
         if "loss" in stats:
             self.loss.labels(member.member_id).set(stats["loss"])
+        if "progressive_auc" in stats:
+            self.progressive_auc.labels(member.member_id).set(stats["progressive_auc"])
         if "lag" in stats:
             self.lag.labels(member.member_id).set(stats["lag"])
         else:  # no partition fetched yet (or none left): no stale value from an earlier assignment

@@ -171,10 +171,12 @@ async def heartbeat(request: web.Request) -> web.Response:
     authenticate(request, rt.settings.job_token, "job")
     member_id = request.match_info["member_id"]
     stats = (await _body(request, HEARTBEAT, allow_empty=True)).get("stats", {})
+    windows = stats.pop("progressive", [])  # for the history, not the membership
     state = await _apply(rt, Heartbeat(member_id=member_id, stats=stats, now_ms=now_ms(),
                                        lease_ms=rt.settings.lease_ms))
     rt.metrics.observe_heartbeat(state.members[member_id], stats)
     request.app[SAMPLER].observe_heartbeat(stats.get("freshness_s", ()))
+    request.app[SAMPLER].progressive.observe(member_id, windows)
     return web.json_response(_reply(rt, state, member_id, await rt.store.config()))
 
 
@@ -328,8 +330,9 @@ async def status(request: web.Request) -> web.Response:
 @routes.get("/v1/history")
 async def history(request: web.Request) -> web.Response:
     """The job sampled once a second (loss, accuracy, records/s, lag, staleness, freshness,
-    versions/s; loss, accuracy and records/s per member too) as columns; ``?since_ms=T``
-    answers only the samples after ``T``."""
+    versions/s; loss, accuracy and records/s per member too) as columns, and the progressive
+    validation of a binary model (per trainer and for the job, :mod:`coordinator.progressive`);
+    ``?since_ms=T`` answers only the samples and points after ``T``."""
     raw = request.query.get("since_ms")
     since = None
     if raw is not None:
@@ -338,7 +341,9 @@ async def history(request: web.Request) -> web.Response:
             raise ApiError(400, "bad_request", f"since_ms: expected integer milliseconds since the epoch "
                                                f"(0 .. 2**63-1), got {raw!r}")
         since = int(raw)
-    return web.json_response(request.app[SAMPLER].history.columns(since_ms=since))
+    sampler = request.app[SAMPLER]
+    return web.json_response({**sampler.history.columns(since_ms=since),
+                              "progressive": sampler.progressive.columns(since_ms=since)})
 
 
 @routes.get("/metrics")

@@ -6,7 +6,8 @@ the shard groups' versions), the ``staleness`` hash and the committed offsets
 from Redis (one round trip), the embedding tables of a model that has some
 (:class:`coordinator.tables.TableReader`: one more pipelined round trip over the
 groups), the topic's end offsets from Kafka, and drains the freshness samples that heartbeats brought
-since the previous tick (:meth:`Sampler.observe_heartbeat`).
+since the previous tick (:meth:`Sampler.observe_heartbeat`), and pools the progressive-validation
+windows they brought (:class:`coordinator.progressive.ProgressiveHistory`).
 
 Kafka is probed with the sampler's own consumer on its own thread, so a slow
 or absent broker never queues ahead of ``/readyz`` or ``/v1/status``; after a
@@ -36,6 +37,7 @@ from common.outage import REDIS_DOWN
 
 from .history import SAMPLE_INTERVAL_S, History, Sample, take_sample
 from .kafka_probe import KafkaProbe
+from .progressive import ProgressiveHistory
 from .settings import CoordinatorSettings
 from .state import JobConfig, Store
 from .status import model_version, partitions_view, queue_group_versions
@@ -70,6 +72,8 @@ class Sampler:
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.history = History(settings.history_samples)
         """The samples taken so far (the newest ``settings.history_samples``)."""
+        self.progressive = ProgressiveHistory(settings.history_samples)
+        """Progressive validation of a binary model: heartbeats' windows, pooled at each sample."""
         self.tables = TableReader(JobKeys(settings.job))
         """Reads the job's embedding tables (``/v1/status`` shares it, and its cache of the names)."""
         self._settings = settings
@@ -137,6 +141,7 @@ class Sampler:
                              lag=lag, staleness=_ints(staleness),
                              version=version, freshness_s=freshness, previous=last, tables=tables)
         self.history.add(sample)
+        self.progressive.pool(t_ms)
         return sample
 
     def start(self, store: Store) -> None:

@@ -32,7 +32,7 @@ class Field:
 
     kind: str
     """"str", "int" (an integral number: ``3`` or ``3.0``), "number", "bool", "object" (nested
-    schema) or "numbers" (list of numbers)."""
+    schema), "numbers" (list of numbers) or "objects" (list of objects of the nested schema)."""
     required: bool = False
     choices: Sequence[Any] | None = None
     min: float | None = None
@@ -78,6 +78,12 @@ def _check(path: str, spec: Field, value: Any) -> Any:
         return list(value)
     elif kind == "object":
         return validate(value, spec.schema or {}, path)
+    elif kind == "objects":
+        if not isinstance(value, list):
+            raise InvalidBody(f"{path}: expected a list of objects, got {type(value).__name__}")
+        if len(value) > spec.max_len:
+            raise InvalidBody(f"{path}: more than {spec.max_len} items")
+        return [validate(item, spec.schema or {}, f"{path}[{i}]") for i, item in enumerate(value)]
     else:  # pragma: no cover - schema bug
         raise TypeError(f"unknown field kind {kind!r}")
     if spec.choices is not None and value not in spec.choices:
@@ -154,6 +160,14 @@ CAPABILITIES = {
 REGISTER = {"capabilities": Field("object", required=True, schema=CAPABILITIES)}
 """Body of ``POST /v1/members``."""
 
+PROGRESSIVE_WINDOW = {
+    "records": Field("int", required=True, min=1),
+    "n": Field("int", required=True, min=1),
+    "auc": Field("number", required=True, min=0, max=1, nullable=True),
+    "log_loss": Field("number", required=True, min=0),
+}
+"""One progressive-validation window a heartbeat carries (``trainers.progressive.WindowScore``)."""
+
 STATS = {
     "records_per_s": Field("number", min=0),
     "loss": Field("number"),
@@ -168,13 +182,18 @@ STATS = {
     "bytes_per_step": Field("number", min=0),
     "freshness_s": Field("numbers", min=0, max_len=1000),
     "row_cache_hit_rate": Field("number", min=0, max=1),
+    "progressive": Field("objects", max_len=64, schema=PROGRESSIVE_WINDOW),
+    "progressive_auc": Field("number", min=0, max=1),
 }
 """Stats a heartbeat may carry. ``freshness_s``: seconds from produce to apply of
 records since the previous heartbeat, observed into the freshness histogram.
 ``row_cache_hit_rate``: the share of embedding rows its batches needed that the
 trainer's row cache served, since the previous heartbeat (absent for a dense model
 or a window without lookups). ``auc`` and ``log_loss``: a binary model's held-out AUC and log
-loss at its last evaluation (absent for other models)."""
+loss at its last evaluation (absent for other models). ``progressive``: the progressive-validation
+windows a binary model's trainer closed since the previous heartbeat (records scored so far, the
+window's records, its AUC or null for a one-class window, its log loss); they go to the history,
+not the membership; ``progressive_auc``: the newest window's AUC."""
 
 HEARTBEAT = {"stats": Field("object", schema=STATS)}
 """Body of ``POST /v1/members/{id}/heartbeat`` (may be empty)."""

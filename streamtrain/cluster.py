@@ -380,6 +380,14 @@ class LocalCluster:
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
+    def progressive(self) -> dict[str, Any] | None:
+        """The progressive validation of a binary model (``/v1/history``'s ``progressive``: the job's
+        series and each trainer's), or None while the coordinator does not answer."""
+        try:
+            return self._get("/v1/history", timeout_s=5.0)["progressive"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError):
+            return None
+
     def wait_for(self, predicate: Any, timeout_s: float, what: str) -> dict[str, Any]:
         """Poll the status until ``predicate(status)`` holds; return that status."""
         found: dict[str, Any] = {}

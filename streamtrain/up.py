@@ -19,7 +19,10 @@ given beside it wins over the example's setting.
 With ``--forever`` it trains online from an unbounded stream at ``--rate``
 records/s (:data:`FOREVER_RATE` by default) until Ctrl-C, and the live view
 says whether the trainers keep up (:mod:`streamtrain.overload`,
-``docs/online.md``).
+``docs/online.md``). For a binary model the live view shows each trainer's
+newest progressive-validation AUC (the records it consumed, scored before
+training on them), and the final table the job's over the run's first and
+last tenth (:func:`progressive_summary`).
 
 **Exit status** (:func:`exit_code`): 0 when the run ended as asked — a target
 reached, the stream up to ``--max-records`` consumed, a ``--forever`` run
@@ -48,6 +51,7 @@ from rich.text import Text
 
 from common import settings as cfg
 from common.outage import REDIS_DOWN, Outage
+from coordinator.progressive import mean_auc
 from datastream.sources import one_pass
 
 from .cluster import ClusterSpec, LocalCluster
@@ -219,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
             if outcome is not Outcome.INTERRUPTED and reached_target(final, settings, task):
                 outcome = Outcome.TARGET  # the last updates made it
         final["status"] = cluster.status()
+        final["progressive"] = cluster.progressive()
     finally:
         with console.status("stopping everything"):
             cluster.stop()
@@ -274,36 +279,55 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
 def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float, task: Task,
           verdict: Verdict | None) -> Group:
     """The live tables: the job (with the independent held-out score: AUC, log loss and accuracy for
-    a binary model, accuracy for another classifier, loss, MAE and R² for regression), one row per
-    trainer, then whether training keeps up."""
+    a binary model, accuracy for another classifier, loss, MAE and R² for regression; a binary model's
+    progressive AUC, the mean of the trainers' newest windows), one row per trainer, then whether
+    training keeps up."""
     classification = task.classification
+    # a binary model's trainers report the AUC of the records they consume, scored before training on them
+    progressive = [m.get("stats", {}).get("progressive_auc") for m in st.get("members", [])]
+    reported = [v for v in progressive if v is not None]
+    scored = bool(reported)
     job = Table(title=f"job {st.get('job')} · {elapsed:.0f}s", expand=False)
     held_out = (("held-out AUC", "log loss", "acc") if task.binary else ("held-out acc",) if classification
                 else ("held-out loss", "MAE", "R²"))
-    for col in ("records/s", "loss", *held_out, "version", "generation", "lag (msgs)", "staleness"):
+    for col in ("records/s", "loss", *held_out, *(("progressive AUC",) if scored else ()), "version", "generation",
+                "lag (msgs)", "staleness"):
         job.add_column(col, justify="right")
     versions = st.get("versions", {})
     metrics = ((_fmt(score.get("auc"), ".4f"), _fmt(score.get("loss"), ".4f"), _fmt(score.get("accuracy"), ".1%"))
                if task.binary else (_fmt(score.get("accuracy"), ".1%"),) if classification else
                (_fmt(score.get("loss")), _fmt(score.get("mae")), _fmt(score.get("r2"))))
+    if scored:  # the mean of the trainers' newest windows
+        metrics = (*metrics, _fmt(sum(reported) / len(reported)))
     job.add_row(f"{st.get('throughput_records_per_s', 0):,.0f}", _fmt(st.get("loss")), *metrics,
                 str(versions.get("max", "-")), str(st.get("generation")),
                 str(st.get("lag")), str(st.get("staleness", {}).get("clock_spread", "-")))
     members = Table(title="trainers", expand=False)
     for col in ("member", "state", "device", "partitions", "records/s", "loss", *(("acc",) if classification else ()),
-                "clock"):
+                *(("progressive AUC",) if scored else ()), "clock"):
         members.add_column(col)
-    for m in st.get("members", []):
+    for m, auc in zip(st.get("members", []), progressive, strict=True):
         stats = m.get("stats", {})
         acc = (_fmt(stats.get("accuracy"), ".1%"),) if classification else ()
         members.add_row(m["member_id"], m["state"], str(m.get("capabilities", {}).get("device", "")),
                         ",".join(map(str, m.get("partitions", []))),
                         f"{stats.get('records_per_s', 0):,.0f}", _fmt(stats.get("loss")), *acc,
-                        str(stats.get("clock", "")))
+                        *((_fmt(auc),) if scored else ()), str(stats.get("clock", "")))
     if verdict is None:
         return Group(job, members)
     style = {Trend.FALLING_BEHIND: "bold red", Trend.CATCHING_UP: "yellow"}.get(verdict.trend, "green")
     return Group(job, members, Text(verdict.line(), style=style))
+
+
+def progressive_summary(progressive: Mapping[str, Any] | None) -> str | None:
+    """The job's progressive-validation AUC over the run's first and last tenth of the records scored
+    (``/v1/history``'s ``progressive``), in words; None when no window had an AUC (not a binary model)."""
+    series = (progressive or {}).get("job") or {}
+    first, last = mean_auc(series, 0.0, 0.1), mean_auc(series, 0.9, 1.0)
+    if first is None and last is None:
+        return None
+    return (f"{_fmt(first)} over the first tenth → {_fmt(last)} over the last tenth of "
+            f"{series['records'][-1]:,} records scored before training on them")
 
 
 def _fmt(value: float | None, spec: str = ".4g") -> str:
@@ -366,6 +390,8 @@ def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: 
         table.add_row("held-out AUC", _fmt(final.get("auc"), ".4f") + ending)
         table.add_row("held-out log loss", _fmt(final.get("loss"), ".4f"))
         table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%"))
+        if (line := progressive_summary(final.get("progressive"))) is not None:
+            table.add_row("progressive AUC", line)
     elif task.classification:
         table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%") + ending)
         table.add_row("held-out loss", _fmt(final.get("loss")))

@@ -541,7 +541,7 @@ def test_tokens_are_compared_with_compare_digest(monkeypatch: pytest.MonkeyPatch
 
 
 _OPENAPI_TYPES = {"str": "string", "int": "integer", "number": "number", "bool": "boolean",
-                  "object": "object", "numbers": "array"}
+                  "object": "object", "numbers": "array", "objects": "array"}
 
 
 def _resolve(doc: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
@@ -576,6 +576,11 @@ def _limit_problems(doc: dict[str, Any], where: str, fields: dict[str, Field],
             problems.append(f"{path}: type {prop.get('type')!r}, validated as {kind!r}")
         if field.kind == "object":
             problems += _limit_problems(doc, path, dict(field.schema or {}), prop)
+            continue
+        if field.kind == "objects":
+            if prop.get("maxItems") != field.max_len:
+                problems.append(f"{path}: maxItems {prop.get('maxItems')} != {field.max_len}")
+            problems += _limit_problems(doc, f"{path}[]", dict(field.schema or {}), prop.get("items", {}))
             continue
         bounded = prop
         if field.kind == "numbers":
@@ -637,6 +642,42 @@ async def test_metrics_parse_and_freshness(settings: CoordinatorSettings) -> Non
         assert samples[("streamtrain_freshness_seconds_count", ())] == 3
         assert samples[("streamtrain_member_records_per_second",
                         (("member", a["member_id"]),))] == 50.0
+
+
+async def test_progressive_windows_go_to_the_history_and_the_newest_auc_to_status_and_metrics(
+        settings: CoordinatorSettings) -> None:
+    async with running_coordinator(settings) as client:
+        a, b = (await register(client))["member_id"], (await register(client))["member_id"]
+        for member, windows in ((a, [{"records": 500, "n": 500, "auc": 0.6, "log_loss": 0.68},
+                                     {"records": 1000, "n": 500, "auc": None, "log_loss": 0.5}]),
+                                (b, [{"records": 1500, "n": 1500, "auc": 0.8, "log_loss": 0.6}])):
+            auc = next(w["auc"] for w in reversed(windows) if w["auc"] is not None)
+            resp = await client.post(f"/v1/members/{member}/heartbeat", headers=JOB_AUTH,
+                                     json={"stats": {"progressive": windows, "progressive_auc": auc}})
+            assert resp.status == 200, await resp.text()
+
+        async def pooled() -> dict[str, Any] | None:
+            h = await (await client.get("/v1/history")).json()
+            return h["progressive"] if h["progressive"]["job"]["records"][-1:] == [2500] else None
+
+        progressive = await await_until(pooled, 30, interval_s=0.1, what="both heartbeats' windows pooled")
+        job = progressive["job"]
+        if len(job["records"]) == 1:  # both heartbeats pooled at one sample
+            assert job["n"] == [2500]
+            assert job["auc"] == [pytest.approx((500 * 0.6 + 1500 * 0.8) / 2000)]  # the one-class window weighs 0
+        else:  # a sample fell between the two heartbeats
+            assert (job["records"], job["n"], job["auc"]) == ([1000, 2500], [1000, 1500], [0.6, 0.8])
+        assert progressive["members"][a]["records"] == [1000] and progressive["members"][b]["auc"] == [0.8]
+        status = await (await client.get("/v1/status")).json()
+        stats = {m["member_id"]: m["stats"] for m in status["members"]}
+        assert stats[a] == {"progressive_auc": 0.6}  # the windows are the history's, not the membership's
+        text = await (await client.get("/metrics")).text()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples[("streamtrain_member_progressive_auc", (("member", b),))] == 0.8
+        refused = await client.post(f"/v1/members/{a}/heartbeat", headers=JOB_AUTH,
+                                    json={"stats": {"progressive": [{"records": 1, "n": 1, "log_loss": -1}]}})
+        assert refused.status == 400 and "stats.progressive[0]" in (await refused.json())["error"]["message"]
 
 
 async def test_openapi_documents_every_route(settings: CoordinatorSettings) -> None:

@@ -40,6 +40,7 @@ JOB_AUTH = {"Authorization": "Bearer job-secret"}
 DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img" / "dashboard.png"
 PLOT_IDS = {"loss", "auc", "accuracy", "records", "lag", "staleness", "freshness", "versions"}
 TABLE_PLOT_IDS = {"table_rows", "table_bytes", "table_rates", "row_cache"}
+PROGRESSIVE_PLOT_IDS = {"progressive_auc", "progressive_log_loss"}
 
 
 def make_tables(redis: redis_lib.Redis, *names: str) -> None:
@@ -196,13 +197,16 @@ async def test_vendored_uplot_is_served_and_nothing_else(redis_url: str, silent_
 
 
 @contextlib.asynccontextmanager
-async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis,
-                                members: list[str]) -> AsyncIterator[None]:
+async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis, members: list[str],
+                                scoring: asyncio.Event | None = None) -> AsyncIterator[None]:
     """Heartbeat like two trainers and publish versions, four times a second, until the block
     ends. The first reports a held-out accuracy, AUC and log loss; the second none, and a training loss of 3e-5 and
     below (a memorised training set: what the page once showed as 0.0000). Once the job has a
     model with embedding tables (:func:`make_tables`), they grow as a parameter server would grow
-    them (:func:`grow_table`) and the trainers report their row cache's hit rate."""
+    them (:func:`grow_table`) and the trainers report their row cache's hit rate. Once ``scoring`` is
+    set, each heartbeat carries a progressive-validation window of 100 records whose AUC climbs."""
+
+    scored = [0] * len(members)
 
     async def beat() -> None:
         for step in range(10_000):
@@ -218,6 +222,11 @@ async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis,
                     stats["log_loss"] = 0.69 - min(0.1, 0.005 * step)
                 if tables:
                     stats["row_cache_hit_rate"] = 0.6 + 0.1 * i + 0.02 * (step % 5)
+                if scoring is not None and scoring.is_set():
+                    scored[i] += 100
+                    auc = min(0.9, 0.5 + 0.01 * scored[i] / 100 + 0.02 * i)
+                    stats["progressive"] = [{"records": scored[i], "n": 100, "auc": auc, "log_loss": 1.2 - auc}]
+                    stats["progressive_auc"] = auc
                 await heartbeat(client, member, stats)
             for k, name in enumerate(tables):
                 grow_table(redis, name, step, 4 * (k + 1))
@@ -250,7 +259,8 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
     async with running_coordinator(settings) as client:
         members = [await register(client, "host-a"), await register(client, "host-b")]
         redis.hset(KEYS.offsets, "0", 10)  # lag: 30 - 10 on partition 0, 30 on partition 1
-        async with trainers_heartbeating(client, redis, members), chromium(tmp_path / "profile") as page:
+        scoring = asyncio.Event()
+        async with trainers_heartbeating(client, redis, members, scoring), chromium(tmp_path / "profile") as page:
             await page.navigate(str(client.make_url("/")))
             await page.wait_for("window.plots && Object.keys(window.plots).length === 8 && "
                                 "Object.values(window.plots).every(u => u.data[0].length > 3 && "
@@ -309,6 +319,26 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
                                               for p in sorted(TABLE_PLOT_IDS)), timeout_s=30)
             rates = await page.evaluate("window.plots.table_rates.series.slice(1).map(s => s.label)")
             assert rates == ["admitted", "dropped", "expired", "evicted"]
+
+            # progressive validation: no section until a trainer reports windows (a binary model)
+            assert await page.evaluate("document.getElementById('progressive').hidden") is True
+            assert not PROGRESSIVE_PLOT_IDS & set(await page.evaluate("Object.keys(window.plots)"))
+            scoring.set()
+            await page.wait_for("!document.getElementById('progressive').hidden && "
+                                + " && ".join(f"window.plots.{p} && window.plots.{p}.data[0].length > 3"
+                                              for p in sorted(PROGRESSIVE_PLOT_IDS)), timeout_s=30)
+            auc = await page.evaluate("(u => ({labels: u.series.slice(1).map(s => s.label), x: u.data[0], "
+                                      "job: u.data[1], members: u.data.slice(2)}))(window.plots.progressive_auc)")
+            assert auc["labels"] == ["job", *sorted(members)]
+            assert auc["x"] == sorted(auc["x"]) and auc["x"][0] >= 100 and auc["x"][-1] > auc["x"][0]
+            assert all(0.5 <= v <= 0.92 for v in auc["job"])
+            assert all(any(v is not None for v in m) for m in auc["members"])
+            assert auc["job"][-1] > auc["job"][0]  # the windows' AUC climbs
+            line = await page.evaluate("document.getElementById('progressive-summary').textContent")
+            assert line.startswith("latest: AUC 0.") and "records scored" in line, line
+            prog_cells = await page.wait_for("(c => c.every(v => v !== '–') && c)([...document.querySelectorAll("
+                                             "'#members tr')].map(tr => tr.children[8].textContent))", timeout_s=10)
+            assert all(0.5 <= float(v) <= 0.92 for v in prog_cells), prog_cells
             png = await page.screenshot()
             assert page.errors() == []
     assert png.startswith(b"\x89PNG\r\n\x1a\n")

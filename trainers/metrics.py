@@ -22,6 +22,7 @@ from datastream.consumer import ConsumerStats
 from services.consistency import STALENESS, WAIT_SECONDS
 
 from .evaluate import EvalResult
+from .progressive import WindowScore
 from .rowcache import CacheStats
 
 __all__ = ["TrainerMetrics", "TrainerReport"]
@@ -49,6 +50,8 @@ class TrainerReport:
     """The row cache's lookups (None for a model without embedding tables)."""
     row_pull_bytes: int = 0
     """Bytes of rows and masks its pulls of embedding rows read."""
+    progressive: WindowScore | None = None
+    """The newest progressive-validation window (binary models; None before the first)."""
 
 
 class _Collector(Collector):
@@ -80,6 +83,16 @@ class _Collector(Collector):
         if t.last_eval is not None and t.last_eval.auc is not None:
             gauges.append(("streamtrain_trainer_auc", "held-out AUC at the last evaluation (binary tasks)",
                            t.last_eval.auc))
+        if t.progressive is not None:
+            if t.progressive.auc is not None:
+                gauges.append(("streamtrain_trainer_progressive_auc", ("AUC of the newest progressive-validation "
+                               "window: records scored by the training forward pass, before training on them"),
+                               t.progressive.auc))
+            if math.isfinite(t.progressive.log_loss):
+                gauges.append(("streamtrain_trainer_progressive_log_loss", "log loss of the same window",
+                               t.progressive.log_loss))
+            gauges.append(("streamtrain_trainer_progressive_records", ("records this trainer had scored when "
+                           "the newest progressive-validation window closed"), t.progressive.records))
         if t.row_cache is not None:
             gauges.append(("streamtrain_row_cache_rows", "embedding rows this trainer's cache holds",
                            t.row_cache.rows))

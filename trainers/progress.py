@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .progressive import WindowScore
+
 LOSS_EMA_WEIGHT = 0.1
 """Weight of the newest step in the training-loss moving average."""
 PHASE_REPORT_STEPS = 50
@@ -22,6 +24,9 @@ PHASE_LOG = "ms per step"
 reads the lines back)."""
 MAX_FRESHNESS_SAMPLES = 1000
 """Most freshness samples one heartbeat carries (the coordinator keeps percentiles)."""
+MAX_PROGRESSIVE_WINDOWS = 64
+"""Most progressive-validation windows one heartbeat carries (the newest; more closing between two
+heartbeats means windows far smaller than a heartbeat's worth of records)."""
 
 
 @dataclass
@@ -53,6 +58,10 @@ class Progress:
     _phase_steps: int = field(default=0, init=False)
     _row_lookups: tuple[int, int] = field(default=(0, 0), init=False)
     """The row cache's cumulative (hits, misses) at the last heartbeat."""
+    last_window: WindowScore | None = None
+    """The newest closed progressive-validation window (None before the first, or for a model that
+    does not score them)."""
+    _windows: list[WindowScore] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self._window = _Window(started=self.started)
@@ -84,6 +93,12 @@ class Progress:
             _, produced = self._sent.popleft()
             self._freshness.append(max(0.0, (now_ms - produced) / 1000))
 
+    def scored(self, windows: list[WindowScore]) -> None:
+        """Progressive-validation windows scored since the last call (oldest first), for the next heartbeat."""
+        if windows:
+            self._windows.extend(windows)
+            self.last_window = windows[-1]
+
     def phase(self, name: str, seconds: float) -> None:
         """Add ``seconds`` to phase ``name`` (wait, pull, compute, push_wait) of the current steps."""
         self._phases[name] += seconds
@@ -108,6 +123,8 @@ class Progress:
         a model without embedding tables): ``row_cache_hit_rate`` is the hits over the lookups of
         the window, sent when it had any (counts that went back, a new cache, start a new count).
         ``auc`` and ``log_loss``: a binary model's held-out AUC and log loss at its last evaluation.
+        ``progressive``: the progressive-validation windows closed since the last heartbeat (the
+        newest :data:`MAX_PROGRESSIVE_WINDOWS`), and ``progressive_auc`` the newest window's AUC.
         Only finite numbers are sent (JSON has no NaN).
         """
         w, self._window = self._window, _Window(started=now)
@@ -134,4 +151,9 @@ class Progress:
             lookups = (hits - hits_before) + (misses - misses_before)
             if lookups > 0:
                 stats["row_cache_hit_rate"] = (hits - hits_before) / lookups
+        if self._windows:
+            windows, self._windows = self._windows[-MAX_PROGRESSIVE_WINDOWS:], []
+            stats["progressive"] = [w.as_json() for w in windows if math.isfinite(w.log_loss)]
+        if self.last_window is not None and self.last_window.auc is not None:
+            stats["progressive_auc"] = self.last_window.auc
         return stats

@@ -23,7 +23,10 @@ outage is ridden out; both run at the top of the next turn of the loop, so a
 fault during a recovery is recovered from the same way.
 
 Around it: registration and heartbeats with the coordinator (a background
-task), the presence channel, evaluation on held-out data, and a drain (on
+task), the presence channel, evaluation on held-out data, progressive
+validation of a binary model (each step's logits, computed before its gradient
+is applied anywhere, collected into windows on the step's thread and scored on
+a thread of their own: :mod:`trainers.progressive`), and a drain (on
 SIGTERM, or when the coordinator drains this member) that settles the push in
 flight, mirrors the committed offsets to Kafka and leaves the membership.
 """
@@ -31,15 +34,17 @@ flight, mirrors the committed offsets to Kafka and leaves the membership.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
+import importlib
 import logging
 import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -72,6 +77,7 @@ from .evaluate import EvalResult, evaluate
 from .metrics import TrainerMetrics, TrainerReport
 from .models import build_model
 from .progress import PHASE_LOG, Progress
+from .progressive import ClosedWindow, ProgressiveWindow, WindowScore, score_window
 from .rowcache import RowCache, TableBound
 from .settings import TrainerSettings
 from .state import Adopt, Instruction, Move, Outcome, Resync, TrainerState, needs_pull
@@ -85,6 +91,9 @@ IDLE_S = 0.1
 """Pause of a turn with nothing to consume."""
 POLL_S = 0.2
 """Longest wait for a batch before the loop turns again."""
+MAX_UNSCORED = 64
+"""Progressive-validation windows waiting for the scoring thread at most; a window closed beyond
+that is dropped (counted in the log): windows far smaller than the scoring thread keeps up with."""
 
 
 async def next_batch(consumer: ShardConsumer, timeout_s: float = POLL_S) -> Batch | None:
@@ -115,6 +124,8 @@ class _Computed:
     """None for an empty batch (a clock tick)."""
     seconds: dict[str, float]
     """Seconds of each phase: wait, pull, compute."""
+    windows: list[ClosedWindow] = field(default_factory=list)
+    """Progressive-validation windows the step's logits closed (to be scored)."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +179,17 @@ class Trainer:
         self.settings = settings
         self.plan = plan_device(settings.device, settings.threads, settings.mixed_precision)
         self.replica = Replica(build_model(settings.model, seed=settings.seed), self.plan,
-                               row_dtype=getattr(torch, settings.row_dtype))
+                               row_dtype=getattr(torch, settings.row_dtype),
+                               keep_logits=settings.progressive_every > 0)
+        self.progressive = (ProgressiveWindow(settings.progressive_every) if self.replica.keep_logits else None)
+        """Progressive validation of a binary model: its training logits scored in windows
+        (:mod:`trainers.progressive`); None for other models or when off."""
+        self._score_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="progressive")
+        self._scoring: collections.deque[concurrent.futures.Future[WindowScore]] = collections.deque()
+        """Closed windows being scored, oldest first (scikit-learn's checks take milliseconds: off the step)."""
+        self._unscored_dropped = 0
+        if self.progressive is not None:  # scikit-learn takes a second or more to import: not with the first window
+            self._score_pool.submit(importlib.import_module, "sklearn.metrics")
         self.redis = connect(settings.redis_url)
         self.store = ParameterStore(self.redis, settings.job)
         # A reply slower than a second is as good as none: the lease is a few seconds.
@@ -240,7 +261,8 @@ class Trainer:
             loss=self.progress.loss_ema, version=self.snapshot.version if self.snapshot is not None else None,
             last_eval=self.last_eval, consumer=self.consumer.stats() if self.consumer is not None else None,
             row_cache=self.row_cache.stats() if self.tables else None,
-            row_pull_bytes=self.rows.pulled_bytes if self.rows is not None else 0)
+            row_pull_bytes=self.rows.pulled_bytes if self.rows is not None else 0,
+            progressive=self.progress.last_window)
 
     @staticmethod
     async def _cancel(task: asyncio.Task[None] | None) -> None:
@@ -253,6 +275,7 @@ class Trainer:
         if self.consumer is not None:
             await asyncio.to_thread(self.consumer.close)
         self._push_pool.shutdown(wait=True)
+        self._score_pool.shutdown(wait=False, cancel_futures=True)
         await self.coordinator.close()
         self.redis.close()
 
@@ -365,7 +388,28 @@ class Trainer:
                 logger.debug("presence channel closed (%s); reopening", exc)
             await asyncio.sleep(0.2)  # the coordinator restarted, or we registered anew
 
+    def _score(self, windows: list[ClosedWindow]) -> None:
+        """Hand closed progressive-validation windows to the scoring thread."""
+        for window in windows:
+            if len(self._scoring) >= MAX_UNSCORED:
+                self._unscored_dropped += 1
+                if self._unscored_dropped == 1:
+                    logger.warning("progressive validation: windows of %d records close faster than they are "
+                                   "scored; dropping some (raise --progressive-every)", window.logits.size)
+                continue
+            self._scoring.append(self._score_pool.submit(score_window, window))
+
+    def _scored(self) -> None:
+        """Move the windows scored so far, in order, to the progress for the next heartbeat."""
+        while self._scoring and self._scoring[0].done():
+            future = self._scoring.popleft()
+            try:
+                self.progress.scored([future.result()])
+            except Exception:  # scoring is informational: it never stops training
+                logger.exception("progressive validation: a window could not be scored")
+
     def _stats(self) -> dict[str, object]:
+        self._scored()
         held_out = self.last_eval
         accuracy = held_out.accuracy if held_out is not None else None
         binary = held_out is not None and self.replica.spec.binary  # its loss is the log loss
@@ -506,6 +550,7 @@ class Trainer:
             return
         self.progress.stepped(len(batch), time.monotonic() - t0,
                               done.result.loss if done.result is not None else None)
+        self._score(done.windows)
         self.progress.applied(done.wait.own_applied, time.time() * 1000)
         if (report := self.progress.phase_report()) is not None:
             logger.info("member %s: %s %s", self.coordinator.member_id, PHASE_LOG,
@@ -518,7 +563,8 @@ class Trainer:
         """Runs on a worker thread (one hand-off per step): wait for the clock bound, pull what the
         bound needs into the model's parameters (and the batch's rows of the embedding tables: the
         row cache's, or pulled), then forward and backward on the batch. It reads the state only
-        through its arguments and changes nothing but the replica's parameters and the row cache."""
+        through its arguments and changes nothing but the replica's parameters, the row cache and the
+        progressive-validation window (only this thread touches it)."""
         assert self.pusher is not None
         t0 = time.monotonic()
         wait = wait_for_clock(self.redis, self.settings.job, self.pusher.member_id, clock,
@@ -544,7 +590,10 @@ class Trainer:
         seconds = {"wait": t1 - t0, "pull": t2 - t1, "compute": time.monotonic() - t3}
         if lookups is not None:
             seconds["rows"] = t3 - t2
-        return _Computed(wait, snapshot, result, seconds)
+        windows = []
+        if self.progressive is not None and result.logits is not None:  # scored on the scoring thread (_score)
+            windows = self.progressive.add(result.logits, batch.y.numpy())
+        return _Computed(wait, snapshot, result, seconds, windows)
 
     async def _settle_push(self) -> None:
         """Wait for the push in flight, tell the state how it ended, and do what the state says.

@@ -39,6 +39,10 @@ class TrainerSettings:
                               help="evaluate every N of this trainer's steps")
     eval_limit: int = setting(2000, env="STREAMTRAIN_EVAL_LIMIT", min=1,
                               help="most held-out records to evaluate on")
+    progressive_every: int = setting(2000, env="STREAMTRAIN_PROGRESSIVE_EVERY", min=0, max=1 << 30,
+                                     help="binary models: score the AUC and log loss of every N records this "
+                                          "trainer consumes, on the logits of the training forward pass, before "
+                                          "training on them (progressive validation; 0: off)")
     row_cache_rows: int = setting(32768, env="STREAMTRAIN_ROW_CACHE_ROWS", min=0, max=1 << 28,
                                   help="rows of each embedding table kept between steps (least recently used "
                                        "out; 0: pull every row every step); bounds the trainer's memory")

@@ -32,14 +32,20 @@ class StepResult:
     """Records in the batch."""
     row_grads: list[RowGrads] = field(default_factory=list)
     """Gradient rows of the embedding tables: per table, the batch's unique IDs and their rows."""
+    logits: np.ndarray | None = None
+    """A binary model's logits of the batch (float32 ``[n]`` on the CPU), computed before its gradient
+    is applied anywhere, when the replica keeps them (progressive validation, :mod:`trainers.progressive`)."""
 
 
 class Replica:
     """A trainer's local copy of the model; pulls write straight into its parameters
     (``ParameterStore.pull(out=replica.tensors)``), with no second copy."""
 
-    def __init__(self, spec: ModelSpec, plan: DevicePlan, *, row_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, spec: ModelSpec, plan: DevicePlan, *, row_dtype: torch.dtype = torch.float32,
+                 keep_logits: bool = False) -> None:
         self.spec = spec
+        self.keep_logits = keep_logits and spec.binary
+        """Return a binary model's logits with each step (only the small ``[n]`` vector leaves the device)."""
         self.plan = plan
         self.row_dtype = row_dtype
         """The dtype gradient rows of embedding tables are cast to on the device (what they travel as)."""
@@ -79,4 +85,5 @@ class Replica:
         grads = {name: p.grad.detach().to("cpu", torch.float32) for name, p in self.params.items()
                  if p.grad is not None}
         row_grads = row_gradients(lookups, leaves, self.row_dtype) if leaves and lookups is not None else []
-        return StepResult(float(loss.detach()), grads, int(x.shape[0]), row_grads)
+        logits = out.detach().reshape(-1).float().cpu().numpy() if self.keep_logits else None
+        return StepResult(float(loss.detach()), grads, int(x.shape[0]), row_grads, logits)
