@@ -226,18 +226,18 @@ def test_mean_auc_over_the_first_and_last_tenth_of_the_records() -> None:
 def test_up_shows_the_trainers_progressive_auc_and_sums_up_the_run() -> None:
     from rich.console import Console
 
-    from streamtrain.up import _view, progressive_summary
+    from streamtrain.up import Task, _view, progressive_summary
 
     status = {"job": "clicks", "versions": {"max": 9}, "generation": 2, "lag": 0, "loss": 0.6,
               "members": [{"member_id": "a", "state": "active", "partitions": [0], "stats": {"progressive_auc": 0.7}},
                           {"member_id": "b", "state": "active", "partitions": [1], "stats": {"progressive_auc": 0.8}}]}
     console = Console(width=200, record=True)
-    console.print(_view(status, {"accuracy": 0.7}, 10.0, True, None))
+    console.print(_view(status, {"auc": 0.71, "loss": 0.6, "accuracy": 0.7}, 10.0, Task(True, binary=True), None))
     text = console.export_text()
     assert "progressive AUC" in text and "0.75" in text and "0.7" in text and "0.8" in text
     dense = {**status, "members": [{"member_id": "a", "state": "active", "partitions": [0], "stats": {}}]}
     console = Console(width=200, record=True)
-    console.print(_view(dense, {}, 10.0, True, None))
+    console.print(_view(dense, {}, 10.0, Task(True), None))
     assert "progressive" not in console.export_text()  # not a binary model: no column
 
     series = {"job": {"records": [100, 500, 1000], "n": [100, 400, 500], "auc": [0.55, 0.6, 0.8]}}
