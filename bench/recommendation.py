@@ -19,6 +19,8 @@ steps, dense part SSP s = 2, batch 64 (the trainers' default).
    the end (``streamtrain.scoring.score_job``: the dense snapshot and the rows of the held-out IDs).
    Progressive validation (``docs/online.md``): each trainer scores every 2,000 of its records
    before training on them; the job's AUC over the first and the last tenth of the records scored.
+   Each is run ``--repeats`` times and the figures are the means: one run's held-out AUC moves by
+   up to 0.01 from one run to the next (the order in which two trainers' updates interleave).
 3. **The serving feed at half capacity**: two trainers consume while the producer streams at half
    the records/s two trainers reached in (2); a consumer polls ``GET /v1/model/updates`` every 50 ms
    and measures, for each changelog entry, the time from its apply (Redis's clock) to the answer
@@ -26,7 +28,7 @@ steps, dense part SSP s = 2, batch 64 (the trainers' default).
 
 Writes ``bench/results/recommendation.json``; prints the AUC gap last.
 
-    .venv/bin/python bench/recommendation.py [--seeds 3] [--lag-s 40]
+    .venv/bin/python bench/recommendation.py [--seeds 3] [--repeats 3] [--lag-s 40]
 """
 
 from __future__ import annotations
@@ -172,6 +174,15 @@ def pipeline(trainers: int, workdir: Path) -> dict[str, Any]:
             "progressive_points": len(series.get("records", [])) if series else 0}
 
 
+def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of each figure over ``runs`` (None where a run has none)."""
+    out: dict[str, Any] = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs]
+        out[key] = None if any(v is None for v in values) else float(np.mean(values))
+    return out
+
+
 def feed_lag(trainers: int, rate: float, seconds: float, workdir: Path) -> dict[str, Any]:
     """The feed's lag from apply to a polling consumer while ``trainers`` trainers consume a stream
     produced at ``rate`` records/s."""
@@ -184,8 +195,8 @@ def feed_lag(trainers: int, rate: float, seconds: float, workdir: Path) -> dict[
         produced: dict[str, int] = {}
 
         def stream() -> None:
-            report = produce(cluster.bootstrap, spec.topic, SOURCE, partitions=spec.partitions,
-                             shard_size=BATCH, split="train", rate=rate, stop=stop)
+            report = produce(cluster.bootstrap, spec.topic, f"{SOURCE}?repeat=0", partitions=spec.partitions,
+                             shard_size=BATCH, split="train", rate=rate, stop=stop)  # passes until stopped
             produced["records"] = report.records
 
         producer = threading.Thread(target=stream, daemon=True)
@@ -197,19 +208,22 @@ def feed_lag(trainers: int, rate: float, seconds: float, workdir: Path) -> dict[
                 break
             except Exception:  # noqa: BLE001 - no model yet, or the coordinator still starting
                 time.sleep(0.5)
+        begun_ms = time.time() * 1000
         lag = measure_feed_lag(cluster.coordinator_url, cluster.job_token, seconds=seconds)
+        ended_ms = time.time() * 1000
         stop.set()
         producer.join(timeout=120)
         entries = _applied(cluster)
-    applied = [e for e in entries if e.applied_ms >= entries[-1].applied_ms - seconds * 1000]
+    applied = [e for e in entries if begun_ms <= e.applied_ms <= ended_ms]
     return {"rate": rate, "entries": int(lag.entries), "p50_ms": lag.p50_ms, "p99_ms": lag.p99_ms,
             "max_ms": lag.max_ms, "produced": produced.get("records"),
-            "applied_per_s": sum(e.batch_size for e in applied) / seconds}
+            "applied_per_s": sum(e.batch_size for e in applied) / ((ended_ms - begun_ms) / 1000)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the local loop (its AUC is their mean)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each pipeline (its figures are their means)")
     ap.add_argument("--lag-s", type=float, default=40.0, help="seconds the feed's lag is measured")
     ap.add_argument("--workdir", default="/tmp/streamtrain-bench-recommendation")
     args = ap.parse_args()
@@ -221,11 +235,13 @@ def main() -> None:
     for r in local_runs:
         console.print(r)
     local = {k: float(np.mean([r[k] for r in local_runs])) for k in ("auc", "log_loss", "records_per_s")}
-    runs = {}
-    for trainers in (1, 2):
-        console.print(f"[bold]pipeline[/], {trainers} trainer(s)")
-        runs[trainers] = pipeline(trainers, workdir / f"t{trainers}")
-        console.print(runs[trainers])
+    repeats: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
+    for repeat in range(args.repeats):
+        for trainers in (1, 2):
+            console.print(f"[bold]pipeline[/], {trainers} trainer(s), run {repeat + 1} of {args.repeats}")
+            repeats[trainers].append(pipeline(trainers, workdir / f"t{trainers}-{repeat}"))
+            console.print(repeats[trainers][-1])
+    runs = {trainers: _mean(got) for trainers, got in repeats.items()}
     half = runs[2]["records_per_s"] / 2
     console.print(f"[bold]feed lag[/] at half capacity: {half:,.0f} records/s, two trainers, {args.lag_s:.0f} s")
     lag = feed_lag(2, half, args.lag_s, workdir / "lag")
@@ -236,7 +252,8 @@ def main() -> None:
               "auc_gap": local["auc"] - two["auc"]}
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": platform.platform(), "local_runs": local_runs, "local": local,
-                                   "runs": runs, "feed_lag": lag, "ratios": ratios}, indent=2, default=str))
+                                   "runs": runs, "repeats": repeats, "feed_lag": lag, "ratios": ratios},
+                                  indent=2, default=str))
     table = Table(title="MovieLens-100K: the pipeline against a plain local loop (one run)")
     for col in ("", "records/s", "held-out AUC", "log loss", "progressive AUC first/last tenth"):
         table.add_column(col)
@@ -245,8 +262,8 @@ def main() -> None:
     for trainers, r in runs.items():
         prog = (f"{r['progressive_first']:.4f} / {r['progressive_last']:.4f}"
                 if r["progressive_first"] is not None and r["progressive_last"] is not None else "")
-        table.add_row(f"pipeline, {trainers} trainer(s)", f"{r['records_per_s']:,.0f}", f"{r['auc']:.4f}",
-                      f"{r['log_loss']:.4f}", prog)
+        table.add_row(f"pipeline, {trainers} trainer(s) (mean of {args.repeats})", f"{r['records_per_s']:,.0f}",
+                      f"{r['auc']:.4f}", f"{r['log_loss']:.4f}", prog)
     console.print(table)
     print(f"feed lag at half capacity ({half:,.0f} records/s offered, {lag['applied_per_s']:,.0f} applied, "
           f"{lag['entries']} entries): p50 {lag['p50_ms']:.0f} ms, p99 {lag['p99_ms']:.0f} ms")
@@ -254,6 +271,8 @@ def main() -> None:
         if r["progressive_first"] is not None:
             print(f"progressive AUC, {trainers} trainer(s): first tenth {r['progressive_first']:.4f}, "
                   f"last tenth {r['progressive_last']:.4f}")
+    for trainers, got in repeats.items():
+        print(f"held-out AUC, {trainers} trainer(s), each run: " + ", ".join(f"{r['auc']:.4f}" for r in got))
     print(f"held-out AUC: local loop {local['auc']:.4f} (log loss {local['log_loss']:.4f}), "
           f"pipeline 1 trainer {runs[1]['auc']:.4f} ({runs[1]['log_loss']:.4f}), "
           f"2 trainers {two['auc']:.4f} ({two['log_loss']:.4f})")
