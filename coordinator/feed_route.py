@@ -22,21 +22,17 @@ parameter plane on the first request only.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
 from aiohttp import web
 
-from common.redis_client import connect
-
-from .model_route import ModelExport
-from .routes import ApiError, authenticate
+from .model_route import ModelExport, authorise_model_reader, reader_context
+from .routes import ApiError
 from .runtime import SETTINGS
 
 logger = logging.getLogger(__name__)
@@ -148,7 +144,7 @@ def _updates(client: redis.Redis, job: str, since_text: str, limit: int, with_de
 async def get_updates(request: web.Request) -> web.Response:
     """The changes since ``?since=`` as safetensors, with the position reached."""
     settings = request.app[SETTINGS]
-    _authorise(request)
+    authorise_model_reader(request)
     from_query = _query(request, frozenset({"since", "limit", "dense"}), "/v1/model/updates")
     since = from_query.get("since")
     if since is None:
@@ -199,7 +195,7 @@ def _rows(client: redis.Redis, job: str, table: str, ids: list[int]) -> dict[str
 async def get_rows(request: web.Request) -> web.Response:
     """Rows of a table by ID, as they are now (JSON)."""
     settings = request.app[SETTINGS]
-    _authorise(request)
+    authorise_model_reader(request)
     table = request.match_info["table"]
     raw = _query(request, frozenset({"ids"}), f"/v1/embeddings/{table}").get("ids")
     if raw is None:
@@ -216,28 +212,8 @@ async def get_rows(request: web.Request) -> web.Response:
                              headers={"Cache-Control": "no-store"})
 
 
-def _authorise(request: web.Request) -> None:
-    settings = request.app[SETTINGS]
-    try:
-        authenticate(request, settings.job_token, "job")
-    except ApiError:
-        authenticate(request, settings.admin_token, "job or admin")
-
-
-async def _reader_ctx(app: web.Application) -> AsyncIterator[None]:
-    settings = app[SETTINGS]
-    client = connect(settings.redis_url, socket_connect_timeout=5.0, socket_timeout=60.0)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coordinator-feed")
-    app[FEED_READER] = ModelExport(client, executor)
-    try:
-        yield
-    finally:
-        await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
-        client.close()
-
-
 def setup_feed_routes(app: web.Application) -> None:
     """Add ``GET /v1/model/updates`` and ``GET /v1/embeddings/{table}`` (and their thread) to ``app``."""
     app.router.add_get("/v1/model/updates", get_updates)
     app.router.add_get("/v1/embeddings/{table}", get_rows)
-    app.cleanup_ctx.append(_reader_ctx)
+    app.cleanup_ctx.append(reader_context(FEED_READER, "coordinator-feed"))

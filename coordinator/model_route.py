@@ -52,7 +52,8 @@ from .runtime import SETTINGS
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["setup_model_route", "get_model", "etag", "MODEL_EXPORT", "ModelExport"]
+__all__ = ["setup_model_route", "get_model", "etag", "MODEL_EXPORT", "ModelExport", "authorise_model_reader",
+           "reader_context"]
 
 _PARAMS = frozenset({"version"})
 _MAX_VERSION_CHARS = 8000
@@ -180,10 +181,7 @@ def _export(client: redis.Redis, job: str, requested: tuple[int, ...] | None) ->
 async def get_model(request: web.Request) -> web.Response:
     """The job's model (current, or ``?version=N``) as safetensors, with its version and ETag."""
     settings = request.app[SETTINGS]
-    try:
-        authenticate(request, settings.job_token, "job")
-    except ApiError:
-        authenticate(request, settings.admin_token, "job or admin")
+    authorise_model_reader(request)
     export = request.app[MODEL_EXPORT]
     job = settings.job
     requested, version = await export.call(_resolve, job, _requested_version(request))
@@ -199,19 +197,34 @@ async def get_model(request: web.Request) -> web.Response:
         "Content-Disposition": f'attachment; filename="{job}-v{version}.safetensors"'})
 
 
-async def _export_ctx(app: web.Application) -> AsyncIterator[None]:
-    settings = app[SETTINGS]
-    client = connect(settings.redis_url, socket_connect_timeout=5.0, socket_timeout=60.0)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coordinator-export")
-    app[MODEL_EXPORT] = ModelExport(client, executor)
+def authorise_model_reader(request: web.Request) -> None:
+    """Let the job's token or the admin token through (the model is the job's product, not a public
+    view); 401 otherwise."""
+    settings = request.app[SETTINGS]
     try:
-        yield
-    finally:
-        await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
-        client.close()
+        authenticate(request, settings.job_token, "job")
+    except ApiError:
+        authenticate(request, settings.admin_token, "job or admin")
+
+
+def reader_context(key: web.AppKey[ModelExport], thread_name: str
+                   ) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup context giving the app, under ``key``, a synchronous Redis client of the job and one
+    thread of its own named ``thread_name`` (closed with the app)."""
+    async def context(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS]
+        client = connect(settings.redis_url, socket_connect_timeout=5.0, socket_timeout=60.0)
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        app[key] = ModelExport(client, executor)
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+            client.close()
+    return context
 
 
 def setup_model_route(app: web.Application) -> None:
     """Add ``GET /v1/model`` (and its export thread) to ``app``."""
     app.router.add_get("/v1/model", get_model)
-    app.cleanup_ctx.append(_export_ctx)
+    app.cleanup_ctx.append(reader_context(MODEL_EXPORT, "coordinator-export"))
