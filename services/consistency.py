@@ -126,11 +126,9 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     need = required_clock(cons, clock)
     own_need = clock - 1 - max_unapplied if need is None and max_unapplied is not None else None
 
-    # this member's own updates due (BSP, SSP): from its first clock up to the required one
-    own_due = need if need is not None and own_from is not None and need >= own_from else None
-
     def met(low: int | None, own: int) -> bool:
-        return ((own_need is None or own >= own_need) and (own_due is None or own >= own_due)
+        own_due = need is not None and own_from is not None and need >= own_from
+        return ((own_need is None or own >= own_need) and (not own_due or own >= need)
                 and (need is None or low is None or low >= need))
 
     s = 0 if cons.mode == "bsp" else cons.staleness
@@ -152,9 +150,9 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
             if own_need is not None and own < own_need:
                 raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
                                        f"its own updates up to clock {own_need} to be applied; at {own}")
-            if own_due is not None and own < own_due:
+            if need is not None and own_from is not None and need >= own_from and own < need:
                 raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
-                                       f"its own updates up to clock {own_due} to be applied; at {own}")
+                                       f"its own updates up to clock {need} to be applied; at {own}")
             raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
                                    f"applied clock {need}; slowest live member {who} is at {low}")
         time.sleep(delay)
