@@ -96,7 +96,7 @@ def starting_clock(client: redis.Redis, job: str, member_id: str) -> int:
 def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
                    consistency: Consistency | None = None, timeout_s: float = 60.0,
                    poll_s: float = 0.0005, max_unapplied: int | None = None,
-                   known: ClockWait | None = None, own_from: int | None = None) -> ClockWait:
+                   known: ClockWait | None = None) -> ClockWait:
     """Block until a step at ``clock`` is allowed by the job's consistency model.
 
     Under ASP nobody waits for others; with ``max_unapplied`` a member still waits
@@ -104,11 +104,6 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     the update log and the staleness it causes. Polls with a backoff from
     ``poll_s`` up to 50 ms; records the measured staleness in ``JobKeys.staleness``
     and the Prometheus histograms.
-
-    ``own_from``: the first clock this member pushes under its id. Under BSP and SSP the bound covers
-    the member's own updates too: those from ``own_from`` up to the required clock must be applied,
-    even before the member counts as participating (its first push may still be on its way: a
-    member that has not pushed is not among the participants whose lowest applied clock is read).
 
     ``known`` is what this member's previous wait read. Applied clocks only grow
     and a member that leaves only lowers the bar. When every live member took part
@@ -127,9 +122,7 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     own_need = clock - 1 - max_unapplied if need is None and max_unapplied is not None else None
 
     def met(low: int | None, own: int) -> bool:
-        own_due = need is not None and own_from is not None and need >= own_from
-        return ((own_need is None or own >= own_need) and (not own_due or own >= need)
-                and (need is None or low is None or low >= need))
+        return (own_need is None or own >= own_need) and (need is None or low is None or low >= need)
 
     s = 0 if cons.mode == "bsp" else cons.staleness
     if (known is not None and known.complete and (need is None or clock <= known.pushed + s + 1)
@@ -150,9 +143,6 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
             if own_need is not None and own < own_need:
                 raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
                                        f"its own updates up to clock {own_need} to be applied; at {own}")
-            if need is not None and own_from is not None and need >= own_from and own < need:
-                raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
-                                       f"its own updates up to clock {need} to be applied; at {own}")
             raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
                                    f"applied clock {need}; slowest live member {who} is at {low}")
         time.sleep(delay)

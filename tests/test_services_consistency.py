@@ -140,22 +140,6 @@ def test_ssp_blocks_then_releases_and_a_departed_member_releases(redis: redis_li
     assert starting_clock(redis, JOB, "newcomer") == 4
 
 
-def test_a_members_own_updates_are_due_before_it_counts_as_participating(redis: redis_lib.Redis, job) -> None:
-    bsp = Consistency("bsp")
-    # nobody has pushed: no member participates, so the others' part of the bound is met at once ...
-    assert wait_for_clock(redis, JOB, "fast", 2, consistency=bsp, timeout_s=0.1).min_applied is None
-    # ... but under BSP fast's own update of clock 1 is due at clock 2, pushed or still on its way
-    with pytest.raises(StalenessTimeout, match="its own updates up to clock 1"):
-        wait_for_clock(redis, JOB, "fast", 2, consistency=bsp, timeout_s=0.1, own_from=1)
-    Pusher(redis, JOB, "fast").push(ones(), generation=1, clock=1)
-    assert wait_for_clock(redis, JOB, "fast", 2, consistency=bsp, timeout_s=60, own_from=1).own_applied == 1
-    # SSP s = 1: at clock 3 fast's own clock 1 is due (applied), clock 2 not yet
-    assert wait_for_clock(redis, JOB, "fast", 3, consistency=Consistency("ssp", staleness=1), timeout_s=0.1,
-                          own_from=1).own_applied == 1
-    # a member that starts at clock 5 owes nothing of its own before it; fast (applied 1) meets the rest
-    assert wait_for_clock(redis, JOB, "slow", 2, consistency=bsp, timeout_s=0.1, own_from=5).min_applied == 1
-
-
 def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redis, plane) -> None:
     """Every update adds -1 to every value (lr 1, gradient 1) and each atomic write of a group (one
     group version) applies one or more whole updates to every shard of the group: a consistent

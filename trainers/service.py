@@ -530,7 +530,7 @@ class Trainer:
         dense = Consistency(config.consistency, config.staleness)
         bound = TableBound(*config.table_bound()) if self.tables else None
         done = await asyncio.to_thread(self._wait_pull_compute, batch, state.clock, dense, bound,
-                                       state.last_wait, state.covers, state.first_clock)
+                                       state.last_wait, state.covers)
         state.waited(done.wait)
         if done.snapshot is not None:
             self.snapshot = done.snapshot
@@ -559,7 +559,7 @@ class Trainer:
             await self._evaluate()
 
     def _wait_pull_compute(self, batch: Batch, clock: int, dense: Consistency, bound: TableBound | None,
-                           known: ClockWait | None, covers: int | None, own_from: int) -> _Computed:
+                           known: ClockWait | None, covers: int | None) -> _Computed:
         """Runs on a worker thread (one hand-off per step): wait for the clock bound, pull what the
         bound needs into the model's parameters (and the batch's rows of the embedding tables: the
         row cache's, or pulled), then forward and backward on the batch. It reads the state only
@@ -570,7 +570,7 @@ class Trainer:
         wait = wait_for_clock(self.redis, self.settings.job, self.pusher.member_id, clock,
                               consistency=wait_consistency(dense, bound),
                               timeout_s=self.settings.staleness_timeout_s,
-                              max_unapplied=self.settings.max_unapplied, known=known, own_from=own_from)
+                              max_unapplied=self.settings.max_unapplied, known=known)
         t1 = time.monotonic()
         if not len(batch):
             return _Computed(wait, None, None, {"wait": t1 - t0})

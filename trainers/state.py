@@ -163,9 +163,6 @@ class TrainerState:
     """What the last clock wait observed (lets the next wait skip a read; see ``wait_for_clock``)."""
     staleness: int = 0
     """Staleness (clocks) of the parameters the last step computed on."""
-    first_clock: int = 1
-    """The first clock pushed under :attr:`member_id` (its own updates from there on are due under
-    BSP and SSP)."""
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -177,7 +174,6 @@ class TrainerState:
             raise ValueError(f"start clock must be >= 1, got {start_clock}")
         self.member_id = member_id
         self.clock = start_clock
-        self.first_clock = start_clock
         self.last_pushed = start_clock - 1
         self.last_wait = None  # a new member id: observe afresh
         self.assignment = None
