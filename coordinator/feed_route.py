@@ -51,18 +51,6 @@ _POSITION = re.compile(r"[0-9]{1,18}(?:\.[0-9]{1,18})*")
 _ID = re.compile(r"-?[0-9]{1,18}|[0-9]{19}")
 
 
-class _FeedError(ApiError):
-    """An :class:`ApiError` whose JSON also names positions (``oldest``, ``current``)."""
-
-    def __init__(self, status: int, code: str, message: str, **positions: str) -> None:
-        super().__init__(status, code, message)
-        self.positions = positions
-
-    def response(self) -> web.Response:
-        return web.json_response({"error": {"code": self.code, "message": self.message, **self.positions}},
-                                 status=self.status)
-
-
 def _query(request: web.Request, allowed: frozenset[str], where: str) -> dict[str, str]:
     """Each parameter of ``allowed`` given (once, at most 8000 characters); 400 ``invalid_query`` for an
     unknown or repeated one."""
@@ -94,10 +82,10 @@ def _translate(fn: Callable[..., T]) -> Callable[..., T]:
         except NoModelError as exc:
             raise ApiError(404, "no_model", str(exc)) from None
         except FeedGoneError as exc:
-            raise _FeedError(410, "feed_gone", str(exc), oldest=position_name(exc.oldest),
+            raise ApiError(410, "feed_gone", str(exc), oldest=position_name(exc.oldest),
                              current=position_name(exc.head)) from None
         except FeedAheadError as exc:
-            raise _FeedError(404, "position_not_found", str(exc), current=position_name(exc.head)) from None
+            raise ApiError(404, "position_not_found", str(exc), current=position_name(exc.head)) from None
     return call
 
 

@@ -99,18 +99,6 @@ def _matches(if_none_match: str | None, tag: str) -> bool:
     return False
 
 
-class _VersionError(ApiError):
-    """An :class:`ApiError` whose JSON also names the current (and oldest) version."""
-
-    def __init__(self, status: int, code: str, message: str, **versions: int | str) -> None:
-        super().__init__(status, code, message)
-        self.versions = versions
-
-    def response(self) -> web.Response:
-        return web.json_response({"error": {"code": self.code, "message": self.message, **self.versions}},
-                                 status=self.status)
-
-
 def _requested_version(request: web.Request) -> str | None:
     """``?version=V`` as given (None when absent; its form is checked once the job's number of shard
     groups is known); 400 ``invalid_query`` for an unknown parameter or a repeated one."""
@@ -148,9 +136,9 @@ def _translate(fn: Callable[..., T]) -> Callable[..., T]:
         except BadVersionError as exc:
             raise ApiError(400, "invalid_query", str(exc)) from None
         except VersionNotFoundError as exc:
-            raise _VersionError(404, "version_not_found", str(exc), current=_json_version(exc.current)) from None
+            raise ApiError(404, "version_not_found", str(exc), current=_json_version(exc.current)) from None
         except VersionGoneError as exc:
-            raise _VersionError(410, "version_gone", str(exc), oldest=_json_version(exc.oldest),
+            raise ApiError(410, "version_gone", str(exc), oldest=_json_version(exc.oldest),
                                 current=_json_version(exc.current)) from None
     return call
 
@@ -165,7 +153,7 @@ def _resolve(client: redis.Redis, job: str, requested: str | None) -> tuple[tupl
         want = None if requested is None else parse_version(requested, len(kept.current), job=job)
     except BadVersionError as exc:
         if _VERSION_NAME.fullmatch(requested or ""):  # a version name, of a job with another number of groups
-            raise _VersionError(404, "version_not_found", f"job {job} has no version {requested!r}: {exc}",
+            raise ApiError(404, "version_not_found", f"job {job} has no version {requested!r}: {exc}",
                                 current=_json_version(kept.current)) from None
         raise
     return want, version_name(resolve_version(job, want, kept))

@@ -46,22 +46,24 @@ class ApiError(Exception):
         message: what was wrong, for people.
         headers: extra response headers (``Allow`` of a 405); a 401 always
             gets ``WWW-Authenticate: Bearer``.
+        fields: more members of the ``error`` object (a 410's ``oldest`` and ``current``).
     """
 
     def __init__(self, status: int, code: str, message: str,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, **fields: int | str) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.headers = dict(headers or {})
+        self.fields = fields
 
     def response(self) -> web.Response:
         """The JSON error response."""
         headers = dict(self.headers)
         if self.status == 401:
             headers.setdefault("WWW-Authenticate", "Bearer")
-        return web.json_response({"error": {"code": self.code, "message": self.message}},
+        return web.json_response({"error": {"code": self.code, "message": self.message, **self.fields}},
                                  status=self.status, headers=headers or None)
 
 
