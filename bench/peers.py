@@ -6,6 +6,8 @@
    per-rank batch, Adam, data already in memory: the peer a user would pick instead.
 3. :func:`local_time_to_accuracy`: training seconds (evaluation excluded) and records a
    plain local loop needs to reach a held-out accuracy target.
+4. :func:`local_accuracy`: the held-out accuracy of a plain local loop after a given number of
+   records (what a pipeline run that trained on as many is compared with).
 """
 
 from __future__ import annotations
@@ -179,3 +181,12 @@ def local_time_to_accuracy(model: str, batch: int, *, threads: int, source: str,
                 "accuracy": curve[-1][2], "curve": curve}
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def local_accuracy(model: str, batch: int, *, threads: int, source: str, records: int, lr: float,
+                   eval_limit: int = 2000) -> float:
+    """Held-out accuracy of a plain local loop (Adam at ``lr``) after ``records`` records of ``source``'s
+    train split (:func:`local_time_to_accuracy` with an unreachable target, scored once at the end)."""
+    run = local_time_to_accuracy(model, batch, threads=threads, source=source, target=2.0, lr=lr,
+                                 max_records=records, eval_every_records=records, eval_limit=eval_limit)
+    return float(run["accuracy"])

@@ -15,7 +15,17 @@ In one run:
    codec, density: ``CoordinatorSettings`` and ``TrainerSettings``). The data is produced first, so the producer is
    not what is measured; samples/s counts the samples the parameter server applied,
    from the first to the last applied update. The trainers' step logs say where a
-   step's time goes (wait, pull, compute, push wait), in ms per step.
+   step's time goes (wait, pull, compute, push wait), in ms per step. Each run's
+   stored parameters are scored on the held-out split at its end.
+   One more digits-mlp run with one trainer pulls for the next step while a step
+   computes (``--overlap-pulls``, off by default); the ratio of the two says what
+   overlapping bought in that run.
+3b. **Local steps** (DiLoCo): digits-mlp with one trainer taking ``LOCAL_STEPS`` (16)
+   steps of AdamW between a pull and a push, the parameter difference applied by the
+   outer Nesterov SGD (lr 0.7, momentum 0.9, the defaults), codec ``fp16`` (local steps
+   refuse a sparsifying codec), the job's lr: its samples/s against the ceiling, and
+   its held-out accuracy next to a plain local Adam loop's on as many records at the
+   same lr (speed from training less well does not count).
 4. **Time to accuracy** of the 1.86M MLP on a learnable synthetic classification task
    (784 features, 10 classes, a linear teacher): training seconds to a held-out
    accuracy target, in the local loop (evaluation excluded from its clock) and in the
@@ -65,7 +75,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.peers import ddp_throughput, local_throughput, local_time_to_accuracy
+from bench.peers import ddp_throughput, local_accuracy, local_throughput, local_time_to_accuracy
 from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from datastream import load_source, produce
@@ -73,6 +83,7 @@ from datastream.sources import one_pass
 from services import LayoutError, ParameterStore, Snapshot, connect
 from services.protocol import AccountingRecord
 from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster
+from streamtrain.scoring import score_job
 from trainers import build_model, evaluate
 from trainers.progress import PHASE_LOG
 
@@ -86,6 +97,15 @@ MODELS: dict[str, dict[str, Any]] = {
 """Batch, data and the job's learning rate per model (the job default, ``CoordinatorSettings.lr``, is tuned
 on digits; the wider model trains best at 0.003 with lazyadam and top-k at 1%: 5.0 s to 70% against 6.5 s
 at 0.01)."""
+LOCAL_STEPS = 16
+"""Local steps H of the DiLoCo run of digits-mlp (3b)."""
+LOCAL_STEPS_CODEC = "fp16"
+"""Its codec: local steps need a dense one (the job default, ``topk+fp16``, is refused)."""
+LOCAL_STEPS_THREADS = 1
+"""Torch threads of its trainer (``--threads``). Nearly every second of that job is the trainer's
+compute, and on 2 cores shared with the broker, Redis and the server two spinning torch threads
+lost time: 7.1 ms of compute per step with 2 threads against 2.9 ms with 1 (13,271 against 7,394
+samples/s, 20,000 records, one run each)."""
 TARGET = 0.7
 """Held-out accuracy the time-to-accuracy runs aim at (mlp-2m on the synthetic task)."""
 
@@ -115,19 +135,26 @@ def step_phases(cluster: LocalCluster) -> dict[str, float]:
     return {name: statistics.fmean(values) for name, values in sorted(sums.items())}
 
 
-def job_spec(model: str, trainers: int, threads: int, job: str) -> ClusterSpec:
-    """The job defaults for ``model``, no producer (the bench produces first)."""
+def job_spec(model: str, trainers: int, threads: int, job: str, local_steps: int = 1,
+             overlap_pulls: bool = False) -> ClusterSpec:
+    """The job defaults for ``model``, no producer (the bench produces first); with ``local_steps`` > 1,
+    DiLoCo's outer optimizer defaults and :data:`LOCAL_STEPS_CODEC`; ``overlap_pulls``: the trainers'
+    ``--overlap-pulls``."""
     m = MODELS[model]
-    return ClusterSpec(job=job, topic=job, trainers=0, producer=None,
-                       coordinator=CoordinatorSettings(partitions=4, lr=m["lr"]),
+    coordinator = CoordinatorSettings(partitions=4, lr=m["lr"])
+    if local_steps > 1:
+        coordinator = replace(coordinator, local_steps=local_steps, codec=LOCAL_STEPS_CODEC)
+    return ClusterSpec(job=job, topic=job, trainers=0, producer=None, coordinator=coordinator,
                        trainer=replace(LOCAL_TRAINER, model=model, batch_size=m["batch"], threads=threads,
-                                       eval_source="", prefetch=8))
+                                       eval_source="", prefetch=8, overlap_pulls=overlap_pulls))
 
 
-def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Path) -> dict[str, Any]:
-    """Samples/s the parameter server applied with ``trainers`` trainers on pre-produced data."""
+def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Path,
+             local_steps: int = 1, overlap_pulls: bool = False) -> dict[str, Any]:
+    """Samples/s the parameter server applied with ``trainers`` trainers on pre-produced data, and the
+    held-out accuracy of the parameters stored at the end."""
     m = MODELS[model]
-    spec = job_spec(model, trainers, threads, "bench")
+    spec = job_spec(model, trainers, threads, "bench", local_steps, overlap_pulls)
     with LocalCluster(spec, workdir=workdir) as cluster:
         report = produce(cluster.bootstrap, spec.topic, m["source"], partitions=spec.partitions,
                          shard_size=m["batch"], limit=records, split="train")
@@ -139,13 +166,14 @@ def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Pat
         cluster.quiesce()
         entries = [e for e in applied_entries(cluster) if e.batch_size > 0]
         phases = step_phases(cluster)
+        accuracy = score_job(cluster.redis_url, spec.job, model, one_pass(m["source"]), limit=2000).accuracy
     samples = sum(e.batch_size for e in entries)
     span = (entries[-1].applied_ms - entries[0].applied_ms) / 1000
     assert samples == report.records, f"applied {samples} samples of {report.records} produced"
     return {"samples": samples, "samples_per_s": samples / span, "span_s": span,
             "wall_with_startup_s": wall, "updates": len(entries), "step_ms": phases,
             "optimizer": spec.coordinator.optimizer, "lr": spec.coordinator.lr, "codec": spec.coordinator.codec,
-            "density": spec.trainer.topk_density}
+            "density": spec.trainer.topk_density, "local_steps": local_steps, "accuracy": accuracy}
 
 
 def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float, workdir: Path, *,
@@ -335,6 +363,23 @@ def main() -> None:
                       f"{two['samples_per_s']:,.0f}", f"{two['samples_per_s'] / ddp['samples_per_s']:.2f}")
         phases.add_row(model, "1", _phases(one["step_ms"]))
         phases.add_row(model, "2", _phases(two["step_ms"]))
+    records, m = args.records_small, MODELS["digits-mlp"]
+    overlapped = pipeline("digits-mlp", 1, args.threads, records, args.workdir / "digits-mlp-overlap",
+                          overlap_pulls=True)
+    results["digits-mlp"]["one_trainer_overlap_pulls"] = overlapped
+    console.print(f"digits-mlp: 1 trainer, --overlap-pulls: {overlapped['samples_per_s']:,.0f} samples/s "
+                  f"({_phases(overlapped['step_ms'])}), held-out accuracy {overlapped['accuracy']:.3f}")
+    phases.add_row("digits-mlp", "1, overlap pulls", _phases(overlapped["step_ms"]))
+    diloco = pipeline("digits-mlp", 1, LOCAL_STEPS_THREADS, records, args.workdir / "digits-mlp-local", LOCAL_STEPS)
+    loop_accuracy = local_accuracy("digits-mlp", m["batch"], threads=args.threads, source=m["source"],
+                                   records=records, lr=m["lr"])
+    digits = results["digits-mlp"]
+    digits["local_steps"] = {**diloco, "ratio": diloco["samples_per_s"] / digits["ceiling_samples_per_s"],
+                             "local_loop_accuracy": loop_accuracy}
+    console.print(f"digits-mlp: 1 trainer, H={LOCAL_STEPS}, {LOCAL_STEPS_THREADS} torch thread: "
+                  f"{diloco['samples_per_s']:,.0f} samples/s "
+                  f"({_phases(diloco['step_ms'])}), held-out accuracy {diloco['accuracy']:.3f}")
+    phases.add_row("digits-mlp", f"1, H={LOCAL_STEPS}", _phases(diloco["step_ms"]))
     m = MODELS["mlp-2m"]
     local = local_time_to_accuracy("mlp-2m", m["batch"], threads=args.threads, source=m["source"], target=TARGET,
                                    max_records=args.records_accuracy)
@@ -373,8 +418,17 @@ def main() -> None:
     console.print(f"wrote {RESULTS}")
     print(f"recovery after kill -9, median of {len(rf['recovery_s'])}: {rf['recovery_median_s']:.2f} s")
     print(f"freshness p99 at half capacity: {half['freshness_p99_s']:.3f} s")
+    # the local loop's time divided by the pipeline's, to the same accuracy (0 when the pipeline missed it)
+    tta = local["seconds"] / ours["seconds"] if ours["reached"] and ours["seconds"] > 0 else 0.0
+    print(f"ratio time to accuracy, mlp-2m, pipeline / local loop: {tta:.2f}")
     print(f"ratio 2 trainers / ddp, mlp-2m: {results['mlp-2m']['ratio_two_ddp']:.2f}")
+    print(f"held-out accuracy after {args.records_small:,} digits records: local loop {loop_accuracy:.3f}, "
+          f"pipeline(1 trainer) {digits['one_trainer']['accuracy']:.3f}, "
+          f"pipeline(1 trainer, H={LOCAL_STEPS}) {diloco['accuracy']:.3f}")
+    print(f"ratio overlapped pulls on / off, digits-mlp, 1 trainer: "
+          f"{overlapped['samples_per_s'] / digits['one_trainer']['samples_per_s']:.2f}")
     print(f"ratio pipeline(1 trainer)/ceiling, digits-mlp: {results['digits-mlp']['ratio_one']:.2f}")
+    print(f"ratio pipeline(1 trainer, H={LOCAL_STEPS})/ceiling, digits-mlp: {digits['local_steps']['ratio']:.2f}")
     print(f"ratio pipeline(1 trainer)/ceiling, mlp-2m: {results['mlp-2m']['ratio_one']:.2f}")
 
 

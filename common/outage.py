@@ -11,20 +11,29 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
+from urllib.parse import urlsplit
 
 import redis
 
-from .redis_client import redis_where
+from .redis_client import is_cluster_url, parse_cluster_url, redis_where
 
-__all__ = ["Outage", "DependencyUnavailable", "REDIS_DOWN", "DEFAULT_LIMIT_S", "redis_name"]
+T = TypeVar("T")
+
+__all__ = ["Outage", "DependencyUnavailable", "REDIS_DOWN", "DEFAULT_LIMIT_S", "redis_name", "url_name",
+           "wait_connected"]
 
 DEFAULT_LIMIT_S = 60.0
 """How long a service waits for a dependency by default before giving up."""
 
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError)
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+              redis.exceptions.SlotNotCoveredError)
 """What redis-py raises when Redis cannot be reached or is still loading its data
-(``BusyLoadingError`` is a ``ConnectionError``), or a Redis Cluster does not serve a slot
-(``CLUSTERDOWN``: a master is failing over)."""
+(``BusyLoadingError`` is a ``ConnectionError``; so is ``common.redis_client.ClusterUnreachable``,
+no node of a Redis Cluster answering), or a Redis Cluster does not serve a slot
+(``CLUSTERDOWN``: a master is failing over; a slot no node serves in the client's map yet: a
+cluster forming or failing over)."""
 
 
 class DependencyUnavailable(RuntimeError):
@@ -87,3 +96,32 @@ def redis_name(client: redis.Redis | redis.RedisCluster) -> str:
     client (never its password)."""
     kind = "Redis Cluster" if hasattr(client, "nodes_manager") else "Redis"
     return f"{kind} at {redis_where(client)}"
+
+
+def url_name(url: str) -> str:
+    """:func:`redis_name` of the client ``url`` would make (never its password)."""
+    if is_cluster_url(url):
+        nodes = ",".join(f"{h}:{p}" for h, p in parse_cluster_url(url).nodes)
+        return f"Redis Cluster at {nodes}"
+    parts = urlsplit(url)
+    return f"Redis at {parts.netloc.rpartition('@')[2] or parts.path}"
+
+
+def wait_connected(connect: Callable[[], T], outage: Outage) -> T:
+    """``connect()``, waiting out :data:`REDIS_DOWN` as ``outage`` (its log lines and limit).
+
+    A single server's client connects at its first command, but a Redis Cluster's asks a node for
+    the slot map when it is made: a service started while the whole cluster is down waits here, as
+    it waits at its first command for a server that does not answer.
+
+    Raises:
+        DependencyUnavailable: Redis stayed unreachable for ``outage.limit_s``.
+    """
+    while True:
+        try:
+            client = connect()
+        except REDIS_DOWN as exc:
+            time.sleep(outage.failed(exc))
+            continue
+        outage.recovered()
+        return client

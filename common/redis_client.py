@@ -36,11 +36,31 @@ from redis.connection import Connection
 
 from .urls import redact_url
 
-__all__ = ["CLUSTER_SCHEME", "ClusterAddress", "connect", "connect_async", "is_cluster_url",
+__all__ = ["CLUSTER_SCHEME", "ClusterAddress", "ClusterUnreachable", "connect", "connect_async", "is_cluster_url",
            "parse_cluster_url", "redis_where"]
 
 CLUSTER_SCHEME = "redis+cluster"
 """URL scheme of a Redis Cluster (``redis+cluster://:password@host:port,host:port``)."""
+
+
+class ClusterUnreachable(redis.ConnectionError):
+    """No node of a Redis Cluster answered, or none serves a slot yet (a cluster still forming).
+
+    redis-py says so with a bare ``RedisClusterException`` (or fails on an empty slot map) when a
+    client asks for the slot map; this is a ``ConnectionError`` instead, so a service started while
+    the whole cluster is down waits it out as it waits out a single server that does not answer
+    (``common.outage.REDIS_DOWN``)."""
+
+
+def _unreachable(exc: BaseException) -> ClusterUnreachable | None:
+    """``exc`` of a cluster client's slot-map query as :class:`ClusterUnreachable`, or None when it is
+    another error (a node not in cluster mode, nodes that disagree)."""
+    if isinstance(exc, cluster.RedisClusterException) and (
+            "cannot be connected" in str(exc) or "slots are not covered" in str(exc)):  # down, or forming
+        return ClusterUnreachable(str(exc))
+    if isinstance(exc, IndexError):  # redis-py's default node of an empty slot map: no slot assigned yet
+        return ClusterUnreachable("the Redis Cluster serves no slot yet")
+    return None
 
 
 def is_cluster_url(url: str) -> bool:
@@ -119,7 +139,8 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
 
     Raises:
         ValueError: a malformed URL.
-        redis.exceptions.RedisClusterException: no node of the cluster answered.
+        ClusterUnreachable: no node of the cluster answered, or none serves a slot yet (a
+            ``ConnectionError``: ``common.outage.wait_connected`` waits it out).
     """
     if not is_cluster_url(url):
         return redis.Redis.from_url(url, **kwargs)
@@ -213,9 +234,19 @@ class _SyncPipeline(cluster.ClusterPipeline):
 
 
 class _SyncCluster(cluster.RedisCluster):
-    """:class:`redis.cluster.RedisCluster` whose pipelines are :class:`_SyncPipeline`, and whose
+    """:class:`redis.cluster.RedisCluster` whose pipelines are :class:`_SyncPipeline`, whose
     :meth:`close` closes every node's connections (made from a URL, redis-py's node clients do
-    not own their pools, so its own ``close`` leaves their sockets open)."""
+    not own their pools, so its own ``close`` leaves their sockets open), and which raises
+    :class:`ClusterUnreachable` when no node answers."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        try:
+            super().__init__(**kwargs)
+        except (cluster.RedisClusterException, IndexError) as exc:
+            unreachable = _unreachable(exc)
+            if unreachable is None:
+                raise
+            raise unreachable from exc
 
     def close(self) -> None:
         manager = getattr(self, "nodes_manager", None)
@@ -241,7 +272,18 @@ class _AsyncPipeline(aiocluster.ClusterPipeline):
 
 
 class _AsyncCluster(aiocluster.RedisCluster):
-    """:class:`redis.asyncio.cluster.RedisCluster` whose pipelines are :class:`_AsyncPipeline`."""
+    """:class:`redis.asyncio.cluster.RedisCluster` whose pipelines are :class:`_AsyncPipeline`, and
+    which raises :class:`ClusterUnreachable` when no node answers (at its first command)."""
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> _AsyncCluster:
+        try:
+            await super().initialize(*args, **kwargs)
+        except (cluster.RedisClusterException, IndexError) as exc:
+            unreachable = _unreachable(exc)
+            if unreachable is None:
+                raise
+            raise unreachable from exc
+        return self
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> _AsyncPipeline:
         if shard_hint:

@@ -13,7 +13,6 @@ checker itself, are in :mod:`coordinator.runtime`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from aiohttp import web
 
 from common.outage import REDIS_DOWN, Outage
 from common.redis_client import connect_async
+from common.tasks import cancel_and_wait
 
 from .channel import channel, close_channels
 from .feed_route import setup_feed_routes
@@ -46,7 +46,8 @@ def initial_config(settings: CoordinatorSettings) -> JobConfig:
                      codec=settings.codec, optimizer=settings.optimizer, lr=settings.lr,
                      topic=settings.topic, partitions=settings.partitions,
                      ps_groups=settings.ps_groups, table_consistency=settings.table_consistency,
-                     table_staleness=settings.table_staleness, paused=False)
+                     table_staleness=settings.table_staleness, local_steps=settings.local_steps,
+                     outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum, paused=False)
 
 
 async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -82,11 +83,7 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
     finally:
         if SAMPLER in app:
             await app[SAMPLER].close()
-        task = app.get(LEASE_CHECKER)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(app.get(LEASE_CHECKER))
         await redis.aclose()
         await asyncio.get_running_loop().run_in_executor(executor, probe.close)
         executor.shutdown(wait=True)

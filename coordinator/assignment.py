@@ -11,14 +11,18 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .settings import CONSISTENCY_MODELS
+from .settings import CONSISTENCY_MODELS, check_local_steps
 
-__all__ = ["FOLLOW_DENSE", "Assignment", "JobConfig", "Registration"]
+__all__ = ["FOLLOW_DENSE", "LOCAL_STEPS", "Assignment", "JobConfig", "Registration"]
 
 FOLLOW_DENSE = ("table_consistency", "table_staleness")
 """Job config fields whose absence is itself a setting: None (not in the hash, not in the JSON) means
 "the same as the dense part". A restarted coordinator therefore does not fill them in; they are
 written when the job begins, and afterwards only ``PATCH /v1/admin/config`` changes them."""
+
+LOCAL_STEPS = ("local_steps", "outer_lr", "outer_momentum")
+"""Job config fields of local steps (fixed once the job begins; a job begun before they existed
+reads their defaults: one step per push, no outer optimizer)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,15 @@ class JobConfig:
     begun before the field existed reads."""
     table_staleness: int | None = None
     """Staleness bound of the tables' rows (0 under BSP). None: the dense part's (``staleness``)."""
+    local_steps: int = 1
+    """Local steps H (DiLoCo): each trainer takes H steps of its inner optimizer on its own replica
+    between a pull and a push, and pushes the difference of its parameters since the pull, applied
+    by the servers' outer Nesterov optimizer. 1 (and a job begun before the field existed): every
+    step pushes its gradient, and the servers apply ``optimizer``."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer Nesterov optimizer (``local_steps`` > 1)."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer Nesterov optimizer (``local_steps`` > 1)."""
     paused: bool = False
     """Trainers stop consuming while set."""
 
@@ -70,6 +83,8 @@ class JobConfig:
         if self.table_staleness is not None and self.table_staleness < 0:
             raise ValueError(f"table_staleness must be >= 0 (or unset: the dense part's), "
                              f"got {self.table_staleness!r}")
+        check_local_steps(self.local_steps, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+                          optimizer=self.optimizer, codec=self.codec)
 
     def table_bound(self) -> tuple[str, int]:
         """The embedding tables' (consistency model, staleness bound): each of the two the table
@@ -95,11 +110,12 @@ class JobConfig:
         """
         d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
              for k, v in raw.items()}
-        kinds = {"staleness": int, "partitions": int, "ps_groups": int, "lr": float, "table_staleness": int}
+        kinds = {"staleness": int, "partitions": int, "ps_groups": int, "lr": float, "table_staleness": int,
+                 "local_steps": int, "outer_lr": float, "outer_momentum": float}
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in d:
-                if f.name in ("paused", "ps_groups", *FOLLOW_DENSE):  # optional: their defaults apply
+                if f.name in ("paused", "ps_groups", *LOCAL_STEPS, *FOLLOW_DENSE):  # optional: their defaults apply
                     continue
                 raise ValueError(f"job config lacks field {f.name!r}")
             text = d[f.name]

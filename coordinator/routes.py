@@ -259,7 +259,8 @@ async def readyz(request: web.Request) -> web.Response:
     rt = _rt(request)
     checks: dict[str, str] = {}
     try:
-        await asyncio.wait_for(rt.redis.ping(), rt.settings.kafka_timeout_ms / 1000)
+        async with asyncio.timeout(rt.settings.kafka_timeout_ms / 1000):  # not wait_for: common.tasks
+            await rt.redis.ping()
         checks["redis"] = "ok"
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         checks["redis"] = f"unreachable: {exc!r}"

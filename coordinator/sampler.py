@@ -16,16 +16,16 @@ A tick that fails (Redis away: the lease checker reports the outage) is
 skipped, leaving a gap in the time axis.
 
 The sampler owns its task: :meth:`Sampler.start` and :meth:`Sampler.close`.
-It waits with ``asyncio.timeout``, never ``asyncio.wait_for``: on Python 3.11
-``wait_for`` swallows a cancellation that arrives as its inner future
-completes, which left the loop running and the coordinator's shutdown waiting
-on it for ever.
+It waits with ``asyncio.timeout``, never ``asyncio.wait_for``, and is stopped with
+:func:`common.tasks.cancel_and_wait`: on Python 3.11 ``wait_for`` swallows a
+cancellation that arrives as its inner future completes (redis-py sends every
+command through it), which left the loop running and the coordinator's shutdown
+waiting on it for ever.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from common.keys import JobKeys
 from common.outage import REDIS_DOWN
+from common.tasks import cancel_and_wait
 
 from .history import SAMPLE_INTERVAL_S, History, Sample, take_sample
 from .kafka_probe import KafkaProbe
@@ -174,9 +175,6 @@ class Sampler:
         """Stop sampling, then close the sampler's Kafka consumer and thread."""
         self._closing = True
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         await asyncio.get_running_loop().run_in_executor(self._executor, self._probe.close)
         self._executor.shutdown(wait=True)

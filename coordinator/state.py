@@ -47,7 +47,7 @@ from redis.typing import FieldT
 from common.fence import fence_token, parse_fence_token
 from common.keys import JobKeys
 
-from .assignment import FOLLOW_DENSE, JobConfig
+from .assignment import FOLLOW_DENSE, LOCAL_STEPS, JobConfig
 from .errors import ConflictError, FencedError, MemberGoneError, UnknownMemberError
 from .membership import Action, CheckLeases, Departure, Event, Member, Membership, departures, forgotten, handle
 from .settings import CoordinatorSettings
@@ -63,6 +63,9 @@ FORGET_EVERY_MS = 60_000
 FIXED_CONFIG: Mapping[str, str] = MappingProxyType({
     "ps_groups": "the parameter-server shard groups are fixed when the job's model is created "
                  "(shard i belongs to group i mod ps_groups); start a new job to change it",
+    **dict.fromkeys(LOCAL_STEPS, "local steps and the outer optimizer are fixed when the job's model is created "
+                                 "(the parameter servers apply the outer optimizer the model was stored with); "
+                                 "start a new job to change them"),
 })
 """Job config fields that never change once the job exists, with the reason (for refusals)."""
 

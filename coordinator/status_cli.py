@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import urllib.error
 import urllib.request
 from typing import Any
@@ -11,11 +12,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+URL_ENV = "STREAMTRAIN_COORDINATOR_URL"
+"""The variable ``--url`` defaults to (the trainers' too; ``streamtrain up``'s credentials file sets it)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--url`` of the coordinator, ``--json`` for the raw document."""
-    parser.add_argument("--url", default="http://127.0.0.1:8700",
-                        help="base URL of the coordinator [default http://127.0.0.1:8700]")
+    default = os.environ.get(URL_ENV, "http://127.0.0.1:8700")
+    parser.add_argument("--url", default=default,
+                        help=f"base URL of the coordinator (also {URL_ENV}) [default {default}]")
     parser.add_argument("--json", action="store_true", help="print the raw JSON")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="HTTP timeout in seconds")
 

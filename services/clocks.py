@@ -48,6 +48,8 @@ class ClockView:
     """The member's own last pushed clock."""
     complete: bool
     """Every live member participates (has pushed)."""
+    own_live: bool = True
+    """The member is in the live membership (a fenced one is not: its pushes are refused)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class JobClocks:
             if low[0] is None or value < low[0]:
                 low = (value, m)
         return ClockView(low[0], low[1], self.applied.get(member_id, 0), self.pushed.get(member_id, 0),
-                         all(m in self.pushed for m in self.live))
+                         all(m in self.pushed for m in self.live), member_id in self.live)
 
     def starting_clock(self, member_id: str) -> int:
         """The clock a (re)joining ``member_id`` should push first: one past its own last pushed

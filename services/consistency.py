@@ -96,7 +96,8 @@ def starting_clock(client: redis.Redis, job: str, member_id: str) -> int:
 def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
                    consistency: Consistency | None = None, timeout_s: float = 60.0,
                    poll_s: float = 0.0005, max_unapplied: int | None = None,
-                   known: ClockWait | None = None) -> ClockWait:
+                   known: ClockWait | None = None, own_from: int | None = None,
+                   own_through: int | None = None) -> ClockWait:
     """Block until a step at ``clock`` is allowed by the job's consistency model.
 
     Under ASP nobody waits for others; with ``max_unapplied`` a member still waits
@@ -104,6 +105,17 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     the update log and the staleness it causes. Polls with a backoff from
     ``poll_s`` up to 50 ms; records the measured staleness in ``JobKeys.staleness``
     and the Prometheus histograms.
+
+    ``own_from``: the first clock this member pushes under its id. Under BSP and SSP the bound covers
+    the member's own updates too: those from ``own_from`` up to the required clock must be applied,
+    even before the member counts as participating (its first push may still be on its way: a
+    member that has not pushed is not among the participants whose lowest applied clock is read).
+    Only while the member is live: a fenced member's pushes are refused, so its applied clock stops
+    growing; it must not wait on it but go on to push, be refused and resynchronise.
+
+    ``own_through``: this member's own updates up to this clock must be applied too, whatever the
+    mode (local steps: a window's pseudo-gradient is taken from its pull, so a window starts on its
+    own previous windows, or it would push their progress again; ``trainers.local``).
 
     ``known`` is what this member's previous wait read. Applied clocks only grow
     and a member that leaves only lowers the bar. When every live member took part
@@ -121,8 +133,14 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     need = required_clock(cons, clock)
     own_need = clock - 1 - max_unapplied if need is None and max_unapplied is not None else None
 
-    def met(low: int | None, own: int) -> bool:
-        return (own_need is None or own >= own_need) and (need is None or low is None or low >= need)
+    # this member's own updates due (BSP, SSP): from its first clock up to the required one
+    own_due = need if need is not None and own_from is not None and need >= own_from else None
+    if own_through is not None:
+        own_due = own_through if own_due is None else max(own_due, own_through)
+
+    def met(low: int | None, own: int, live: bool = True) -> bool:
+        return ((own_need is None or own >= own_need) and (own_due is None or not live or own >= own_due)
+                and (need is None or low is None or low >= need))
 
     s = 0 if cons.mode == "bsp" else cons.staleness
     if (known is not None and known.complete and (need is None or clock <= known.pushed + s + 1)
@@ -137,12 +155,15 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     while True:
         view = read_clocks(client, job, member_id)
         low, who, own = view.low, view.slowest, view.own_applied
-        if met(low, own):
+        if met(low, own, view.own_live):
             break
         if time.monotonic() - start >= timeout_s:
             if own_need is not None and own < own_need:
                 raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
                                        f"its own updates up to clock {own_need} to be applied; at {own}")
+            if own_due is not None and view.own_live and own < own_due:
+                raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
+                                       f"its own updates up to clock {own_due} to be applied; at {own}")
             raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
                                    f"applied clock {need}; slowest live member {who} is at {low}")
         time.sleep(delay)

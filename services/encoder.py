@@ -12,12 +12,19 @@ settles a push whose reply was lost with :func:`services.updates.was_committed`
 and adopts only if it went through. A push not adopted leaves the residual as
 it was.
 
+Which codec each tensor travels with is :class:`~services.codecs.SizeAdaptive`'s to say: a
+tensor of fewer than ``dense_below`` values goes dense with the chain's value codec (``fp16``
+for ``topk+fp16``), a larger one through the whole chain, whose top-k density follows the
+warm-up schedule over the first ``density_warmup_steps`` committed pushes. Each shard names its
+codecs, so the receivers need not be told.
+
 With ``momentum`` (the ``dgc`` optimizer) the trainer also keeps a momentum
 buffer per shard, as in Deep Gradient Compression (Lin et al., 2018):
 *momentum correction* accumulates the momentum ``u = m * u + g`` (not the raw
 gradient) into the residual and sends the top-k of that, and *momentum factor
 masking* clears ``u`` where values were sent, so a sent coordinate's stale
-momentum does not keep pushing it. The server then applies plain SGD.
+momentum does not keep pushing it. The server then applies plain SGD. A tensor sent
+dense keeps its momentum (no masking): its updates are those of momentum SGD.
 
 The next residual is ``g + residual`` with what was sent taken off, computed from
 the codec's own account of what the receiver will decode (:class:`~services.codecs.Sent`:
@@ -36,9 +43,10 @@ import numpy as np
 import redis
 import torch
 
-from .codecs import Sent, get_codec
+from .codecs import CodecChain, Sent, SizeAdaptive
 from .embeddings.grads import WIRE_DTYPES, RowGrads, encode_row_grads, split_by_group
 from .errors import BadGradientError
+from .layout import ShardSpec
 from .protocol import Update
 from .store import ParameterStore
 from .updates import DEFAULT_MAX_PENDING, push_update
@@ -69,6 +77,8 @@ class Feedback:
     """Shard index -> its next residual (lossy codecs)."""
     momenta: Mapping[int, torch.Tensor]
     """Shard index -> its next momentum (with ``momentum`` only)."""
+    gradients: bool = False
+    """True when the push carried gradients (it counts as a step of the density warm-up)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,10 @@ class Pusher:
             ``dgc`` optimizer's, :attr:`OptimizerConfig.trainer_momentum`); needs a top-k codec.
         row_dtype: how gradient rows of embedding tables travel (``float16`` or ``float32``); they
             are sent whole, for the batch's unique IDs only, never top-k'd.
+        dense_below: tensors of fewer values travel dense with the chain's value codec (0: every
+            tensor goes through the chain; the trainer passes its ``dense_below`` setting).
+        density_warmup_steps: the top-k density decays from 25 % to its target over this many
+            committed pushes (0: no warm-up).
 
     Raises:
         ValueError: ``momentum`` outside [0, 1), or set with a codec that sends every value
@@ -106,11 +120,16 @@ class Pusher:
 
     def __init__(self, client: redis.Redis, job: str, member_id: str, *, codec: str = "none",
                  codec_options: Mapping[str, object] | None = None, error_feedback: bool = True,
-                 max_pending: int = DEFAULT_MAX_PENDING, momentum: float = 0.0, row_dtype: str = "float16") -> None:
+                 max_pending: int = DEFAULT_MAX_PENDING, momentum: float = 0.0, row_dtype: str = "float16",
+                 dense_below: int = 0, density_warmup_steps: int = 0) -> None:
         self.client = client
         self.job = job
         self.member_id = member_id
-        self.codec = get_codec(codec, **dict(codec_options or {}))
+        self.adaptive = SizeAdaptive(codec, dense_below=dense_below, warmup_steps=density_warmup_steps,
+                                     **dict(codec_options or {}))
+        self.codec = self.adaptive.sparse
+        self.steps = 0
+        """Committed pushes with gradients so far (the density warm-up's clock)."""
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"trainer momentum must be in [0, 1), got {momentum!r}")
         if momentum and not self.codec.parts[0].info.sparsifier:
@@ -146,6 +165,7 @@ class Pusher:
         residuals: dict[int, torch.Tensor] = {}
         momenta: dict[int, torch.Tensor] = {}
         raw = 0
+        self.adaptive.set_step(self.steps)
         for name, grad in grads.items():
             try:
                 spec = self.layout.tensor(name)
@@ -155,8 +175,13 @@ class Pusher:
                 raise BadGradientError(f"gradient of {name!r}: shape {list(grad.shape)}, expected {list(spec.shape)}")
             if grad.dtype != torch.float32:
                 raise BadGradientError(f"gradient of {name!r}: dtype {grad.dtype}, expected torch.float32")
-            flat = grad.detach().to("cpu").reshape(-1).numpy()
+            codec = self.adaptive.for_tensor(spec.numel)
             shards = self.layout.shards_of(name)
+            if grad.device.type != "cpu":  # error feedback and selection where the gradient is
+                raw += 4 * grad.numel()
+                self._encode_on_device(name, grad, shards, codec, blobs, residuals, momenta)
+                continue
+            flat = grad.detach().reshape(-1).numpy()
             sources = [flat[s.start:s.start + s.numel] for s in shards]
             if self.momentum:  # momentum correction: what accumulates is the momentum
                 for s, part in zip(shards, sources, strict=True):
@@ -169,18 +194,56 @@ class Pusher:
             for shard, (part, owned) in zip(shards, parts):
                 raw += 4 * shard.numel
                 if not self.error_feedback:
-                    blobs[shard.index] = self.codec.encode(torch.from_numpy(part), check_finite=False).data
+                    blobs[shard.index] = codec.encode(torch.from_numpy(part), check_finite=False).data
                     continue
-                enc, sent = self.codec.encode_sent(torch.from_numpy(part), check_finite=False)
+                enc, sent = codec.encode_sent(torch.from_numpy(part), check_finite=False)
                 if not np.isfinite(sent.values).all():
                     bad = int((~np.isfinite(sent.values)).sum())
                     raise BadGradientError(f"gradient of {name!r} (shard {shard.index}): {bad} value(s) "
-                                           f"overflow codec {self.codec.name} (NaN or infinite once encoded)")
+                                           f"overflow codec {codec.name} (NaN or infinite once encoded)")
                 blobs[shard.index] = enc.data
                 residuals[shard.index] = torch.from_numpy(_minus_sent(part, sent, in_place=owned))
-                if self.momentum:  # momentum factor masking: sent coordinates start afresh
-                    momenta[shard.index].numpy()[sent.indices] = 0.0
+                if self.momentum and sent.indices is not None:  # momentum factor masking: sent
+                    momenta[shard.index].numpy()[sent.indices] = 0.0  # coordinates start afresh
         return blobs, residuals, momenta, raw
+
+    def _encode_on_device(self, name: str, grad: torch.Tensor, shards: Sequence[ShardSpec], codec: CodecChain,
+                          blobs: dict[int, bytes], residuals: dict[int, torch.Tensor],
+                          momenta: dict[int, torch.Tensor]) -> None:
+        """:meth:`encode` of one gradient that lives on an accelerator: momentum, the residual, the
+        finiteness check and a sparsifier's selection run on the device (its residuals and momenta
+        stay there), and only what travels crosses to the host: for a ``topk`` chain the kept
+        values and their indices (``CodecChain.encode_sent_device``; there top-k is exact)."""
+        flat = grad.detach().reshape(-1)
+        parts = []
+        for shard in shards:
+            part = flat[shard.start:shard.start + shard.numel]
+            if self.momentum:  # momentum correction: what accumulates is the momentum
+                previous = self.momenta.get(shard.index)
+                part = part.clone() if previous is None else previous * self.momentum + part
+                momenta[shard.index] = part
+            residual = self.residuals.get(shard.index) if self.error_feedback else None
+            parts.append(part + residual if residual is not None else part)
+        if not bool(torch.stack([torch.isfinite(part).all() for part in parts]).all()):  # one sync
+            raise BadGradientError(self._not_finite(name, flat.to("cpu").numpy()))
+        for shard, part in zip(shards, parts, strict=True):
+            enc, sent, kept_at = codec.encode_sent_device(part)
+            if not np.isfinite(sent.values).all():
+                bad = int((~np.isfinite(sent.values)).sum())
+                raise BadGradientError(f"gradient of {name!r} (shard {shard.index}): {bad} value(s) "
+                                       f"overflow codec {codec.name} (NaN or infinite once encoded)")
+            blobs[shard.index] = enc.data
+            if not self.error_feedback:
+                continue
+            decoded = torch.from_numpy(sent.values).to(part.device)
+            residual = part.clone()
+            if kept_at is None:
+                residual -= decoded
+            else:
+                residual[kept_at] -= decoded
+                if self.momentum:  # momentum factor masking: sent coordinates start afresh
+                    momenta[shard.index][kept_at] = 0.0
+            residuals[shard.index] = residual
 
     def _corrected(self, part: np.ndarray, index: int) -> tuple[np.ndarray, bool]:
         """Shard ``index``'s values (a view of the gradient, or its momentum) plus its residual,
@@ -251,7 +314,7 @@ class Pusher:
         update = Update(member_id=self.member_id, generation=generation, clock=clock, gradients=blobs,
                         codec=self.codec.name, offsets=dict(offsets or {}), samples=tuple(samples),
                         batch_size=batch_size, produced_ts_ms=produced_ts_ms, rows=row_blobs, tables=tables)
-        return Prepared(update, Feedback(residuals, momenta), raw + row_raw)
+        return Prepared(update, Feedback(residuals, momenta, gradients=bool(blobs)), raw + row_raw)
 
     def send(self, prepared: Prepared, *, backpressure_timeout_s: float = 30.0) -> PushResult:
         """Push ``prepared`` atomically with its offsets. The error-feedback state stays as it is
@@ -273,6 +336,7 @@ class Pusher:
         the current ones now."""
         self.residuals.update(feedback.residuals)
         self.momenta.update(feedback.momenta)
+        self.steps += feedback.gradients
 
     def push(self, grads: Mapping[str, torch.Tensor] | None, *, generation: int, clock: int,
              offsets: Mapping[int, tuple[int, int]] | None = None,

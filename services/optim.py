@@ -7,7 +7,8 @@ and the trainers' pulls in proportion to the values it keeps.
 =============  =========================================================  ===========
 name           step                                                       state/shard
 =============  =========================================================  ===========
-``sgd``        SGD with momentum on the server (dense)                    momentum
+``sgd``        SGD with momentum on the server (dense), optionally         momentum
+               Nesterov's: the outer optimizer of local steps
 ``adam``       Adam (dense: every coordinate moves at every step)         m, v
 ``lazyadam``   Adam on the gradient's coordinates only (PyTorch's          m, v
                ``SparseAdam``, TensorFlow's ``LazyAdam``)
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -37,7 +39,7 @@ import torch
 
 from .codecs import Sent
 
-__all__ = ["OptimizerConfig", "OPTIMIZERS", "learning_rate", "slots", "step", "clip_factor"]
+__all__ = ["OptimizerConfig", "OPTIMIZERS", "learning_rate", "slots", "step", "sparse_steps", "clip_factor"]
 
 OPTIMIZERS = ("sgd", "adam", "lazyadam", "dgc")
 """Optimizer names a job may use."""
@@ -56,6 +58,9 @@ class OptimizerConfig:
     """Base learning rate."""
     momentum: float = 0.9
     """SGD momentum (0 turns it off); for ``dgc`` the trainers' momentum."""
+    nesterov: bool = False
+    """``sgd`` only: Nesterov momentum (``p -= lr * (g + momentum * buf)``, torch's ``SGD(nesterov=True)``):
+    the outer optimizer of local steps (DiLoCo), applied to the pushed pseudo-gradients."""
     beta1: float = 0.9
     """Adam first-moment decay."""
     beta2: float = 0.999
@@ -93,6 +98,8 @@ class OptimizerConfig:
         for field in ("warmup_steps", "total_steps", "step_size"):
             if getattr(self, field) < (0 if field == "warmup_steps" else 1):
                 raise ValueError(f"optimizer {field} out of range: {getattr(self, field)!r}")
+        if self.nesterov and self.name != "sgd":
+            raise ValueError(f"Nesterov momentum is an option of sgd, not of {self.name!r}")
 
     @property
     def sparse(self) -> bool:
@@ -157,7 +164,7 @@ def step(cfg: OptimizerConfig, param: torch.Tensor, grad: Sent, state: list[torc
         idx = grad.indices
         if idx is None:
             idx = np.arange(param.numel())
-        _sparse_step(cfg, param.numpy(), idx, values, [s.numpy() for s in state], t, lr)
+        _sparse_step(cfg, param.numpy(), idx, values, [s.numpy() for s in state], t)
         return grad.indices
     dense = torch.from_numpy(np.ascontiguousarray(values))
     if grad.indices is not None:  # a dense optimizer fills in the zeros
@@ -180,28 +187,80 @@ def step(cfg: OptimizerConfig, param: torch.Tensor, grad: Sent, state: list[torc
     elif state:
         buf = state[0]
         buf.mul_(cfg.momentum).add_(dense)
-        param.add_(buf, alpha=-lr)
+        if cfg.nesterov:
+            param.add_(dense, alpha=-lr).add_(buf, alpha=-lr * cfg.momentum)
+        else:
+            param.add_(buf, alpha=-lr)
     else:
         param.add_(dense, alpha=-lr)
     return None
 
 
+def sparse_steps(cfg: OptimizerConfig, rows: np.ndarray, parts: Sequence[tuple[int, int, Sent, int]],
+                 scale: float = 1.0) -> None:
+    """One update's step of a sparse optimizer on several shards at once, in place: exactly
+    :func:`step` of each part (bit for bit), in a few array operations for all of them.
+
+    ``rows`` holds consecutive shards in one float32 buffer: ``rows[0]`` their values,
+    ``rows[1 + s]`` their optimizer state slot ``s`` (``slots(cfg)`` of them). ``parts``:
+    (offset of the shard in ``rows``, its number of values, its gradient, step ``t`` of it) of
+    each shard the update touches, no shard twice; ``scale`` multiplies every gradient (the
+    update's clipping factor). One gather of the touched columns (values and state together),
+    the arithmetic, one scatter per row.
+    """
+    if not parts:
+        return
+    idx = np.concatenate([np.arange(off, off + n) if grad.indices is None else grad.indices + off
+                          for off, n, grad, _ in parts])
+    g = np.concatenate([grad.values for _, _, grad, _ in parts])
+    if scale != 1.0:
+        g = g * np.float32(scale)
+    ts = [t for *_, t in parts]
+    decay: np.float32 | np.ndarray
+    rate: np.float32 | np.ndarray
+    if ts.count(ts[0]) == len(ts):  # one step count (the usual case): scalar coefficients
+        decay, rate = _coefficients(cfg, ts[0])
+    else:  # each shard's coefficients at its values (the same float32 products, element by element)
+        sizes = [n if grad.indices is None else grad.indices.size for _, n, grad, _ in parts]
+        pairs = np.array([_coefficients(cfg, t) for t in ts], dtype=np.float32)
+        decay, rate = np.repeat(pairs[:, 0], sizes), np.repeat(pairs[:, 1], sizes)
+    got = np.take(rows, idx, axis=1)  # (1 + slots, touched): one gather of values and state
+    _sparse_update(cfg, got[0], list(got[1:]), g, decay, rate)
+    for row, new in zip(rows, got, strict=True):
+        row[idx] = new
+
+
+def _coefficients(cfg: OptimizerConfig, t: int) -> tuple[np.float32, np.float32]:
+    """(weight-decay factor, step size) of step ``t`` of a sparse optimizer, as float32."""
+    lr = learning_rate(cfg, t)
+    rate = lr * math.sqrt(1 - cfg.beta2 ** t) / (1 - cfg.beta1 ** t) if cfg.name == "lazyadam" else lr
+    return np.float32(1.0 - lr * cfg.weight_decay), np.float32(rate)
+
+
 def _sparse_step(cfg: OptimizerConfig, p: np.ndarray, idx: np.ndarray, g: np.ndarray,
-                 state: list[np.ndarray], t: int, lr: float) -> None:
+                 state: list[np.ndarray], t: int) -> None:
     """The step of a sparse optimizer at coordinates ``idx`` only (numpy views of the tensors)."""
-    f32 = np.float32
     w = p[idx]
+    state_i = [s[idx] for s in state]
+    decay, rate = _coefficients(cfg, t)
+    _sparse_update(cfg, w, state_i, g, decay, rate)
+    for s, s_i in zip(state, state_i, strict=True):
+        s[idx] = s_i
+    p[idx] = w
+
+
+def _sparse_update(cfg: OptimizerConfig, w: np.ndarray, state: list[np.ndarray], g: np.ndarray,
+                   decay: np.float32 | np.ndarray, rate: np.float32 | np.ndarray) -> None:
+    """The arithmetic of a sparse step on the touched coordinates' values ``w`` and state, in
+    place (float32 throughout; ``decay`` and ``rate`` per coordinate or for all)."""
     if cfg.weight_decay:
-        w *= f32(1.0 - lr * cfg.weight_decay)
+        w *= decay
     if cfg.name == "lazyadam":
         # the arithmetic of torch.optim.SparseAdam, at the touched coordinates
-        m, v = state
-        m_i, v_i = m[idx], v[idx]
+        f32 = np.float32
+        m_i, v_i = state
         m_i += (g - m_i) * f32(1 - cfg.beta1)
         v_i += (g * g - v_i) * f32(1 - cfg.beta2)
-        m[idx], v[idx] = m_i, v_i
-        step_size = lr * math.sqrt(1 - cfg.beta2 ** t) / (1 - cfg.beta1 ** t)
-        w -= f32(step_size) * (m_i / (np.sqrt(v_i) + f32(cfg.eps)))
+        w -= rate * (m_i / (np.sqrt(v_i) + f32(cfg.eps)))
     else:  # dgc: plain SGD; momentum was applied by the trainer
-        w -= f32(lr) * g
-    p[idx] = w
+        w -= rate * g

@@ -12,10 +12,11 @@ memory. In each round it:
 1. reads up to ``batch`` pending updates (XREAD after its cursor) and its
    group's gradient blobs of them (one MGET in its slot);
 2. for each of them in log order, decodes and validates its group's gradients
-   (and the header's shard list, which every group checks alike) and applies
-   one optimizer step to its shards in memory: exactly the math of applying
-   the updates one by one. A sparse optimizer (``lazyadam``, ``dgc``) touches
-   only the coordinates a top-k gradient carries; a refused update is
+   (and the header's shard list, which every group checks alike; an update's
+   top-k gradients together) and applies one optimizer step to its shards in
+   memory: exactly the math of applying the updates one by one. A sparse
+   optimizer (``lazyadam``, ``dgc``) touches only the coordinates a top-k
+   gradient carries, in every shard of an update at once; a refused update is
    recorded as rejected and the others still apply;
 3. writes the group's half with ``lua/apply.lua`` (:mod:`services.apply`),
    which succeeds only if its cursor and the shard versions are still what it
@@ -70,7 +71,7 @@ import redis
 import torch
 
 from common.keys import JobKeys
-from common.outage import REDIS_DOWN, Outage, redis_name
+from common.outage import REDIS_DOWN, Outage, redis_name, url_name, wait_connected
 
 from .apply import Housekeeping, Outcome, Persist, ShardWrite, WriteResult, finish_accounting, write_batch
 from .codecs import Sent
@@ -80,7 +81,7 @@ from .embeddings.apply import RowBatch, TableWrites, kinds
 from .embeddings.store import load_rows, sweep_rows
 from .errors import BadGradientError, LayoutError, ParameterPlaneError
 from .metrics import ServerMetrics
-from .optim import clip_factor, slots, step
+from .optim import clip_factor, slots, sparse_steps, step
 from .protocol import Status, StreamId, Update, after, group_of, own_shards
 from .settings import ServerSettings
 from .store import ModelMeta, ParameterStore, connect
@@ -111,9 +112,9 @@ class _Shard:
     """One of the group's shards, in memory."""
 
     params: torch.Tensor
-    """Its values (contiguous float32)."""
+    """Its values (contiguous float32: a view of row 0 of :attr:`_GroupState.values`)."""
     opt: list[torch.Tensor]
-    """Its optimizer state tensors."""
+    """Its optimizer state tensors (views of the following rows)."""
     step: int
     """Optimizer steps applied."""
     version: int
@@ -122,6 +123,8 @@ class _Shard:
     """The model version of its full bytes in Redis."""
     delta_bytes: int
     """Bytes of its deltas published after ``base``."""
+    offset: int = 0
+    """Where its values start in the rows of :attr:`_GroupState.values`."""
 
 
 @dataclass
@@ -135,6 +138,11 @@ class _GroupState:
     version: int = 0
     """Newest model version seen."""
     shards: dict[int, _Shard] = field(default_factory=dict)
+    values: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), dtype=np.float32))
+    """The group's shards one after another (float32, ``1 + slots`` rows): row 0 their values, row
+    ``1 + s`` their optimizer state slot ``s``. The shards' tensors are views of it, so a sparse
+    optimizer gathers and scatters the coordinates an update touches in every shard, values and
+    state together, at once (:func:`services.optim.sparse_steps`)."""
     unpersisted: list[tuple[str, list[str]]] = field(default_factory=list)
     """(update id, gradient blob keys) of the updates applied since the last persist."""
     unpersisted_bytes: int = 0
@@ -153,10 +161,13 @@ class _LogMoved(Exception):
     """The log changed under a load (another server of the group persisted): load again."""
 
 
-def _tensor(blob: bytes | None, numel: int, what: str) -> torch.Tensor:
+def _tensor(blob: bytes | None, out: np.ndarray, what: str) -> torch.Tensor:
+    """``blob``'s float32 values copied into ``out``, as a tensor viewing ``out``."""
+    numel = out.size
     if blob is None or len(blob) != 4 * numel:
         raise LayoutError(f"{what}: missing or {0 if blob is None else len(blob)} bytes, expected {4 * numel}")
-    return torch.from_numpy(np.frombuffer(blob, dtype=np.float32).copy())
+    out[:] = np.frombuffer(blob, dtype=np.float32)
+    return torch.from_numpy(out)
 
 
 class ParameterServer:
@@ -172,7 +183,8 @@ class ParameterServer:
         self.keys = JobKeys(settings.job)
         self.gkeys = self.keys.group(settings.group)
         self._own_client = client is None
-        self.client = client if client is not None else connect(settings.redis_url)
+        self.client = client if client is not None else wait_connected(  # a Redis Cluster all down: wait
+            lambda: connect(settings.redis_url), Outage(url_name(settings.redis_url), settings.outage_limit_s, logger))
         self.store = ParameterStore(self.client, settings.job)
         self.status = ServerStatus.INIT
         self.error: BaseException | None = None
@@ -202,15 +214,18 @@ class ParameterServer:
 
     # -- lifecycle ------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> None:
-        """Wait for the job's model (up to ``timeout_s``), load state, start the apply thread. Idempotent.
+        """Wait for the job's model (up to ``timeout_s``) and for Redis (up to the outage limit), load
+        state, start the apply thread. Idempotent.
 
         Raises:
             LayoutError: no model within the timeout, or the job's groups differ from the settings.
+            DependencyUnavailable: Redis stayed unreachable for ``outage_limit_s``.
         """
         if self.status is ServerStatus.RUNNING:
             return
         deadline = time.monotonic() + timeout_s
-        while True:
+        outage = Outage(redis_name(self.client), self.settings.outage_limit_s, logger)
+        while True:  # a server started while Redis is away waits for it (up to the outage limit)
             try:
                 self.load()
                 break
@@ -218,6 +233,9 @@ class ParameterServer:
                 if "has no model" not in str(exc) or time.monotonic() >= deadline:
                     raise
                 self._stop.wait(0.05)
+            except REDIS_DOWN as exc:
+                self._stop.wait(outage.failed(exc))
+        outage.recovered()
         self.status = ServerStatus.RUNNING
         self._thread = threading.Thread(target=self._loop, name=f"ps-{self.settings.job}-{self.settings.group}",
                                         daemon=True)
@@ -346,27 +364,33 @@ class ParameterServer:
                          version=int(version or 0),
                          table_steps={t.name: int(stats.get(f"{t.name}:steps".encode(), 0)) for t in meta.tables})
         layout = meta.layout
+        st.values = np.zeros((1 + k, sum(layout.shards[i].numel for i in own)), dtype=np.float32)
+        offset = 0
         for j, i in enumerate(own):
             spec = layout.shards[i]
-            params = _tensor(blobs[j], spec.numel, f"shard {i} ({spec.name})")
+            cols = slice(offset, offset + spec.numel)
+            params = _tensor(blobs[j], st.values[0, cols], f"shard {i} ({spec.name})")
             base = int(bases.get(str(i).encode(), 0))
             delta_bytes = apply_deltas(params, streams[j], after=base, upto=st.version,
                                        what=f"delta of shard {i} ({spec.name})")
-            opt = [torch.zeros(spec.numel) if b is None else _tensor(b, spec.numel, f"optimizer state of shard {i}")
-                   for b in opt_blobs[j * k:(j + 1) * k]]
+            opt = [torch.from_numpy(st.values[1 + s, cols]) if b is None
+                   else _tensor(b, st.values[1 + s, cols], f"optimizer state of shard {i}")
+                   for s, b in enumerate(opt_blobs[j * k:(j + 1) * k])]
             st.shards[i] = _Shard(params, opt, int(steps.get(str(i).encode(), 0)),
-                                  int(versions.get(str(i).encode(), 0)), base, delta_bytes)
+                                  int(versions.get(str(i).encode(), 0)), base, delta_bytes, offset)
+            offset += spec.numel
         done, persisted_at = StreamId.parse(st.cursor), StreamId.parse(st.persisted)
         replay = [(eid.decode(), fields) for eid, fields in log if persisted_at < StreamId.parse(eid) <= done]
         self._replay(st, replay)
         return st
 
     def _replay(self, st: _GroupState, entries: list[tuple[str, Mapping[bytes, bytes]]]) -> None:
-        """Rebuild the optimizer state of the updates applied since the persist, in order, on
-        scratch parameters (Redis already publishes their effect; nothing is written or counted)."""
+        """Rebuild the optimizer state of the updates applied since the persist, in order, then
+        restore the parameters as loaded (Redis already publishes their effect; nothing is written
+        or counted)."""
         if not entries:
             return
-        scratch = {i: sh.params.clone() for i, sh in st.shards.items()}
+        loaded = st.values[0].copy()
         for eid, update, error in self._load(entries):
             st.unpersisted.append((eid, self._blob_keys(update)))
             if error is not None:
@@ -380,7 +404,8 @@ class ParameterServer:
                                              max_bytes=self.settings.max_update_bytes)
             except ParameterPlaneError:
                 continue  # refused when applied: no step
-            self._steps(st, [decoded], scratch)
+            self._steps(st, [decoded])
+        st.values[0] = loaded
         logger.info("ps job=%s group=%d: replayed %d update(s) after persisted %r to rebuild the optimizer "
                     "state", self.settings.job, self.settings.group, len(entries), st.persisted)
 
@@ -713,11 +738,11 @@ class ParameterServer:
             writes += batch.writes(st.version + 1)
         return writes
 
-    def _steps(self, st: _GroupState, updates: Sequence[Mapping[int, Sent]],
-               scratch: Mapping[int, torch.Tensor] | None = None) -> dict[int, list[np.ndarray | None]]:
-        """One optimizer step per update, in order, on the group's shards (``scratch`` parameters
-        when given): shard by shard, so a shard's values and state stay in the CPU cache across
-        the updates (the same math as update by update: a shard's steps keep their order, and each
+    def _steps(self, st: _GroupState, updates: Sequence[Mapping[int, Sent]]) -> dict[int, list[np.ndarray | None]]:
+        """One optimizer step per update, in order, on the group's shards. A sparse optimizer steps
+        all the shards an update touches at once (:func:`services.optim.sparse_steps`); a dense one
+        goes shard by shard, so a shard's values and state stay in the CPU cache across the
+        updates (the same math as update by update: a shard's steps keep their order, and each
         update's clipping factor is its own). Returns shard -> the indices each step changed
         (None: all of them)."""
         cfg = cast(ModelMeta, self._meta).optimizer
@@ -725,13 +750,22 @@ class ParameterServer:
         mine = [{i: d for i, d in decoded.items() if group_of(i, groups) == g} for decoded in updates]
         factors = [clip_factor(cfg, list(m.values())) for m in mine]
         changed: dict[int, list[np.ndarray | None]] = {}
+        if cfg.sparse:
+            for m, factor in zip(mine, factors, strict=True):
+                parts = []
+                for i in sorted(m):
+                    sh = st.shards[i]
+                    sh.step += 1
+                    parts.append((sh.offset, sh.params.numel(), m[i], sh.step))
+                    changed.setdefault(i, []).append(m[i].indices)
+                sparse_steps(cfg, st.values, parts, factor)
+            return changed
         for i in sorted({i for m in mine for i in m}):
             sh = st.shards[i]
-            params = sh.params if scratch is None else scratch[i]
             for m, factor in zip(mine, factors, strict=True):
                 if i in m:
                     sh.step += 1
-                    changed.setdefault(i, []).append(step(cfg, params, m[i], sh.opt, sh.step, factor))
+                    changed.setdefault(i, []).append(step(cfg, sh.params, m[i], sh.opt, sh.step, factor))
         return changed
 
     @staticmethod

@@ -35,7 +35,7 @@ import redis
 from common.keys import JobKeys
 from common.outage import REDIS_DOWN
 
-from .codecs import Sent, decode_sent
+from .codecs import Sent, decode_sent, decode_sents, is_topk
 from .errors import (
     BackpressureError,
     BadGradientError,
@@ -61,7 +61,8 @@ DEFAULT_MAX_PENDING = 64
 
 def validate_gradients(update: Update, layout: Layout, *,
                        max_bytes: int = DEFAULT_MAX_BYTES) -> dict[int, Sent]:
-    """Decode every gradient of ``update`` and check it against ``layout``.
+    """Decode every gradient of ``update`` and check it against ``layout``: top-k gradients all
+    at once (:func:`services.codecs.decode_sents`), others one by one.
 
     Returns:
         Shard index -> decoded gradient, sparse as it was sent.
@@ -75,8 +76,18 @@ def validate_gradients(update: Update, layout: Layout, *,
     if bad:  # the header's shard list: every group reaches this verdict, whichever blobs it holds
         raise BadGradientError(f"update from {update.member_id}: shard(s) {bad} do not exist "
                                f"(the model has shards 0..{n - 1})")
-    out = {}
-    for i, blob in update.gradients.items():
+    blobs = update.gradients
+    together: dict[int, Sent] = {}
+    if all(0 <= i < n for i in blobs):  # the shards' top-k gradients decoded together (the small
+        sparse = [i for i, b in blobs.items() if is_topk(b)]  # tensors a Pusher sends dense aside)
+        sents = decode_sents([bytes(blobs[i]) for i in sparse], [layout.shards[i].numel for i in sparse],
+                             max_bytes=max_bytes)
+        together = dict(zip(sparse, sents, strict=True)) if sents is not None else {}
+    out = {}  # the rest one by one: other codecs, or a refused gradient (the error names its shard)
+    for i, blob in blobs.items():
+        if i in together:
+            out[i] = together[i]
+            continue
         if not 0 <= i < n:
             raise BadGradientError(f"update from {update.member_id}: shard {i} does not exist "
                                    f"(the model has shards 0..{n - 1})")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+from common.keys import JobKeys
 from common.outage import REDIS_DOWN
 from common.settings import from_args, to_flags
 from coordinator.settings import CoordinatorSettings
@@ -59,6 +60,9 @@ without a progress bar (its output goes to a log)."""
 LOCAL_TRAINER = TrainerSettings(threads=1, eval_source="digits")
 """A local cluster's trainers: one CPU thread each (several processes share the machine), scoring the
 digits test split (``eval_every`` and the rest: the trainer's defaults)."""
+
+REDIS_PASSWORD_ENV = "STREAMTRAIN_REDIS_PASSWORD"
+"""The variable of the Redis password a cluster runs with (compose's too)."""
 
 SECRET_FIELDS = ("admin_token", "job_token", "redis_url")
 """Settings passed to a child in their environment variables, not on its command line (``ps`` shows
@@ -103,6 +107,12 @@ class ClusterSpec:
     redis_cluster: bool = False
     """Run the job on a Redis Cluster of three masters (:class:`~streamtrain.launcher.RedisCluster`,
     its ``redis+cluster://`` URL handed to every service) instead of one Redis server."""
+    redis_replicas: int = 0
+    """Replicas of each master of the Redis Cluster (``redis_cluster``): with 1, a master may die and
+    its replica takes over."""
+    redis_password: str = ""
+    """The password of Redis (of every node of a Redis Cluster); empty: a fresh random one. Up reads it
+    from ``STREAMTRAIN_REDIS_PASSWORD`` (:meth:`with_environment`)."""
     kafka_heap_mb: int = 512
     """Heap of each local Kafka broker."""
     kafka_brokers: int = 1
@@ -124,12 +134,16 @@ class ClusterSpec:
 
     def with_environment(self, environ: Mapping[str, str]) -> ClusterSpec:
         """This spec with every service setting whose variable is set in ``environ``
-        (``STREAMTRAIN_*``) taken from there, as the service itself would read it.
+        (``STREAMTRAIN_*``) taken from there, as the service itself would read it, and the Redis
+        password from ``STREAMTRAIN_REDIS_PASSWORD`` (as compose reads it). The tokens of the
+        coordinator's settings (``STREAMTRAIN_JOB_TOKEN``, ``STREAMTRAIN_ADMIN_TOKEN``) are then the
+        cluster's (:class:`LocalCluster`).
 
         Raises:
             SettingsError: a variable has a bad value.
         """
-        return replace(self, coordinator=_environment_over(self.coordinator, environ),
+        return replace(self, redis_password=environ.get(REDIS_PASSWORD_ENV, self.redis_password),
+                       coordinator=_environment_over(self.coordinator, environ),
                        trainer=_environment_over(self.trainer, environ), ps=_environment_over(self.ps, environ),
                        producer=None if self.producer is None else _environment_over(self.producer, environ))
 
@@ -232,11 +246,17 @@ class LocalCluster:
     """The parameter servers, group g at index g."""
     producer: ServiceProcess | None = None
     trainers: list[ServiceProcess] = field(default_factory=list)
-    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
-    job_token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
+    admin_token: str = ""
+    """Bearer token of admin calls: the spec's coordinator's when set, else a fresh random one."""
+    job_token: str = ""
+    """Bearer token of trainer calls: the spec's coordinator's when set, else a fresh random one."""
     coordinator_port: int = field(default_factory=free_port)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
     _started: int = 0
+
+    def __post_init__(self) -> None:
+        self.admin_token = self.admin_token or self.spec.coordinator.admin_token or secrets.token_urlsafe(16)
+        self.job_token = self.job_token or self.spec.coordinator.job_token or secrets.token_urlsafe(16)
 
     # -- addresses --------------------------------------------------------------------------------
     @property
@@ -272,11 +292,13 @@ class LocalCluster:
             self.workdir = Path(self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
+            password = self.spec.redis_password or None  # None: a fresh random one
             if self.spec.redis_cluster:
                 self.redis = RedisCluster(host=self.spec.host, appendonly=self.spec.redis_aof,
+                                          replicas=self.spec.redis_replicas, password=password,
                                           workdir=self.workdir / "redis").start()
             else:
-                self.redis = RedisServer(host=self.spec.host, appendonly=self.spec.redis_aof,
+                self.redis = RedisServer(host=self.spec.host, appendonly=self.spec.redis_aof, password=password,
                                          workdir=self.workdir / "redis").start()
             self.kafka = KafkaCluster(self.spec.kafka_brokers, host=self.spec.host, heap_mb=self.spec.kafka_heap_mb,
                                       log_level="WARN", start_timeout_s=120, workdir=self.workdir / "kafka").start()
@@ -433,6 +455,14 @@ class LocalCluster:
         assert self.kafka is not None
         self.kafka.restart(index)
 
+    def kill_redis_master(self) -> str:
+        """SIGKILL the Redis Cluster master that holds the job's keys (fault injection; needs
+        ``spec.redis_cluster``, and ``spec.redis_replicas`` >= 1 for the job to survive it: the replica
+        is promoted after ``cluster-node-timeout``); returns the killed node's address."""
+        if not isinstance(self.redis, RedisCluster):
+            raise ValueError("kill_redis_master needs a Redis Cluster (spec.redis_cluster)")
+        return self.redis.kill_master_of(JobKeys(self.spec.job).config).address
+
     def restart(self, which: str, down_s: float = 0.0) -> None:
         """SIGKILL ``which`` (``ps``: every parameter server, ``coordinator``, ``redis`` or ``kafka``:
         every broker), wait ``down_s``, and start it again: Redis and Kafka on the same ports and
@@ -504,6 +534,13 @@ class LocalCluster:
     def consumed(self, st: dict[str, Any]) -> bool:
         """True when our producer (if any) is done and everything it wrote is committed."""
         return (self.producer is None or self.producer_done()) and self.all_committed(st)
+
+    def wait_reassigned(self, members: int, timeout_s: float = 30.0, *, what: str = "the partitions to be reassigned"
+                        ) -> dict[str, Any]:
+        """Wait until ``members`` members are live and every partition has an owner again (after a
+        trainer was killed or left); return that status."""
+        return self.wait_for(lambda st: len(st["members"]) == members and all(
+            p["owner"] is not None for p in st["partitions"]), timeout_s, what)
 
     def wait_consumed(self, timeout_s: float) -> dict[str, Any]:
         """Wait until :meth:`consumed` holds; return that status."""

@@ -55,9 +55,14 @@ class UpSettings:
     codec: str = _as_in(_LOCAL.coordinator, "codec", help="gradient codec")
     optimizer: str = _as_in(_LOCAL.coordinator, "optimizer")
     lr: float = _as_in(_LOCAL.coordinator, "lr", help="learning rate")
+    local_steps: int = _as_in(_LOCAL.coordinator, "local_steps")
+    outer_lr: float = _as_in(_LOCAL.coordinator, "outer_lr")
+    outer_momentum: float = _as_in(_LOCAL.coordinator, "outer_momentum")
     ps_groups: int = _as_in(_LOCAL.coordinator, "ps_groups", help="parameter servers, each applying the shards "
                                                                   "of one group (shard i: group i mod N)")
     topk_density: float = _as_in(_LOCAL.trainer, "topk_density")
+    dense_below: int = _as_in(_LOCAL.trainer, "dense_below")
+    density_warmup_steps: int = _as_in(_LOCAL.trainer, "density_warmup_steps")
     source: str = _as_in(LOCAL_STREAM, "source", help="what the producer streams (its train split)")
     model: str = _as_in(_LOCAL.trainer, "model")
     eval_source: str = _as_in(_LOCAL.trainer, "eval_source", "",
@@ -88,3 +93,5 @@ class UpSettings:
     redis_cluster: bool = cfg.setting(_LOCAL.redis_cluster, env="STREAMTRAIN_REDIS_CLUSTER",
                                       help="run the job on a local Redis Cluster of three masters "
                                            "(a redis+cluster:// URL) instead of one Redis server")
+    model_out: str = cfg.setting("", env="STREAMTRAIN_MODEL_OUT",
+                                 help="write the final model to this file (safetensors) when the run ends")

@@ -24,6 +24,18 @@ newest progressive-validation AUC (the records it consumed, scored before
 training on them), and the final table the job's over the run's first and
 last tenth (:func:`progressive_summary`).
 
+**What it hands over.** Once everything runs, ``up`` writes its cluster's connection
+settings (the coordinator URL, the Redis URL with its password, the job and admin
+tokens, the Kafka bootstrap, the job) as ``export STREAMTRAIN_*=...`` lines to a
+file of mode 0600 in its folder and prints ``credentials: PATH``
+(:mod:`streamtrain.credentials`): ``source PATH`` and ``GET /v1/model`` with the
+job token, or ``streamtrain export``, fetch the model while it trains. A Redis
+password or tokens set in the environment (``STREAMTRAIN_REDIS_PASSWORD``,
+``STREAMTRAIN_JOB_TOKEN``, ``STREAMTRAIN_ADMIN_TOKEN``) are used instead of fresh
+random ones. With ``--model-out FILE`` the final model is written there as
+safetensors when the run ends (:func:`services.export.export_model`). The folder,
+and the file with it, is removed when ``up`` ends.
+
 **Exit status** (:func:`exit_code`): 0 when the run ended as asked — a target
 reached, the stream up to ``--max-records`` consumed, a ``--forever`` run
 stopped with Ctrl-C, or, with no target in force (a regression job without
@@ -52,9 +64,11 @@ from rich.text import Text
 from common import settings as cfg
 from common.outage import REDIS_DOWN, Outage
 from coordinator.progressive import mean_auc
+from coordinator.settings import check_local_steps
 from datastream.sources import one_pass
 
 from .cluster import ClusterSpec, LocalCluster
+from .credentials import CREDENTIALS_NAME, shell_exports, write_credentials
 from .examples import with_example
 from .overload import LagWindow, Trend, Verdict, sample_from_status
 from .settings import FOREVER_RATE, UpSettings
@@ -115,8 +129,10 @@ def cluster_spec(s: UpSettings, environ: Mapping[str, str] | None = None) -> Clu
         coordinator=replace(base.coordinator, partitions=s.partitions, consistency=s.consistency,
                             staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr,
                             ps_groups=s.ps_groups, table_consistency=s.table_consistency,
-                            table_staleness=s.table_staleness),
-        trainer=replace(base.trainer, model=s.model, eval_source=held_out(s), topk_density=s.topk_density),
+                            table_staleness=s.table_staleness, local_steps=s.local_steps,
+                            outer_lr=s.outer_lr, outer_momentum=s.outer_momentum),
+        trainer=replace(base.trainer, model=s.model, eval_source=held_out(s), topk_density=s.topk_density,
+                        dense_below=s.dense_below, density_warmup_steps=s.density_warmup_steps),
         producer=replace(base.producer, source=source, limit=s.max_records or None, rate=rate or None))
 
 
@@ -171,14 +187,18 @@ def exit_code(outcome: Outcome, s: UpSettings, task: Task) -> int:
     return 1 if targeted or s.max_records else 0  # the time ran out first
 
 
-def task_of(model: str) -> Task:
-    """What ``model`` is; a bad spec is a settings error, before anything starts."""
+def task_of(model: str, local_steps: int = 1) -> Task:
+    """What ``model`` is; a bad spec, or a model with embedding tables under ``--local-steps`` > 1, is a
+    settings error, before anything starts."""
     from trainers import build_model
 
     try:
         spec = build_model(model)
     except ValueError as exc:
         raise cfg.SettingsError(f"--model / STREAMTRAIN_MODEL: {exc}") from None
+    if local_steps > 1 and spec.tables:
+        raise cfg.SettingsError(f"--local-steps / STREAMTRAIN_LOCAL_STEPS: {local_steps} local steps need a dense "
+                                f"model; {model} has embedding tables ({', '.join(t.name for t in spec.tables)})")
     return Task(spec.classification, spec.binary)
 
 
@@ -193,7 +213,12 @@ def settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     given = {f.name for f in fields(UpSettings)
              if getattr(args, f.name, None) is not None or f.metadata.get("env") in env}
     settings = with_example(settings, given)
-    auc_target(settings, task_of(settings.model))
+    try:  # once the example's settings are in: it may name the dense codec local steps need
+        check_local_steps(settings.local_steps, outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum,
+                          optimizer=settings.optimizer, codec=settings.codec)
+    except ValueError as exc:
+        raise cfg.SettingsError(f"--local-steps / STREAMTRAIN_LOCAL_STEPS: {exc}") from None
+    auc_target(settings, task_of(settings.model, settings.local_steps))
     return settings
 
 
@@ -215,6 +240,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"Kafka {cluster.bootstrap} (ready in {cluster.kafka.ready_after_s:.1f}s) · "
                       f"Redis {cluster.redis.display_url} · coordinator {cluster.coordinator_url} · "
                       f"logs in {cluster.workdir}")
+        assert cluster.workdir is not None
+        path = write_credentials(cluster.workdir / CREDENTIALS_NAME, shell_exports(cluster.endpoints, cluster.spec.job))
+        console.print(f"credentials: {path}", soft_wrap=True, highlight=False)  # one line, even when long
+        console.file.flush()  # a script reading our output through a pipe sees it now
         outcome = _watch(console, cluster, settings, final, task)  # final: the score that ended it
         if outcome is not Outcome.TARGET:  # the stream ended, time ran out or Ctrl-C: score what training left
             with console.status("draining trainers and applying their last updates"):
@@ -224,12 +253,27 @@ def run(args: argparse.Namespace) -> int:
                 outcome = Outcome.TARGET  # the last updates made it
         final["status"] = cluster.status()
         final["progressive"] = cluster.progressive()
+        if settings.model_out:
+            final["model_out"] = _write_model(cluster, settings.model_out)
     finally:
         with console.status("stopping everything"):
             cluster.stop()
     _print_final(console, cluster, settings, final, outcome, task)
     cluster.cleanup()
     return exit_code(outcome, settings, task)
+
+
+def _write_model(cluster: LocalCluster, path: str) -> str:
+    """Export the job's current model to ``path`` (safetensors, :func:`services.export_model`);
+    returns its version's name."""
+    from common.redis_client import connect
+    from services.export import export_model, version_name
+
+    client = connect(cluster.redis_url)
+    try:
+        return version_name(export_model(client, cluster.spec.job, path))
+    finally:
+        client.close()
 
 
 def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[str, Any],
@@ -403,6 +447,8 @@ def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: 
     verdict = final.get("keeping_up")
     if isinstance(verdict, Verdict):
         table.add_row("lag trend", verdict.line())
+    if "model_out" in final:
+        table.add_row("model written", f"version {final['model_out']} to {s.model_out}")
     table.add_row("messages committed", f"{committed:,} Kafka offsets over {len(parts)} partitions")
     table.add_row("status endpoints", f"{cluster.coordinator_url}/v1/status · /healthz · /readyz · "
                   "/metrics · / (page) — served while the job ran")

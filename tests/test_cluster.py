@@ -120,12 +120,16 @@ def test_up_takes_the_job_defaults_from_the_services() -> None:
 def test_up_flags_reach_the_services() -> None:
     spec = cluster_spec(up(consistency="asp", staleness=0, codec="int8", optimizer="adam", lr=0.001, ps_groups=3,
                            partitions=6, trainers=3, topk_density=0.05, model="mlp-2m", eval_source="",
-                           source="synthetic?seed=1&repeat=2", max_records=700), environ={})
+                           source="synthetic?seed=1&repeat=2", max_records=700, dense_below=300,
+                           density_warmup_steps=50), environ={})
     c = spec.coordinator
     assert (c.consistency, c.staleness, c.codec, c.optimizer, c.lr, c.ps_groups, c.partitions) == (
         "asp", 0, "int8", "adam", 0.001, 3, 6)
     assert (spec.trainers, spec.ps_groups, spec.trainer.topk_density, spec.trainer.model, spec.trainer.eval_source) \
         == (3, 3, 0.05, "mlp-2m", "synthetic?seed=1")  # no --eval-source: one pass of --source
+    assert (spec.trainer.dense_below, spec.trainer.density_warmup_steps) == (300, 50)
+    trainer = commands(spec, AT)["trainer"][0]  # on the trainers' command lines
+    assert "--dense-below=300" in trainer and "--density-warmup-steps=50" in trainer
     assert (spec.producer.source, spec.producer.limit, spec.producer.rate) == ("synthetic?seed=1&repeat=2", 700, None)
     assert len([k for k in commands(spec, AT) if k.startswith("ps")]) == 3
     assert (c.table_consistency, c.table_staleness) == (None, None)  # unset: the tables follow the dense part
@@ -171,3 +175,43 @@ def test_up_redis_cluster_reaches_the_spec_and_the_cluster_url_every_service() -
             *(p.redis_url for p in services.ps)} == {at.redis_url}
     for args, _env in commands(spec, at).values():
         assert "redis-password" not in " ".join(args)  # in the environment only, as for a server's URL
+
+
+def test_the_credentials_file_gives_a_shell_the_cluster_s_settings_back_exactly(tmp_path: Path) -> None:
+    """Values a shell would split or expand come back as they were; the file is 0600 from the start
+    (also under umask 0) and an existing file is never overwritten."""
+    import os
+    import stat
+    import subprocess
+
+    from streamtrain.credentials import shell_exports, write_credentials
+
+    hostile = replace(AT, job_token="a b'c\"$HOME`x`", admin_token="$(false);x")
+    old = os.umask(0)
+    try:
+        path = write_credentials(tmp_path / "credentials.sh", shell_exports(hostile, "digits"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    names = ("STREAMTRAIN_COORDINATOR_URL", "STREAMTRAIN_REDIS_URL", "STREAMTRAIN_JOB_TOKEN",
+             "STREAMTRAIN_ADMIN_TOKEN", "STREAMTRAIN_KAFKA_BOOTSTRAP", "STREAMTRAIN_JOB")
+    script = f"source {path} && " + " && ".join(f'printf "%s\\0" "${n}"' for n in names)
+    out = subprocess.run(["bash", "-c", script], env={"PATH": os.environ["PATH"]}, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split("\0")[:-1] == [hostile.coordinator_url, hostile.redis_url, hostile.job_token,
+                                    hostile.admin_token, hostile.bootstrap, "digits"]
+    with pytest.raises(FileExistsError):
+        write_credentials(path, "")
+
+
+def test_up_takes_the_tokens_and_redis_password_from_the_environment() -> None:
+    from streamtrain.cluster import LocalCluster
+
+    environ = {"STREAMTRAIN_JOB_TOKEN": "j-given", "STREAMTRAIN_ADMIN_TOKEN": "a-given",
+               "STREAMTRAIN_REDIS_PASSWORD": "r-given"}
+    spec = cluster_spec(UpSettings(), environ)
+    cluster = LocalCluster(spec)
+    assert (cluster.job_token, cluster.admin_token, spec.redis_password) == ("j-given", "a-given", "r-given")
+    fresh = LocalCluster(cluster_spec(UpSettings(), {}))
+    assert fresh.job_token and fresh.admin_token and fresh.job_token != "j-given"
+    assert cluster_spec(UpSettings(), {}).redis_password == ""  # the launcher makes a random one

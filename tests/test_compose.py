@@ -524,3 +524,59 @@ def test_image_copies_every_package() -> None:
     packages = {p.rstrip("*") for p in include}
     copied = set(re.findall(r"^COPY (\w+) \./\1$", (root / "compose" / "Dockerfile").read_text(), re.M))
     assert packages == copied
+
+
+def test_the_build_context_lets_through_what_the_image_copies() -> None:
+    """compose/Dockerfile's context is the repository root, cut down by .dockerignore to an allow-list:
+    each path the Dockerfile copies must be on it, or the build fails only under a real engine."""
+    root = Path(__file__).resolve().parents[1]
+    allowed = {line[1:] for line in (root / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    copied = set(re.findall(r"^COPY (?!--from)(\S+) ", (root / "compose" / "Dockerfile").read_text(), re.M))
+    assert copied and copied <= allowed, copied - allowed
+
+
+OFFLINE = COMPOSE.with_name("offline.yml")
+
+
+def _load_kafka_start() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kafka_start", COMPOSE.parent / "offline" / "kafka_start.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_offline_override_builds_every_image_it_runs(raw: dict) -> None:
+    """compose/offline.yml names only services of the default file, builds a local image for every one
+    that runs there (the Redis Cluster profile's too), so nothing is pulled, and keeps Grafana, which
+    Debian does not package, out unless its profile is asked for."""
+    offline = yaml.safe_load(OFFLINE.read_text())["services"]
+    assert set(offline) <= set(raw["services"])
+    for name, svc in raw["services"].items():
+        if name == "grafana":
+            assert offline[name] == {"profiles": ["grafana"]}
+            continue
+        assert "build" in offline.get(name, {}), f"{name} would pull {svc.get('image')} offline"
+        assert offline[name]["image"] != svc.get("image"), f"{name}: the stand-in would shadow {svc.get('image')}"
+    base = {s["build"]["args"]["BASE_IMAGE"] for s in offline.values() if "build" in s}
+    assert base == {"${STREAMTRAIN_BASE_IMAGE:-streamtrain-base:bookworm}"}, "one base for every stand-in"
+    targets = set(re.findall(r"^FROM \S+ AS (\w+)$", (COMPOSE.parent / "offline" / "Dockerfile").read_text(), re.M))
+    used = {s["build"]["target"] for s in offline.values() if "target" in s.get("build", {})}
+    assert used == targets == {"kafka", "redis", "prometheus"}
+
+
+def test_the_kafka_stand_in_reads_the_variables_apache_kafka_does(compose: dict) -> None:
+    kafka_start = _load_kafka_start()
+    assert kafka_start.property_name("KAFKA_LISTENER_SECURITY_PROTOCOL_MAP") == "listener.security.protocol.map"
+    assert kafka_start.property_name("KAFKA_A__B___C_D") == "a_b-c.d"
+    props = kafka_start.server_properties({**_env(compose["services"]["kafka"]), "PATH": "/bin"})
+    assert props == {
+        "node.id": "1", "process.roles": "broker,controller", "listeners": "PLAINTEXT://:9092,CONTROLLER://:9093",
+        "advertised.listeners": "PLAINTEXT://kafka:9092", "controller.listener.names": "CONTROLLER",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "controller.quorum.voters": "1@kafka:9093", "offsets.topic.replication.factor": "1",
+        "transaction.state.log.replication.factor": "1", "transaction.state.log.min.isr": "1",
+        "group.initial.rebalance.delay.ms": "0", "auto.create.topics.enable": "false",
+        "log.dirs": "/var/lib/kafka/data"}  # KAFKA_HEAP_OPTS is the JVM's, not a property

@@ -83,7 +83,8 @@ async def test_register_heartbeat_and_redis_contract(settings: CoordinatorSettin
         assert a["lease_ms"] == 30_000 and a["heartbeat_interval_ms"] == 1000
         assert a["config"] == {"consistency": "ssp", "staleness": 2, "codec": "topk+fp16",
                                "optimizer": "lazyadam", "lr": 0.005, "topic": "train",
-                               "partitions": 6, "ps_groups": 1, "paused": False}
+                               "partitions": 6, "ps_groups": 1, "local_steps": 1, "outer_lr": 0.7,
+                               "outer_momentum": 0.9, "paused": False}
         gpu = await register(client, {"capabilities": {"device": "cuda", "threads": 4}})
         assert gpu["member_id"] != a["member_id"] and gpu["generation"] == 2
         # weights cuda 8*sqrt(4)=16 vs cpu 1*sqrt(1)=1: shares 5.65 and 0.35 of 6 partitions
@@ -312,6 +313,21 @@ async def test_a_change_of_ps_groups_is_refused(settings: CoordinatorSettings,
         assert (await store.config()).ps_groups == 2
     finally:
         await store.redis.aclose()
+
+
+@pytest.mark.parametrize(("field", "value"), [("local_steps", 4), ("outer_lr", 0.5), ("outer_momentum", 0.5)])
+async def test_a_change_of_local_steps_or_the_outer_optimizer_is_refused(settings: CoordinatorSettings,
+                                                                       redis: redis_lib.Redis, field: str,
+                                                                       value: float) -> None:
+    async with running_coordinator(replace(settings, codec="fp16", local_steps=8)) as client:
+        before = dump(redis)
+        assert redis.hget(KEYS.config, "local_steps") == b"8"
+        resp = await client.patch("/v1/admin/config", headers=ADMIN_AUTH, json={field: value})
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+        assert error["code"] == "invalid_body" and error["message"].startswith(f"{field} cannot change")
+        assert "outer optimizer are fixed" in error["message"]
+        assert dump(redis) == before
 
 
 async def test_a_job_older_than_ps_groups_takes_its_models_group_count(redis_url: str,

@@ -20,8 +20,9 @@ from coordinator.settings import CoordinatorSettings
 from datastream import load_source
 from services import LayoutError, ParameterStore, connect
 from streamtrain.accounting import audit
-from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster
+from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster
 from streamtrain.scoring import score_job
+from trainers import TrainerSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -60,9 +61,10 @@ def assert_exact(cluster: LocalCluster, *, everything: bool = True) -> None:
 def run_cluster(tmp_path):
     clusters: list[LocalCluster] = []
 
-    def start(*, source: str | None = "digits?repeat=20", trainers: int = 2, **job: object) -> LocalCluster:
+    def start(*, source: str | None = "digits?repeat=20", trainers: int = 2, trainer: TrainerSettings = LOCAL_TRAINER,
+              **job: object) -> LocalCluster:
         """A cluster streaming ``source`` (None: no producer) with the coordinator's settings ``job``."""
-        spec = ClusterSpec(trainers=trainers, coordinator=CoordinatorSettings(**job),
+        spec = ClusterSpec(trainers=trainers, coordinator=CoordinatorSettings(**job), trainer=trainer,
                            producer=None if source is None else replace(LOCAL_STREAM, source=source))
         cluster = LocalCluster(spec, workdir=tmp_path / f"cluster{len(clusters)}")
         clusters.append(cluster)
@@ -87,9 +89,7 @@ def test_killed_trainer_partitions_move_and_accounting_stays_exact(run_cluster) 
                      timeout_s=120, what="two trainers to have trained a while")
     victim = cluster.trainers[0]
     cluster.kill_trainer(0)
-    cluster.wait_for(lambda st: len(st["members"]) == 1 and all(
-        p["owner"] is not None for p in st["partitions"]), timeout_s=30,
-        what=f"{victim.name}'s partitions to be reassigned")
+    cluster.wait_reassigned(1, what=f"{victim.name}'s partitions to be reassigned")
     cluster.wait_consumed(timeout_s=300)
     assert_exact(cluster)
     # training went on after the fault (chance is 0.10; runs end at 0.85-0.97)
@@ -131,3 +131,18 @@ def test_poison_records_are_dead_lettered_and_accounted(run_cluster) -> None:
     assert report.exact, report
     assert report.expected == report.applied == 300
     assert report.dead_letters == 2 * 6
+
+
+def test_one_trainer_trains_on_pulls_ahead_and_accounts_exactly(run_cluster) -> None:
+    """The job's defaults (SSP, staleness 2) with --overlap-pulls: the trainer takes the pull made
+    while its previous step computed, trains, and the accounting is exact."""
+    cluster = run_cluster(trainers=1, source="digits?repeat=40", trainer=replace(LOCAL_TRAINER, overlap_pulls=True))
+    cluster.wait_consumed(timeout_s=300)
+    assert held_out_accuracy(cluster) >= 0.90
+    trainer = cluster.trainers[0]
+    trainer.stop()  # it drains, logs what it took, and leaves
+    assert_exact(cluster)
+    lines = [line for line in trainer.log_path.read_text().splitlines() if "pulls ahead were taken" in line]
+    assert len(lines) == 1, lines
+    taken, started = (int(w) for w in lines[0].split("pulls ahead")[0].split()[-3::2])
+    assert 0 < taken <= started, lines[0]

@@ -156,6 +156,12 @@ def test_clients_name_the_cluster_never_its_password(redis_cluster: RedisCluster
     name = redis_name(client)
     assert name.startswith("Redis Cluster at 127.0.0.1:") and redis_cluster.password not in name
     assert isinstance(connect_async(redis_cluster.url), redis_lib.asyncio.cluster.RedisCluster)
+    from common.outage import url_name
+
+    named = url_name(redis_cluster.url)  # before a client exists, as the client names it (any order)
+    assert named.startswith("Redis Cluster at ")
+    assert set(named.split()[-1].split(",")) == set(name.split()[-1].split(","))
+    assert url_name("redis://:secret@10.0.0.1:6390/3") == "Redis at 10.0.0.1:6390"
 
 
 INCRBY = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
@@ -402,5 +408,85 @@ def test_local_cluster_on_a_redis_cluster_accounts_exactly(tmp_path) -> None:
         assert report.applied == report.expected == 2000
         with contextlib.closing(connect(cluster.redis_url)) as c:
             assert ParameterStore(c, spec.job).version() > 0
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_services_started_while_the_whole_cluster_is_down_wait_for_it(tmp_path) -> None:
+    """A coordinator and a parameter server started before any node of the cluster runs log that
+    Redis is unreachable and wait (as for a single server, up to their outage limit) instead of
+    failing; once the cluster is up they come up: the coordinator stores the job's configuration
+    and the server loads the model and applies a push."""
+    from streamtrain.launcher import ServiceProcess, free_port
+
+    cluster = RedisCluster(workdir=tmp_path / "redis")  # its ports and password are picked; nothing runs
+    job, ps_job = fresh_job(), fresh_job()  # the test plays the trainers of the server's job
+    env = {"STREAMTRAIN_REDIS_URL": cluster.url, "STREAMTRAIN_JOB_TOKEN": "jt", "STREAMTRAIN_ADMIN_TOKEN": "at",
+           "STREAMTRAIN_OUTAGE_LIMIT_S": "120"}
+    port = free_port()
+    procs = [ServiceProcess("coordinator", ["coordinator", "--job", job, "--port", str(port), "--partitions", "1",
+                                            "--kafka-bootstrap", f"127.0.0.1:{free_port()}",
+                                            "--kafka-timeout-ms", "200"], env=env, workdir=tmp_path / "coordinator"),
+             ServiceProcess("ps", ["ps", "--job", ps_job, "--block-ms", "50", "--start-timeout-s", "120"], env=env,
+                            workdir=tmp_path / "ps")]
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:  # the same line as for a server that does not answer
+            wait_until(lambda p=proc: "unreachable" in p.log_tail(20) and "waiting up to 120 s" in p.log_tail(20),
+                       90, what=f"{proc.name} to say it waits for Redis")
+        assert "Redis Cluster at " in procs[1].log_tail(20) and "RedisClusterException" not in procs[1].log_tail(40)
+        cluster.start()
+        client = connect(cluster.url)
+        try:
+            wait_until(lambda: client.exists(JobKeys(job).config) == 1, 60, what="the coordinator's job config")
+            store = ParameterStore(client, ps_job)
+            store.init_model(small_model(), shard_elems=64, optimizer=OptimizerConfig(name="sgd", lr=0.5, momentum=0.0))
+            set_membership(client, ps_job, {"a": [0]}, generation=1)
+            grads = {k: torch.ones_like(v) for k, v in small_model().items()}
+            Pusher(client, ps_job, "a", codec="none").push(grads, generation=1, clock=1, offsets={0: (0, 10)})
+            wait_until(lambda: unapplied_updates(client, ps_job) == 0, 90, what="the push applied by the waiting ps")
+        finally:
+            client.close()
+        for proc in procs:
+            assert proc.returncode is None, proc.log_tail(40)
+            assert "reachable again after" in proc.log_tail(200), proc.log_tail(40)
+    finally:
+        for proc in procs:
+            proc.stop()
+        cluster.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_job_rides_out_a_failover_of_its_master_and_accounts_exactly(tmp_path) -> None:
+    """Three masters with a replica each; during training the master holding the job's slot is
+    SIGKILLed. Its replica is promoted, the coordinator, the parameter server and the trainers carry
+    on by themselves, and the record-by-record audit is exact afterwards."""
+    spec = ClusterSpec(redis_cluster=True, redis_replicas=1, trainers=2,
+                       coordinator=CoordinatorSettings(partitions=2, codec="topk+fp16"),
+                       producer=replace(LOCAL_STREAM, source="digits?repeat=4", limit=5000, rate=250.0))
+    cluster = LocalCluster(spec, workdir=tmp_path / "cluster")
+    try:
+        cluster.start()
+        nodes = cluster.redis
+        assert isinstance(nodes, RedisCluster)
+        key = JobKeys(spec.job).config
+        cluster.wait_for(lambda st: sum(p["committed"] or 0 for p in st["partitions"]) >= 20, timeout_s=120,
+                         what="training under way")
+        killed = cluster.kill_redis_master()
+        wait_until(lambda: nodes.master_of(key).address != killed, 60, what="the replica promoted")
+        st = cluster.wait_consumed(timeout_s=240)  # raises if a service died meanwhile
+        assert len(st["members"]) == 2
+        cluster.quiesce()
+        report = audit(cluster.bootstrap, spec.topic, cluster.redis_url, spec.job)
+        assert report.exact, report
+        assert report.uncommitted == 0 and report.rejected_updates == 0
+        assert report.applied == report.expected == 5000
+        for proc in [cluster.coordinator, *cluster.ps]:
+            assert proc is not None and proc.returncode is None
+            assert "reachable again" in proc.log_path.read_text(), proc.log_tail(40)  # it saw the failover
     finally:
         cluster.stop()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services import BadGradientError, PayloadError, UnknownCodecError, decode_gradient, get_codec
+from services.codecs import DEFAULT_DENSE_BELOW, SizeAdaptive, warmup_density
 from services.codecs.sparse import varint_decode, varint_encode
 from services.wire import pack
 
@@ -213,3 +214,70 @@ def test_default_encode_sent_decodes_the_message() -> None:
     assert sent.values.view(np.int32).tolist() == cheap.values.view(np.int32).tolist()
     with pytest.raises(TypeError, match="must override encode_sent"):
         PlainFp16().encode_sent(x, Float16Codec())
+
+
+# -- compression that fits the tensor (services.codecs.adaptive) ------------------------------------
+
+@pytest.mark.parametrize(("chain", "dense"), [("topk+fp16", "fp16"), ("topk+int8", "int8"), ("topk", "none"),
+                                              ("topk+bf16", "bf16")])
+def test_size_adaptive_sends_tensors_below_the_threshold_dense_with_the_value_codec(chain: str, dense: str) -> None:
+    adaptive = SizeAdaptive(chain, dense_below=4096, density=0.01)
+    assert adaptive.for_tensor(4095).name == dense and adaptive.for_tensor(1).name == dense
+    assert adaptive.for_tensor(4096).name == chain and adaptive.for_tensor(1 << 20).name == chain
+    assert SizeAdaptive(chain, dense_below=0).for_tensor(1).name == chain  # 0: no tensor is dense
+
+
+def test_size_adaptive_keeps_the_value_codec_options_and_leaves_dense_chains_alone() -> None:
+    adaptive = SizeAdaptive("topk+int8", dense_below=100, density=0.01, block=64)
+    assert adaptive.for_tensor(10).parts[0].block == 64  # type: ignore[attr-defined]  # the value codec is an Int8Codec here
+    for name in ("none", "fp16", "int8"):
+        assert SizeAdaptive(name, dense_below=1 << 20).for_tensor(10).name == name
+    with pytest.raises(ValueError, match="dense_below"):
+        SizeAdaptive("topk+fp16", dense_below=-1)
+    with pytest.raises(ValueError, match="warm-up"):
+        SizeAdaptive("topk+fp16", warmup_steps=-1)
+
+
+def test_a_mixed_update_round_trips_each_tensor_by_the_codec_it_names() -> None:
+    """Small tensors come back whole (fp16-rounded), large ones as their top 1 %."""
+    adaptive = SizeAdaptive("topk+fp16", dense_below=4096, density=0.01)
+    assert DEFAULT_DENSE_BELOW > 64 * 16  # a 64-16-10 plug-in classifier travels whole by default
+    g = torch.Generator().manual_seed(1)
+    for x in (torch.randn(256, generator=g), torch.randn(10, 300, generator=g), torch.randn(256, 256, generator=g)):
+        chain = adaptive.for_tensor(x.numel())
+        enc, sent = chain.encode_sent(x)
+        y = decode_gradient(enc.data, numel=x.numel())
+        assert torch.equal(y, torch.from_numpy(sent.dense(x.numel())))  # what the encoder says it sent
+        if x.numel() < 4096:
+            assert sent.indices is None and torch.equal(y, x.reshape(-1).half().float())
+        else:
+            k = math.ceil(0.01 * x.numel())
+            assert sent.indices is not None and int((y != 0).sum()) == k
+            assert y.abs().max() == x.abs().max().half().float()  # the largest magnitude is kept
+
+
+def test_warmup_density_decays_exponentially_from_a_quarter_to_the_target() -> None:
+    assert warmup_density(0, 0.01, 100) == 0.25
+    assert warmup_density(100, 0.01, 100) == warmup_density(10_000, 0.01, 100) == 0.01
+    assert warmup_density(50, 0.01, 100) == pytest.approx(math.sqrt(0.25 * 0.01))  # geometric midpoint
+    series = [warmup_density(t, 0.01, 100) for t in range(101)]
+    assert all(a > b for a, b in zip(series, series[1:]))  # strictly decreasing
+    ratios = [b / a for a, b in zip(series, series[1:])]
+    assert max(ratios) == pytest.approx(min(ratios))  # by the same factor every step
+    assert warmup_density(0, 0.01, 0) == 0.01  # no warm-up
+    assert warmup_density(3, 0.5, 100) == 0.5  # a target above the start: no warm-up
+    with pytest.raises(ValueError, match="density"):
+        warmup_density(0, 0.0, 10)
+    with pytest.raises(ValueError, match=">= 0"):
+        warmup_density(-1, 0.01, 10)
+
+
+def test_size_adaptive_sets_the_top_k_density_of_each_step() -> None:
+    adaptive = SizeAdaptive("topk+fp16", warmup_steps=10, density=0.01)
+    adaptive.set_step(0)
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(2))
+    assert adaptive.density == 0.25
+    assert adaptive.for_tensor(x.numel()).encode_sent(x)[1].values.size == 25_000
+    adaptive.set_step(10)
+    assert adaptive.density == 0.01
+    assert adaptive.for_tensor(x.numel()).encode_sent(x)[1].values.size <= 1000

@@ -1,4 +1,5 @@
-"""SSP/BSP/ASP waits and consistent snapshots under concurrent updates, on the real Redis."""
+"""SSP/BSP/ASP waits and consistent snapshots under concurrent updates (also pulled ahead, as a trainer
+overlaps its pulls with compute: trainers.prefetch), on the real Redis."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from services import (
 from services.consistency import required_clock
 from services.protocol import group_of
 from streamtrain.launcher import wait_until
+from trainers.prefetch import PullAhead, overlaps
 
 JOB = "sspjob"
 
@@ -140,26 +142,67 @@ def test_ssp_blocks_then_releases_and_a_departed_member_releases(redis: redis_li
     assert starting_clock(redis, JOB, "newcomer") == 4
 
 
+def test_a_members_own_updates_are_due_before_it_counts_as_participating(redis: redis_lib.Redis, job) -> None:
+    bsp = Consistency("bsp")
+    set_membership(redis, JOB, {"fast": [0], "slow": [1]}, generation=1)
+    # nobody has pushed: no member participates, so the others' part of the bound is met at once ...
+    assert wait_for_clock(redis, JOB, "fast", 2, consistency=bsp, timeout_s=0.1).min_applied is None
+    # ... but under BSP fast's own update of clock 1 is due at clock 2, pushed or still on its way
+    with pytest.raises(StalenessTimeout, match="its own updates up to clock 1"):
+        wait_for_clock(redis, JOB, "fast", 2, consistency=bsp, timeout_s=0.1, own_from=1)
+    Pusher(redis, JOB, "fast").push(ones(), generation=1, clock=1)
+    assert wait_for_clock(redis, JOB, "fast", 2, consistency=bsp, timeout_s=60, own_from=1).own_applied == 1
+    # SSP s = 1: at clock 3 fast's own clock 1 is due (applied), clock 2 not yet
+    assert wait_for_clock(redis, JOB, "fast", 3, consistency=Consistency("ssp", staleness=1), timeout_s=0.1,
+                          own_from=1).own_applied == 1
+    # a member that starts at clock 5 owes nothing of its own before it; fast (applied 1) meets the rest
+    assert wait_for_clock(redis, JOB, "slow", 2, consistency=bsp, timeout_s=0.1, own_from=5).min_applied == 1
+    # live, slow (first clock 1, nothing applied) waits on its own update of clock 1 ...
+    with pytest.raises(StalenessTimeout, match="its own updates up to clock 1"):
+        wait_for_clock(redis, JOB, "slow", 2, consistency=bsp, timeout_s=0.1, own_from=1)
+    # ... fenced (out of the membership), it does not: its refused pushes would never be applied, so
+    # it goes on to push, is refused and resynchronises
+    set_membership(redis, JOB, {"fast": [0, 1]}, generation=2, departed=("slow",))
+    assert wait_for_clock(redis, JOB, "slow", 2, consistency=bsp, timeout_s=0.1, own_from=1).own_applied == 0
+
+
+def test_a_window_of_local_steps_waits_for_its_own_previous_windows_in_any_mode(redis: redis_lib.Redis, job) -> None:
+    ssp = Consistency("ssp", staleness=2)
+    # SSP s = 2 asks nothing of fast's own clock 1 at clock 2; local steps (own_through 1) do
+    assert wait_for_clock(redis, JOB, "fast", 2, consistency=ssp, timeout_s=0.1, own_from=1).own_applied == 0
+    for mode in (ssp, Consistency("asp")):
+        with pytest.raises(StalenessTimeout, match="its own updates up to clock 1"):
+            wait_for_clock(redis, JOB, "fast", 2, consistency=mode, timeout_s=0.1, own_from=1, own_through=1)
+    Pusher(redis, JOB, "fast").push(ones(), generation=1, clock=1)
+    for mode in (ssp, Consistency("asp")):
+        wait = wait_for_clock(redis, JOB, "fast", 2, consistency=mode, timeout_s=60, own_from=1, own_through=1)
+        assert wait.own_applied == 1
+
+
+def updates_held(store, snap_tensors: dict[str, torch.Tensor]) -> list[float]:
+    """Per group, the number of updates u its values hold (every update adds -1 to every value), checking
+    every value of the group is -u."""
+    layout, groups = store.layout, store.meta().groups
+    flat = {name: t.reshape(-1) for name, t in snap_tensors.items()}
+    u: list[float | None] = [None] * groups
+    for s in layout.shards:
+        g = group_of(s.index, groups)
+        seg = flat[s.name][s.start:s.start + s.numel]
+        u[g] = -float(seg[0]) if u[g] is None else u[g]
+        assert torch.all(seg == -u[g]), f"shard {s.index} ({s.name}) not all at {-u[g]} in group {g}"
+    return [float(x) for x in u]
+
+
 def test_snapshots_are_consistent_under_concurrent_updates(redis: redis_lib.Redis, plane) -> None:
     """Every update adds -1 to every value (lr 1, gradient 1) and each atomic write of a group (one
     group version) applies one or more whole updates to every shard of the group: a consistent
     snapshot has, in each group, every value of every shard equal to -u, with u growing with the
     group's version (invariant 3 holds per group; two groups may be a few applies apart)."""
     job, codec = plane
-    layout, groups = job.layout, job.meta().groups
+    groups = job.meta().groups
 
     def updates_in(snap) -> list[float]:
-        """u of each group of ``snap``, checking every value of the group's shards is -u."""
-        flat = {name: t.reshape(-1) for name, t in snap.tensors.items()}
-        u: list[float | None] = [None] * groups
-        for s in layout.shards:
-            g = group_of(s.index, groups)
-            seg = flat[s.name][s.start:s.start + s.numel]
-            if u[g] is None:
-                u[g] = -float(seg[0])
-            assert torch.all(seg == -u[g]), (f"shard {s.index} ({s.name}) not all at {-u[g]} in version "
-                                             f"{snap.group_versions[g]} of group {g}")
-        return u
+        return updates_held(job, snap.tensors)
 
     stop = threading.Event()
     pushed = []
@@ -230,3 +273,108 @@ def test_a_wait_reuses_its_last_read_only_while_no_update_can_be_due_that_it_did
     redis.hset(keys.applied_clocks, "b", 0)
     with pytest.raises(StalenessTimeout):
         wait_for_clock(redis, JOB, "a", 12, consistency=ssp, known=partial, timeout_s=0.05)
+
+
+# -- overlapped pulls (trainers.prefetch): a pull ahead, swapped into the replica --------------------------
+
+def as_params(tensors: dict[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
+    return {name: torch.nn.Parameter(t.clone()) for name, t in tensors.items()}
+
+
+def data(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    return {name: p.data for name, p in params.items()}
+
+
+def test_overlaps_only_where_a_pull_ahead_can_serve_the_next_step() -> None:
+    assert overlaps(Consistency("ssp", 2), 1) and overlaps(Consistency("ssp", 1), 1) and overlaps(Consistency("asp"), 1)
+    assert not overlaps(Consistency("bsp"), 1)  # the next step needs this step's own update
+    assert not overlaps(Consistency("ssp", 0), 1)
+    assert not overlaps(Consistency("ssp", 2), 8)  # local steps write the parameters they compute on
+
+
+def test_pulls_ahead_swapped_in_hold_every_update_their_clocks_said_and_reuse_two_buffers(
+        redis: redis_lib.Redis, plane) -> None:
+    """While a member pushes 150 updates, the replica takes pull after pull ahead (reading its
+    parameters meanwhile, as a step computes): each holds, in every group, at least the updates up to
+    the lowest applied clock it read before pulling, and is consistent; the parameters alternate between
+    two buffers (no copy, no allocation per step); the last one holds all 150."""
+    store, codec = plane
+    stop, pushed = threading.Event(), []
+
+    def pusher() -> None:
+        p = Pusher(redis, JOB, "fast", max_pending=4, codec=codec,
+                   codec_options={"density": 1.0} if codec == "topk" else {})
+        for c in range(1, 151):
+            if stop.is_set():
+                return
+            p.push(ones(), generation=1, clock=c)
+            pushed.append(c)
+
+    params = as_params(store.pull().tensors)
+    snap = store.pull(out=data(params))
+    ahead = PullAhead(redis, JOB, data(params))
+    storages: set[int] = set()
+    thread = threading.Thread(target=pusher)
+    thread.start()
+    taken = lows = 0
+    try:
+        while True:
+            done = not thread.is_alive() and int(redis.hget(JobKeys(JOB).applied_clocks, "fast") or 0) == 150
+            assert ahead.start(snap, "fast", data(params))
+            before = updates_held(store, data(params))  # the step computes: it reads the parameters
+            got = ahead.take(snap, "fast")
+            assert got is not None and got.base is snap
+            ahead.swap(params, got)
+            taken += 1
+            assert all(params[n].data_ptr() == t.data_ptr() for n, t in got.snapshot.tensors.items())
+            u = updates_held(store, data(params))
+            assert all(a >= b for a, b in zip(u, before, strict=True))  # never back in time
+            if got.low is not None:  # every update up to the clock read before the pull is in it
+                lows += 1
+                assert min(u) >= got.low, (u, got.low)
+            storages.update(p.data.data_ptr() for p in params.values())
+            snap = got.snapshot
+            if done:
+                break
+    finally:
+        stop.set()
+        thread.join(60)
+        ahead.close()
+    assert updates_held(store, data(params)) == [150.0] * store.meta().groups
+    assert taken > 3 and lows > 0 and ahead.taken == taken == ahead.started
+    assert len(storages) == 2 * len(params)  # two buffers, swapped back and forth
+
+
+def test_a_pull_ahead_is_dropped_unless_it_extends_what_the_replica_holds(redis: redis_lib.Redis, job) -> None:
+    """Taken only from the snapshot the replica holds and under the same member id; one that failed is
+    dropped too. One that found nothing new holds the parameters themselves: nothing is swapped."""
+    store = job
+    params = as_params(store.pull().tensors)
+    snap = store.pull(out=data(params))
+    ahead = PullAhead(redis, JOB, data(params))
+    try:
+        ptrs = {n: p.data.data_ptr() for n, p in params.items()}
+        assert ahead.start(snap, "fast", data(params))
+        assert not ahead.start(snap, "fast", data(params))  # one at a time
+        got = ahead.take(snap, "fast")
+        assert got is not None and got.snapshot.tensors is snap.tensors  # nothing changed
+        ahead.swap(params, got)
+        assert {n: p.data.data_ptr() for n, p in params.items()} == ptrs
+
+        Pusher(redis, JOB, "fast", codec="none").push(ones(), generation=1, clock=1)
+        assert ahead.start(snap, "fast", data(params))
+        newer = store.pull(snap, out=data(params))  # the step pulled by itself meanwhile
+        assert ahead.take(newer, "fast") is None
+        assert ahead.start(newer, "fast", data(params))
+        assert ahead.take(newer, "someone-else") is None
+        assert ahead.start(newer, "fast", data(params))
+        assert ahead.take(None, "fast") is None  # the replica is not trusted (after an outage)
+
+        broken = PullAhead(redis, "no-such-job", data(params))
+        try:
+            assert broken.start(newer, "fast", data(params))
+            assert broken.take(newer, "fast") is None  # no model there: the pull failed
+        finally:
+            broken.close()
+    finally:
+        ahead.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import redis as redis_lib
@@ -13,11 +15,13 @@ from common.outage import REDIS_DOWN
 from services import (
     BackpressureError,
     BadGradientError,
+    Feedback,
     FencedError,
     LayoutError,
     OffsetConflictError,
     ParameterStore,
     PayloadError,
+    Prepared,
     Pusher,
     UnknownCodecError,
     Update,
@@ -240,6 +244,42 @@ def test_encoder_bytes_and_residuals_equal_the_decode_based_reference(redis: red
     assert (pusher.residual_norm() > 0) == codec.lossy
 
 
+@pytest.mark.parametrize("name,momentum", [*((c, 0.0) for c in CHAINS), ("topk+fp16", 0.9), ("topk+int8", 0.9)])
+def test_the_device_path_encodes_bit_for_bit_what_the_host_path_does(redis: redis_lib.Redis, name: str,
+                                                                      momentum: float) -> None:
+    """A gradient on an accelerator is encoded by ``Pusher._encode_on_device`` (residual, momentum,
+    finiteness and top-k where it lives; only the kept values and indices cross). Its torch
+    arithmetic, run here on the CPU, gives the host path's bytes, residuals and momenta bit for bit
+    over steps of error feedback (tensors below topk's sampling size: both paths take the exact top-k)."""
+    shapes = {"big": (200, 200), "w": (10, 20), "b": (20,), "one": (1,)}
+    ParameterStore(redis, JOB).init_model({k: torch.zeros(s) for k, s in shapes.items()}, shard_elems=30_000)
+    options = {"density": 0.01} if "topk" in name else None
+    host = Pusher(redis, JOB, "a", codec=name, codec_options=options, momentum=momentum)
+    device = Pusher(redis, JOB, "b", codec=name, codec_options=options, momentum=momentum)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(5):
+        grads = {t: torch.randn(shape, generator=gen) * 10.0 ** (step - 2) for t, shape in shapes.items()}
+        if step == 1:
+            grads = {t: torch.round(g * 4) / 4 for t, g in grads.items()}  # ties and zeros
+        blobs, residuals, momenta, _ = host.encode(grads)
+        d_blobs: dict[int, bytes] = {}
+        d_residuals: dict[int, torch.Tensor] = {}
+        d_momenta: dict[int, torch.Tensor] = {}
+        for t, g in grads.items():
+            device._encode_on_device(t, g, device.layout.shards_of(t), device.codec, d_blobs, d_residuals, d_momenta)
+        assert d_blobs == blobs, step
+        assert sorted(d_residuals) == sorted(residuals) and sorted(d_momenta) == sorted(momenta)
+        for got, want in [*zip(d_residuals.values(), residuals.values()), *zip(d_momenta.values(), momenta.values())]:
+            assert np.array_equal(got.numpy().view(np.int32), want.numpy().view(np.int32)), step
+        host.adopt(Feedback(residuals, momenta))
+        device.adopt(Feedback(d_residuals, d_momenta))
+    assert (device.residual_norm() > 0) == get_codec(name).lossy
+    bad = {t: torch.zeros(shape) for t, shape in shapes.items()}
+    bad["w"][1, 2] = float("nan")
+    with pytest.raises(BadGradientError, match=r"gradient of 'w': 1 NaN or infinite value"):
+        device._encode_on_device("w", bad["w"], device.layout.shards_of("w"), device.codec, {}, {}, {})
+
+
 def test_values_a_codec_cannot_carry_are_refused_before_anything_is_written(redis: redis_lib.Redis,
                                                                               store: ParameterStore) -> None:
     """1e6 overflows fp16 (the receiver would decode inf); a finite gradient whose sum with its
@@ -283,3 +323,52 @@ def test_a_push_whose_reply_is_lost_keeps_its_blobs_and_the_residual_waits_for_t
     pusher.adopt(prepared.feedback)
     assert want and sorted(pusher.residuals) == sorted(want)
     assert all(torch.equal(pusher.residuals[i], r) for i, r in want.items())
+
+
+def test_small_tensors_go_dense_and_the_density_warms_up_by_committed_push(
+        redis: redis_lib.Redis, store: ParameterStore) -> None:
+    """``dense_below`` 21: ``b`` (20) and ``v`` (5) travel as fp16, ``w``'s shards top-k'd; the top-k
+    density starts at 25 % and decays over the warm-up's committed pushes only (a prepared push never
+    adopted does not count)."""
+    pusher = Pusher(redis, JOB, "a", codec="topk+fp16", codec_options={"density": 0.05}, dense_below=21,
+                    density_warmup_steps=4)
+    layout = store.layout
+
+    def kept(prepared: Prepared) -> dict[str, set[int]]:
+        out: dict[str, set[int]] = {}
+        for s in layout.shards:
+            y = decode_gradient(prepared.update.gradients[s.index], numel=s.numel)
+            out.setdefault(s.name, set()).add(int((y != 0).sum()))
+        return out
+
+    g = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(3)) for k, v in small_model().items()}
+    first = pusher.prepare(g, generation=3, clock=1, offsets={0: (0, 1)})
+    assert kept(first) == {"w": {16, 2}, "b": {20}, "v": {5}}  # 25 % of w's shards (64, 64, 64, 8 values)
+    again = pusher.prepare(g, generation=3, clock=1, offsets={0: (0, 1)})
+    assert kept(again)["w"] == {16, 2}  # not adopted: still step 0
+    for clock in range(1, 5):
+        pusher.push(g, generation=3, clock=clock, offsets={0: (clock - 1, clock)})
+    assert pusher.steps == 4
+    last = pusher.prepare(g, generation=3, clock=5, offsets={0: (4, 5)})
+    assert kept(last) == {"w": {4, 1}, "b": {20}, "v": {5}}  # 5 %, rounded up
+
+
+def test_dgc_momentum_is_kept_on_dense_tensors_and_masked_on_sparse_ones(
+        redis: redis_lib.Redis, store: ParameterStore) -> None:
+    """Momentum factor masking clears the momentum where top-k sent values; a tensor sent whole keeps
+    it (momentum SGD), or its momentum would be cleared at every step."""
+    pusher = Pusher(redis, JOB, "a", codec="topk+fp16", codec_options={"density": 0.05}, dense_below=21,
+                    momentum=0.9)
+    ones = grads(1.0)
+    pusher.push(ones, generation=3, clock=1, offsets={0: (0, 1)})
+    for s in store.layout.shards:
+        m = pusher.momenta[s.index].numpy()
+        if s.name == "w":  # 5 % of each shard (64, 64, 64, 8 values) sent, rounded up
+            assert int((m == 0).sum()) == math.ceil(0.05 * s.numel) and set(np.unique(m)) == {0.0, 1.0}
+        else:
+            assert (m == 1.0).all()
+    second = pusher.prepare(ones, generation=3, clock=2, offsets={0: (1, 2)})
+    for s in store.layout.shards:
+        if s.name != "w":  # momentum 0.9 * 1 + 1, sent whole (fp16 of 1.9)
+            y = decode_gradient(second.update.gradients[s.index], numel=s.numel)
+            assert torch.equal(y, torch.full((s.numel,), 1.9).half().float())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,11 +33,13 @@ from services import (
     ServerSettings,
     ServerStatus,
     Update,
+    decode_sent,
     get_codec,
     push_update,
     unapplied_updates,
 )
-from services.optim import step
+from services.optim import slots, step
+from services.wire import unpack
 from streamtrain.launcher import wait_until
 
 JOB = "psjob"
@@ -352,3 +355,44 @@ def test_a_batch_gives_the_same_bytes_as_single_applies(redis: redis_lib.Redis, 
         k = JobKeys(job)
         assert redis.xlen(k.applied_samples) == 7 and redis.xlen(k.update_log) == 0
         assert accounting_left(redis, job) == [] and gradient_blobs(redis, job) == []
+
+
+@pytest.mark.parametrize("optimizer", ["lazyadam", "dgc"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_mixed_dense_and_sparse_update_is_applied_shard_by_shard(
+        redis: redis_lib.Redis, redis_url: str, servers: list, optimizer: str, batch: int) -> None:
+    """With ``dense_below`` 21 the Pusher sends the biases ``b`` (20 values) and ``v`` (5) dense in
+    fp16 and the weight ``w`` (200 values, 4 shards) top-k'd at 5 %, in one update; the server
+    applies each shard as it was sent: every coordinate of the dense ones, only the kept ones of
+    the sparse ones, exactly as the local optimizer does on the decoded shards."""
+    cfg = OptimizerConfig(name=optimizer, lr=0.01)
+    store = setup(redis, cfg)
+    layout = store.layout
+    pusher = Pusher(redis, JOB, "a", codec="topk+fp16", codec_options={"density": 0.05}, dense_below=21,
+                    momentum=cfg.trainer_momentum)
+    params = {k: v.clone().reshape(-1) for k, v in small_model().items()}
+    state = {s.index: [torch.zeros(s.numel) for _ in range(slots(cfg))] for s in layout.shards}
+    for c in range(1, 6):
+        prepared = pusher.prepare(grads_for(c), generation=1, clock=c, offsets={0: (10 * (c - 1), 10 * c)},
+                                  samples=[("prod", 10 * (c - 1), 10)], batch_size=10)
+        for s in layout.shards:
+            blob = prepared.update.gradients[s.index]
+            sent = decode_sent(blob, numel=s.numel)
+            codec = unpack(blob)["c"]
+            if s.name == "w":
+                assert codec == "topk" and sent.indices is not None and sent.indices.size == math.ceil(0.05 * s.numel)
+            else:
+                assert codec == "fp16" and sent.indices is None
+            step(cfg, params[s.name][s.start:s.start + s.numel], sent, state[s.index], c)
+        pusher.send(prepared)
+        pusher.adopt(prepared.feedback)
+    assert pusher.steps == 5
+    servers.append(ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, batch=batch)))
+    servers[0].start()
+    wait_until(lambda: applied(redis) == 5, 60, what="5 mixed updates applied")
+    snap = store.pull()
+    for k, v in params.items():
+        assert torch.equal(snap.tensors[k].reshape(-1), v), f"{k} differs from the local optimizer"
+    moved = {k: snap.tensors[k].reshape(-1) != small_model()[k].reshape(-1) for k in params}
+    assert moved["b"].all() and moved["v"].all()  # dense: every coordinate stepped
+    assert 0 < int(moved["w"].sum()) < 200  # sparse: only the coordinates sent

@@ -45,6 +45,8 @@ def changed(settings: object) -> object:
             values[f.name] = next(a for a in awkward[turn:] + awkward[:turn] if a != value)
     if "heartbeat_interval_ms" in values:  # must stay below the lease (both at their maxima)
         values["heartbeat_interval_ms"] = min(int(values["heartbeat_interval_ms"]), int(values["lease_ms"]) - 1)
+    if "local_steps" in values and values.get("optimizer") == "dgc":  # local steps need an inner optimizer
+        values["optimizer"] = "adam"
     if "groups" in values:  # group must stay below groups
         values.update(groups=5, group=3)
     if isinstance(settings, ExportSettings):  # a valid job name, a file, a version's form

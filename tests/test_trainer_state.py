@@ -8,7 +8,7 @@ import pytest
 from coordinator.assignment import Assignment, JobConfig
 from services.clocks import ClockWait
 from trainers.progress import LOSS_EMA_WEIGHT, PHASE_REPORT_STEPS, Progress
-from trainers.state import Adopt, Move, Outcome, Push, Resync, StateError, TrainerState, needs_pull
+from trainers.state import Adopt, Move, Outcome, Push, Resync, StateError, TrainerState, low_covered, needs_pull
 
 
 def assignment(partitions: tuple[int, ...] = (0, 1), generation: int = 1, state: str = "active",
@@ -162,7 +162,7 @@ def test_a_push_made_under_an_earlier_id_is_moot_whatever_its_outcome(outcome: O
 def test_an_unsettled_push_counts_and_keeps_its_feedback_only_when_was_committed_says_so(
         committed: bool, last_pushed: int, adopted: list[Adopt]) -> None:
     s = joined(start=5)
-    s.pulled(wait(required=3, min_applied=4))
+    s.pulled(low_covered(wait(required=3, min_applied=4).min_applied))
     s.pushing()
     assert s.push_ended(Outcome.UNREACHABLE, FEEDBACK) == []  # nothing to do until Redis answers
     assert s.unsettled == Push(5, "m1", unsettled=True, feedback=FEEDBACK) and s.in_flight is None
@@ -177,7 +177,7 @@ def test_an_unsettled_push_counts_and_keeps_its_feedback_only_when_was_committed
 
 def test_an_outage_with_nothing_unsettled_only_drops_the_replica() -> None:
     s = joined(start=5)
-    s.pulled(wait(required=3, min_applied=4))
+    s.pulled(low_covered(wait(required=3, min_applied=4).min_applied))
     assert s.outage_settled(None) == []
     assert (s.covers, s.last_pushed, s.last_wait) == (None, 4, None)
 
@@ -210,7 +210,7 @@ def test_an_unsettled_push_of_an_id_lost_during_the_outage_is_moot_even_if_commi
 def test_a_pull_is_needed_until_the_replica_covers_the_bound() -> None:
     s = joined()
     assert s.needs_pull(wait(required=3, min_applied=3))  # never pulled
-    s.pulled(wait(required=3, min_applied=4))
+    s.pulled(low_covered(wait(required=3, min_applied=4).min_applied))
     assert s.covers == 4
     assert not s.needs_pull(wait(required=4, min_applied=4))
     assert s.needs_pull(wait(required=5, min_applied=5))
@@ -222,7 +222,7 @@ def test_asp_always_pulls_the_newest() -> None:
 
 def test_a_pull_with_nobody_participating_covers_nothing_yet() -> None:
     s = joined()
-    s.pulled(wait(required=0, min_applied=None))
+    s.pulled(low_covered(wait(required=0, min_applied=None).min_applied))
     assert s.covers == -1 and s.needs_pull(wait(required=0, min_applied=None))
 
 

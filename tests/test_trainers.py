@@ -127,9 +127,25 @@ def test_cuda_step_with_bf16_autocast_matches_cpu() -> None:
     x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
     want, got = cpu.step(x, y), gpu.step(x, y)
     assert got.loss == pytest.approx(want.loss, rel=0.05)
-    for name, grad in want.grads.items():
-        assert got.grads[name].device.type == "cpu" and got.grads[name].dtype == torch.float32
-        torch.testing.assert_close(got.grads[name], grad, rtol=0.1, atol=0.02)
+    for name, grad in want.grads.items():  # the gradient stays on the device: the push encodes it there
+        assert got.grads[name].device.type == "cuda" and got.grads[name].dtype == torch.float32
+        torch.testing.assert_close(got.grads[name].cpu(), grad, rtol=0.1, atol=0.02)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_gradients_are_compressed_on_the_device(redis) -> None:
+    """Top-k, error feedback and the fp16 cast of a gradient on the GPU run there: the residuals stay
+    on the device, and the bytes equal the host path's for the same gradient."""
+    job = "cudapush"
+    gpu = Replica(build_model("digits-mlp", seed=4), plan_device("cuda"))
+    ParameterStore(redis, job).init_model(gpu.initial_tensors())
+    on_device = Pusher(redis, job, "gpu", codec="topk+fp16", codec_options={"density": 0.01})
+    on_host = Pusher(redis, job, "cpu", codec="topk+fp16", codec_options={"density": 0.01})
+    step = gpu.step(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    blobs, residuals, _, raw = on_device.encode(step.grads)
+    want, _, _, _ = on_host.encode({n: g.cpu() for n, g in step.grads.items()})
+    assert blobs == want and raw == 4 * on_device.layout.numel
+    assert all(r.device.type == "cuda" for r in residuals.values())
 
 
 async def test_a_batch_of_poison_records_only_is_handed_to_the_step_not_dropped(

@@ -4,14 +4,21 @@ A tiny regression job (``tests/regression_job.py``: a ``module:callable`` source
 and a ``module:factory`` model with the MSE loss) runs everything real (Kafka,
 Redis, the coordinator, a parameter server, a trainer and the producer) until
 ``--max-records`` are consumed.
+
+``up --forever`` hands over what it made: the credentials file it prints, and with
+``--model-out`` the final model.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
+import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +65,77 @@ def test_the_movielens_example_prints_its_held_out_auc_and_log_loss() -> None:
     assert auc >= 0.66 or "--max-records 30,000 consumed" in out, out[-3000:]
     assert auc > 0.6 and logloss < 0.69, out[-3000:]  # better than chance (AUC 0.5, log loss ln 2 = 0.693)
     assert out.index("held-out AUC") < out.index("held-out log loss") < out.index("held-out accuracy")
+
+
+def _sourced(path: str, command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``command`` in bash after ``source path``, as a user types it."""
+    return subprocess.run(["bash", "-c", f"source {path} && {command}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_forever_hands_over_its_credentials_and_writes_the_model_out(tmp_path: Path) -> None:
+    """The printed credentials file (0600) lets a shell fetch ``/v1/model`` with the job token (401
+    without) and run ``streamtrain export`` and ``status`` without flags; the tokens and Redis password
+    set before ``up`` are the ones it uses; Ctrl-C ends the run with the model in ``--model-out``."""
+    from safetensors.torch import load_file
+
+    source = "regression_job:records?limit=5000"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("STREAMTRAIN_")}
+    base.update(PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]), COLUMNS="200")
+    given = {"STREAMTRAIN_JOB_TOKEN": "job-token-given", "STREAMTRAIN_ADMIN_TOKEN": "admin-token-given",
+             "STREAMTRAIN_REDIS_PASSWORD": "redis-pass-given"}
+    model_out = tmp_path / "final.safetensors"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "streamtrain.cli", "up", "--forever", "--rate", "2000", "--source", source,
+         "--eval-source", source, "--model", "regression_job:linear_model", "--trainers", "1", "--partitions", "2",
+         "--codec", "none", "--optimizer", "adam", "--lr", "0.05", "--model-out", str(model_out)],
+        cwd=ROOT, env={**base, **given}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("credentials: "):
+                break
+        else:
+            raise AssertionError(f"up ended without printing its credentials:\n{''.join(lines)[-3000:]}")
+        drain = threading.Thread(target=lambda: lines.extend(up.stdout or ()), daemon=True)
+        drain.start()
+        path = line.removeprefix("credentials: ").strip()
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        text = Path(path).read_text()
+        assert "export STREAMTRAIN_JOB_TOKEN=job-token-given" in text  # the environment's, not a random one
+        assert "export STREAMTRAIN_ADMIN_TOKEN=admin-token-given" in text
+        assert re.search(r"export STREAMTRAIN_REDIS_URL=.*:redis-pass-given@", text), text
+
+        code = ('curl -s -o {out} -w "%{{http_code}}" {auth} "$STREAMTRAIN_COORDINATOR_URL/v1/model"')
+        served = tmp_path / "served.safetensors"
+        with_token = code.format(out=served, auth='-H "Authorization: Bearer $STREAMTRAIN_JOB_TOKEN"')
+        deadline = time.monotonic() + 120
+        while (got := _sourced(path, with_token, base)).stdout != "200":  # 404 until the first model is stored
+            assert up.poll() is None and time.monotonic() < deadline, (got, "".join(lines)[-3000:])
+            time.sleep(1.0)
+        assert set(load_file(served)) == {"0.weight", "0.bias"}  # the model's parameter names
+        assert _sourced(path, code.format(out="/dev/null", auth=""), base).stdout == "401"
+
+        exported = tmp_path / "exported.safetensors"
+        done = _sourced(path, f"{sys.executable} -m streamtrain.cli export --out {exported}", base)
+        assert done.returncode == 0, done.stderr
+        assert set(load_file(exported)) == {"0.weight", "0.bias"}
+        done = _sourced(path, f"{sys.executable} -m streamtrain.cli status --json", base)
+        assert done.returncode == 0 and '"job"' in done.stdout, done.stderr
+
+        up.send_signal(signal.SIGINT)  # Ctrl-C: a --forever run ends as asked
+        assert up.wait(timeout=180) == 0, "".join(lines)[-3000:]
+        drain.join(timeout=10)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if up.stdout is not None:
+            up.stdout.close()
+    out = "".join(lines)
+    assert "model written" in out, out[-3000:]
+    final = load_file(model_out)
+    assert set(final) == {"0.weight", "0.bias"} and final["0.weight"].shape == (1, 8)
+    assert not Path(path).exists()  # removed with the cluster's folder

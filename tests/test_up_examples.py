@@ -63,3 +63,15 @@ def test_a_target_auc_stops_a_binary_run_in_place_of_the_accuracy_target() -> No
     assert reached_target({"auc": 0.5, "loss": 0.59}, with_loss, BINARY)
     assert _ending(with_loss, Outcome.TARGET, BINARY) == "target AUC 0.7 or loss 0.6: reached"
     assert reached_target({"accuracy": 0.96}, _up(), DIGITS) and not reached_target({"accuracy": 0.9}, _up(), DIGITS)
+
+
+def test_local_steps_reach_the_job_and_what_they_cannot_run_is_refused_before_anything_starts() -> None:
+    spec = cluster_spec(_up("--local-steps", "16", "--codec", "fp16", "--outer-lr", "0.5"), environ={})
+    assert (spec.coordinator.local_steps, spec.coordinator.outer_lr, spec.coordinator.outer_momentum) == (16, 0.5, 0.9)
+    assert cluster_spec(_up(), environ={}).coordinator.local_steps == 1  # the default: a push per step
+    with pytest.raises(cfg.SettingsError, match=r"--local-steps.*cannot run with codec 'topk\+fp16'.*dense codec"):
+        _up("--local-steps", "16")  # the job's default codec sparsifies
+    with pytest.raises(cfg.SettingsError, match="local-steps"):
+        _up("--local-steps", "0")
+    with pytest.raises(cfg.SettingsError, match=r"need a dense model; dlrm.* has embedding tables"):
+        _up("--example", "movielens", "--local-steps", "4")  # the example's codec (fp16) is dense: its tables are not

@@ -16,6 +16,12 @@ does each step::
     grads  = forward + backward on the batch
     push   grads + the batch's offsets, atomically (overlaps the next step)
 
+With local steps (``local_steps`` H > 1, :mod:`trainers.local`) the wait and the pull open a window,
+each step is a step of the inner optimizer on the replica, and the push comes after the window's H
+steps: the pseudo-gradient with the offsets of all H batches, at one clock. A window closes early
+when no batch comes within a poll (the stream ran dry) and before the trainer leaves; it is dropped
+(its records left to the committed offsets) on a reassignment, a resync or an outage.
+
 How a push ended goes to the state, which says what to do (adopt its
 error-feedback state, resynchronise) and keeps an unsettled push until the
 outage is over. A refused push or a clock-bound timeout resynchronises; a Redis
@@ -49,7 +55,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from common.outage import REDIS_DOWN, Outage, redis_name
+from common.outage import REDIS_DOWN, Outage, redis_name, url_name, wait_connected
+from common.tasks import cancel_and_wait
 from coordinator import CoordinatorClient, MemberGoneError, UnknownMemberError
 from coordinator.errors import CoordinatorError
 from datastream import Batch, ShardConsumer, load_source
@@ -58,7 +65,6 @@ from services import (
     Feedback,
     FencedError,
     OffsetConflictError,
-    OptimizerConfig,
     ParameterStore,
     Pusher,
     Snapshot,
@@ -74,13 +80,15 @@ from services.embeddings import RowGrads
 
 from .device import plan_device
 from .evaluate import EvalResult, evaluate
+from .local import LocalSteps, check_model, inner_optimizer, server_optimizer
 from .metrics import TrainerMetrics, TrainerReport
 from .models import build_model
+from .prefetch import PullAhead, overlaps
 from .progress import PHASE_LOG, Progress
 from .progressive import ClosedWindow, ProgressiveWindow, WindowScore, score_window
 from .rowcache import RowCache, TableBound
 from .settings import TrainerSettings
-from .state import Adopt, Instruction, Move, Outcome, Resync, TrainerState, needs_pull
+from .state import Adopt, Instruction, Move, Outcome, Resync, TrainerState, low_covered, needs_pull
 from .step import Replica, StepResult
 from .tables import RowFetcher, plan_lookups, table_inputs, table_required, wait_consistency
 
@@ -117,7 +125,8 @@ class PushRefused(Exception):
 class _Computed:
     """What one hand-off to the worker thread did: the wait, the pull if any, the step."""
 
-    wait: ClockWait
+    wait: ClockWait | None
+    """None for a local step inside a window (the window's first step waited)."""
     snapshot: Snapshot | None
     """The new snapshot when it pulled, else None."""
     result: StepResult | None
@@ -126,6 +135,8 @@ class _Computed:
     """Seconds of each phase: wait, pull, compute."""
     windows: list[ClosedWindow] = field(default_factory=list)
     """Progressive-validation windows the step's logits closed (to be scored)."""
+    covers: int | None = None
+    """With :attr:`snapshot`: the clock it covers (``TrainerState.covers``)."""
 
 
 @dataclass(frozen=True)
@@ -190,7 +201,8 @@ class Trainer:
         self._unscored_dropped = 0
         if self.progressive is not None:  # scikit-learn takes a second or more to import: not with the first window
             self._score_pool.submit(importlib.import_module, "sklearn.metrics")
-        self.redis = connect(settings.redis_url)
+        self.redis = wait_connected(  # a Redis Cluster all down: wait for it, as for a server at its first command
+            lambda: connect(settings.redis_url), Outage(url_name(settings.redis_url), settings.outage_limit_s, logger))
         self.store = ParameterStore(self.redis, settings.job)
         # A reply slower than a second is as good as none: the lease is a few seconds.
         self.coordinator = CoordinatorClient(settings.coordinator_url, settings.job_token, timeout_s=1.0)
@@ -219,6 +231,11 @@ class Trainer:
         """The rows this trainer keeps between steps (at most ``row_cache_rows`` per table)."""
         self.rows: RowFetcher | None = None
         """Fetches a batch's rows (set once the model's meta is known)."""
+        self.ahead: PullAhead | None = None
+        """The pull for the next step while this one computes (``--overlap-pulls``; made on the first
+        step that can use one, :mod:`trainers.prefetch`)."""
+        self.local: LocalSteps | None = None
+        """The window of local steps with ``local_steps`` > 1 (set on joining); None: a push per step."""
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._heartbeat_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
@@ -242,16 +259,17 @@ class Trainer:
             await self._join()
             await self._train()
             try:
+                await self._push_window()  # the local steps in hand, if any
                 await self._settle_push()
             except PushRefused as exc:
                 logger.info("last push not committed (%s); its records go to the next owner", exc)
             await self._mirror_offsets_to_kafka()
             return 0
         finally:
-            await self._cancel(self._heartbeat_task)
+            await cancel_and_wait(self._heartbeat_task)
             await self._leave()  # before the presence channel closes: a closed channel reads as a death
             for task in self._background:
-                await self._cancel(task)
+                await cancel_and_wait(task)
             await self._close()
 
     def report(self) -> TrainerReport:
@@ -264,17 +282,13 @@ class Trainer:
             row_pull_bytes=self.rows.pulled_bytes if self.rows is not None else 0,
             progressive=self.progress.last_window)
 
-    @staticmethod
-    async def _cancel(task: asyncio.Task[None] | None) -> None:
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
     async def _close(self) -> None:
         if self.consumer is not None:
             await asyncio.to_thread(self.consumer.close)
         self._push_pool.shutdown(wait=True)
+        if self.ahead is not None:
+            self.ahead.close()
+            logger.info("%d of %d pulls ahead were taken by the next step", self.ahead.taken, self.ahead.started)
         self._score_pool.shutdown(wait=False, cancel_futures=True)
         await self.coordinator.close()
         self.redis.close()
@@ -307,15 +321,20 @@ class Trainer:
             if self.settings.commit_to_kafka:
                 self._background.append(asyncio.create_task(self._kafka_mirror(), name="kafka-mirror"))
         config = reg.assignment.config
+        check_model(config, self.replica.spec)
         meta = await self._with_redis(
             self.store.init_model, self.replica.initial_tensors(),
-            optimizer=OptimizerConfig(name=config.optimizer, lr=config.lr), tables=self.replica.spec.tables)
+            optimizer=server_optimizer(config), tables=self.replica.spec.tables)
+        if config.local_steps > 1 and self.local is None:  # its inner state lives on through a new member id
+            self.local = LocalSteps(self.replica.params, inner_optimizer(config, self.replica.params.values()),
+                                    config.local_steps)
         if self.tables:
             self.rows = RowFetcher(self.redis, self.settings.job, self.tables, meta.groups, self.row_cache)
         options = {"density": self.settings.topk_density} if "topk" in config.codec else {}
         pusher = await self._with_redis(Pusher, self.redis, self.settings.job, reg.member_id, codec=config.codec,
                                         codec_options=options, momentum=meta.optimizer.trainer_momentum,
-                                        row_dtype=self.settings.row_dtype)
+                                        row_dtype=self.settings.row_dtype, dense_below=self.settings.dense_below,
+                                        density_warmup_steps=self.settings.density_warmup_steps)
         if pusher.codec.parts[0].info.sparsifier and not meta.optimizer.sparse:
             logger.warning("optimizer %s is dense: with codec %s every coordinate still moves at every step "
                            "(a full write per update), and the bursts of accumulated top-k gradients make "
@@ -450,6 +469,7 @@ class Trainer:
         logger.info("member %s resynchronising: %s", self.coordinator.member_id, reason)
         with contextlib.suppress(PushRefused):  # let it land (or fail) before reading the offsets
             await self._settle_push()
+        self._drop_window("resynchronising")
         self.state.resync()
         self.row_cache.clear()  # the clock may go back: rows cached at later clocks are not trusted
         await self._heartbeat()
@@ -503,6 +523,7 @@ class Trainer:
             self.stop()
             return
         if move is Move.REASSIGN:
+            self._drop_window("reassigned")
             await self._settle_push()
             await self._assign_from_committed()
             move = self.state.follow()
@@ -511,7 +532,9 @@ class Trainer:
             return
         assert self.consumer is not None
         batch = await next_batch(self.consumer)
-        if batch is None:
+        if batch is None and self.local is not None and self.local.open:
+            await self._push_window()  # the stream ran dry: push the steps in hand
+        elif batch is None:
             await self._tick_if_others_wait()
         else:
             await self._step(batch)
@@ -529,71 +552,155 @@ class Trainer:
         generation, config = state.assignment.generation, state.assignment.config
         dense = Consistency(config.consistency, config.staleness)
         bound = TableBound(*config.table_bound()) if self.tables else None
-        done = await asyncio.to_thread(self._wait_pull_compute, batch, state.clock, dense, bound,
-                                       state.last_wait, state.covers)
-        state.waited(done.wait)
+        local = self.local if not tick else None
+        opens = local is None or not local.open  # with local steps, a window's first step waits and pulls
+        assert state.member_id is not None
+        done = await asyncio.to_thread(self._wait_pull_compute, batch, state.member_id, state.clock, dense,
+                                       bound, state.last_wait, state.covers, state.first_clock, opens)
+        if done.wait is not None:
+            state.waited(done.wait)
+            self.progress.applied(done.wait.own_applied, time.time() * 1000)
         if done.snapshot is not None:
+            assert done.wait is not None
             self.snapshot = done.snapshot
-            state.pulled(done.wait)
-        t1 = time.monotonic()
-        await self._settle_push()  # the previous push must have landed before this one
-        for phase, seconds in (*done.seconds.items(), ("push_wait", time.monotonic() - t1)):
-            self.progress.phase(phase, seconds)
-        clock = state.pushing()
-        assert self.pusher is not None
-        grads = done.result.grads if done.result is not None else None
-        rows = done.result.row_grads if done.result is not None else []
-        self._sending = asyncio.get_running_loop().run_in_executor(
-            self._push_pool, functools.partial(send_push, self.pusher, grads, batch, clock=clock,
-                                               generation=generation, rows=rows))
+            assert done.covers is not None
+            state.pulled(done.covers)
+        if local is not None:  # a local step: the push waits for the window's last
+            local.stepped(batch)
+            for phase, seconds in done.seconds.items():
+                self.progress.phase(phase, seconds)
+        else:
+            t1 = time.monotonic()
+            await self._settle_push()  # the previous push must have landed before this one
+            for phase, seconds in (*done.seconds.items(), ("push_wait", time.monotonic() - t1)):
+                self.progress.phase(phase, seconds)
+            grads = done.result.grads if done.result is not None else None
+            rows = done.result.row_grads if done.result is not None else []
+            self._send(grads, batch, generation, rows)
         if tick:
             return
         self.progress.stepped(len(batch), time.monotonic() - t0,
                               done.result.loss if done.result is not None else None)
         self._score(done.windows)
-        self.progress.applied(done.wait.own_applied, time.time() * 1000)
+        if local is not None and local.full:
+            await self._push_window()
         if (report := self.progress.phase_report()) is not None:
             logger.info("member %s: %s %s", self.coordinator.member_id, PHASE_LOG,
                         ", ".join(f"{k} {v:.1f}" for k, v in report.items()))
         if self._eval_data is not None and self.progress.steps % self.settings.eval_every == 0:
             await self._evaluate()
 
-    def _wait_pull_compute(self, batch: Batch, clock: int, dense: Consistency, bound: TableBound | None,
-                           known: ClockWait | None, covers: int | None) -> _Computed:
+    def _wait_pull_compute(self, batch: Batch, member_id: str, clock: int, dense: Consistency,
+                           bound: TableBound | None, known: ClockWait | None, covers: int | None,
+                           own_from: int, opens: bool = True) -> _Computed:
         """Runs on a worker thread (one hand-off per step): wait for the clock bound, pull what the
         bound needs into the model's parameters (and the batch's rows of the embedding tables: the
         row cache's, or pulled), then forward and backward on the batch. It reads the state only
         through its arguments and changes nothing but the replica's parameters, the row cache and the
-        progressive-validation window (only this thread touches it)."""
-        assert self.pusher is not None
+        progressive-validation window (only this thread touches it). ``member_id``, ``clock`` and
+        ``own_from`` are the state's, read together: a registration anew while a step waits must not
+        make it wait on the new id's clocks with the old id's clock.
+
+        With local steps, only the step that ``opens`` a window waits and pulls (an empty batch too:
+        the window's later steps compute on what it pulled), and begins the window; every step is a
+        step of the inner optimizer on the replica. That wait also needs this member's own windows
+        up to the previous clock applied, and the pull always follows it: the pseudo-gradient is taken
+        from the pull, and a window started on parameters lacking its own previous windows would push
+        their progress again (one trainer under SSP s = 2 with H = 16 on digits ended at chance)."""
+        local = self.local
         t0 = time.monotonic()
-        wait = wait_for_clock(self.redis, self.settings.job, self.pusher.member_id, clock,
-                              consistency=wait_consistency(dense, bound),
-                              timeout_s=self.settings.staleness_timeout_s,
-                              max_unapplied=self.settings.max_unapplied, known=known)
+        snapshot, base = None, self.snapshot if covers is not None else None
+        pulling = self.ahead
+        ahead = pulling.take(base, member_id) if pulling is not None else None  # pulled while the last step computed
+        t_take = time.monotonic() - t0
+        wait = None
+        # a window starts on its own previous windows: its pseudo-gradient is taken from its pull
+        own_through = clock - 1 if local is not None and clock - 1 >= own_from else None
+        if opens:
+            wait = wait_for_clock(self.redis, self.settings.job, member_id, clock,
+                                  consistency=wait_consistency(dense, bound),
+                                  timeout_s=self.settings.staleness_timeout_s,
+                                  max_unapplied=self.settings.max_unapplied,
+                                  known=ahead.known(clock) if ahead is not None else known, own_from=own_from,
+                                  own_through=own_through)
         t1 = time.monotonic()
-        if not len(batch):
-            return _Computed(wait, None, None, {"wait": t1 - t0})
-        snapshot = None
-        if needs_pull(covers, wait):
-            base = self.snapshot if covers is not None else None
+        if pulling is not None and ahead is not None:
+            pulling.swap(self.replica.params, ahead)
+            snapshot, base, covers = ahead.snapshot, ahead.snapshot, low_covered(ahead.low)
+        newest = ahead is not None and wait is not None and wait.required is None  # ASP: take the newest ready
+        if wait is not None and (local is not None or (len(batch) and not newest and needs_pull(covers, wait))):
             snapshot = self.store.pull(base, out=self.replica.tensors)
+            covers = low_covered(wait.min_applied)
+        if opens and local is not None:
+            local.begin()
+        if wait is not None and local is None and self.settings.overlap_pulls and overlaps(dense, 1):
+            held = snapshot if snapshot is not None else base
+            if held is not None:  # the pull for the next step, while this one computes
+                if self.ahead is None:
+                    self.ahead = PullAhead(self.redis, self.settings.job, self.replica.tensors)
+                self.ahead.start(held, member_id, self.replica.tensors)
         t2 = time.monotonic()
+        phases = {"wait": t1 - t0 - t_take, "pull": t2 - t1 + t_take}  # waiting for the pull ahead is pulling
+        if not len(batch):
+            return _Computed(wait, snapshot, None, phases, covers=covers)
         lookups = rows = None
         if self.rows is not None and bound is not None:
             lookups = plan_lookups(self.tables, batch.ids, len(batch), groups=self.rows.groups)
+            covered = wait.min_applied if wait is not None and wait.min_applied is not None else -1
             fetched = self.rows.fetch(lookups, clock=clock, bound=bound, required=table_required(bound, clock),
-                                      covers=wait.min_applied if wait.min_applied is not None else -1)
+                                      covers=covered)
             rows = fetched.rows
         t3 = time.monotonic()
-        result = self.replica.step(batch.x, batch.y, lookups, rows)
-        seconds = {"wait": t1 - t0, "pull": t2 - t1, "compute": time.monotonic() - t3}
+        result = self.replica.step(batch.x, batch.y, lookups, rows, inner=local.inner if local is not None else None)
+        seconds = {**phases, "compute": time.monotonic() - t3}
         if lookups is not None:
             seconds["rows"] = t3 - t2
         windows = []
         if self.progressive is not None and result.logits is not None:  # scored on the scoring thread (_score)
             windows = self.progressive.add(result.logits, batch.y.numpy())
-        return _Computed(wait, snapshot, result, seconds, windows)
+        return _Computed(wait, snapshot, result, seconds, windows, covers)
+
+    def _send(self, grads: Mapping[str, torch.Tensor] | None, batch: Batch, generation: int,
+              rows: Sequence[RowGrads] = ()) -> None:
+        """Hand the push of ``grads`` and ``batch``'s offsets to the push thread, at the next clock
+        (the push before it is settled)."""
+        assert self.pusher is not None
+        clock = self.state.pushing()
+        self._sending = asyncio.get_running_loop().run_in_executor(
+            self._push_pool, functools.partial(send_push, self.pusher, grads, batch, clock=clock,
+                                               generation=generation, rows=rows))
+
+    async def _push_window(self) -> None:
+        """Push the window of local steps in hand, if any: its pseudo-gradient with the offsets of
+        every batch it stepped on, at one clock (:mod:`trainers.local`).
+
+        Raises:
+            PushRefused: the push before it was refused, or the window's offsets have a gap (the
+                window is dropped either way: its records go to the next owner).
+        """
+        local, assignment = self.local, self.state.assignment
+        if local is None or not local.open:
+            return
+        if assignment is None:  # registered anew: nothing may be pushed under the old assignment
+            self._drop_window("registered anew")
+            return
+        try:
+            delta, batch = local.close()
+        except ValueError as exc:
+            raise PushRefused(f"window of local steps not pushed: {exc}") from exc
+        t1 = time.monotonic()
+        await self._settle_push()
+        self.progress.phase("push_wait", time.monotonic() - t1)
+        self._send(delta, batch, assignment.generation)
+
+    def _drop_window(self, why: str) -> None:
+        """Drop the window of local steps in hand (its records stay uncommitted: whoever owns their
+        partitions next reads them again from the committed offsets)."""
+        if self.local is not None and self.local.open:
+            logger.info("member %s: %s; %d local step(s) not pushed, their records go to the next owner",
+                        self.coordinator.member_id, why, len(self.local.batches))
+        if self.local is not None:
+            self.local.discard()
 
     async def _settle_push(self) -> None:
         """Wait for the push in flight, tell the state how it ended, and do what the state says.

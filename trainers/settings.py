@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings import setting
+from services.codecs import DEFAULT_DENSE_BELOW
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ class TrainerSettings:
                                     help="bf16 autocast on CUDA")
     topk_density: float = setting(0.01, env="STREAMTRAIN_TOPK_DENSITY", min=1e-6, max=1.0,
                                   help="fraction of values a topk codec keeps")
+    dense_below: int = setting(DEFAULT_DENSE_BELOW, env="STREAMTRAIN_DENSE_BELOW", min=0, max=1 << 30,
+                               help="tensors with fewer values travel dense, with the codec's value codec "
+                                    "(fp16 for topk+fp16), never top-k'd (0: every tensor through the codec)")
+    density_warmup_steps: int = setting(0, env="STREAMTRAIN_DENSITY_WARMUP_STEPS", min=0, max=1 << 30,
+                                        help="the topk density decays exponentially from 0.25 to --topk-density "
+                                             "over this trainer's first N pushes (DGC's warm-up; 0: off)")
     eval_source: str = setting("", env="STREAMTRAIN_EVAL_SOURCE",
                                help="source spec of held-out data (its test split); empty: no evaluation")
     eval_every: int = setting(25, env="STREAMTRAIN_EVAL_EVERY", min=1,
@@ -51,6 +58,11 @@ class TrainerSettings:
     seed: int = setting(0, env="STREAMTRAIN_SEED", help="seed of the initial weights")
     prefetch: int = setting(4, env="STREAMTRAIN_PREFETCH", min=1, max=1024,
                             help="batches decoded ahead of compute")
+    overlap_pulls: bool = setting(False, env="STREAMTRAIN_OVERLAP_PULLS",
+                                  help="pull for the next step while this one computes, into a second copy "
+                                       "of the dense parameters (ASP, and SSP with staleness >= 1, one step "
+                                       "per push); a step takes it when it is the newest within the bound. "
+                                       "Off by default: on 2 shared CPU cores it gained nothing reliable")
     max_steps: int = setting(0, env="STREAMTRAIN_MAX_STEPS", min=0,
                              help="stop after this many steps (0: run until stopped)")
     max_unapplied: int = setting(4, env="STREAMTRAIN_MAX_UNAPPLIED", min=1, max=1024,

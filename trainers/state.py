@@ -139,6 +139,12 @@ def needs_pull(covers: int | None, wait: ClockWait) -> bool:
     return covers is None or wait.required is None or covers < wait.required
 
 
+def low_covered(low: int | None) -> int:
+    """The clock a snapshot covers when the lowest applied clock among participating live members,
+    read before its pull, was ``low`` (None: nobody participated yet, so nothing is due: -1)."""
+    return low if low is not None else -1
+
+
 @dataclass
 class TrainerState:
     """One trainer's clocks, push in flight, replica coverage and assignments (mutable, not shared
@@ -163,6 +169,9 @@ class TrainerState:
     """What the last clock wait observed (lets the next wait skip a read; see ``wait_for_clock``)."""
     staleness: int = 0
     """Staleness (clocks) of the parameters the last step computed on."""
+    first_clock: int = 1
+    """The first clock pushed under :attr:`member_id` (its own updates from there on are due under
+    BSP and SSP)."""
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -174,6 +183,7 @@ class TrainerState:
             raise ValueError(f"start clock must be >= 1, got {start_clock}")
         self.member_id = member_id
         self.clock = start_clock
+        self.first_clock = start_clock
         self.last_pushed = start_clock - 1
         self.last_wait = None  # a new member id: observe afresh
         self.assignment = None
@@ -227,10 +237,10 @@ class TrainerState:
         (no bound: always take the newest), and when the bound asks for updates the replica lacks."""
         return needs_pull(self.covers, wait)
 
-    def pulled(self, wait: ClockWait) -> None:
-        """The replica was pulled after ``wait``: every live member's updates up to the lowest
-        applied clock read by that wait (before the pull) are in it."""
-        self.covers = wait.min_applied if wait.min_applied is not None else -1
+    def pulled(self, covers: int) -> None:
+        """The replica now holds a snapshot covering clock ``covers`` (:func:`low_covered` of the
+        lowest applied clock read before its pull: by the step's wait, or by a pull ahead)."""
+        self.covers = covers
 
     # -- the push in flight -------------------------------------------------------------------------
 

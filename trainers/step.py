@@ -27,7 +27,8 @@ class StepResult:
     loss: float
     """Training loss of the batch."""
     grads: dict[str, torch.Tensor]
-    """Gradient per parameter name, float32 on the CPU."""
+    """Gradient per parameter name, float32, on the replica's device: on an accelerator it stays
+    there, and the push's encoder selects and compresses it there (``Pusher.encode``)."""
     rows: int
     """Records in the batch."""
     row_grads: list[RowGrads] = field(default_factory=list)
@@ -63,10 +64,13 @@ class Replica:
         return {name: p.data for name, p in self.params.items()}
 
     def step(self, x: torch.Tensor, y: torch.Tensor, lookups: Mapping[str, TableLookup] | None = None,
-             rows: Mapping[str, np.ndarray] | None = None) -> StepResult:
-        """Forward and backward on one batch; the parameters themselves are not changed here. A model
-        with embedding tables also takes the batch's ``lookups`` and their fetched ``rows``
-        (``trainers.tables``), and returns the gradient rows."""
+             rows: Mapping[str, np.ndarray] | None = None, *, inner: torch.optim.Optimizer | None = None
+             ) -> StepResult:
+        """Forward and backward on one batch; the parameters themselves are not changed here, unless
+        ``inner`` is given: a local step (:mod:`trainers.local`), where that optimizer steps the
+        parameters on the gradient and the result carries no gradients. A model with embedding
+        tables also takes the batch's ``lookups`` and their fetched ``rows`` (``trainers.tables``),
+        and returns the gradient rows."""
         x = x.to(self.plan.device, non_blocking=True)
         y = y.to(self.plan.device, non_blocking=True)
         for p in self.params.values():
@@ -82,8 +86,10 @@ class Replica:
                 out = self.model(x)
         loss = self.spec.loss_fn(out.float(), y)
         loss.backward()
-        grads = {name: p.grad.detach().to("cpu", torch.float32) for name, p in self.params.items()
-                 if p.grad is not None}
+        if inner is not None:
+            inner.step()
+        grads = {} if inner is not None else {name: p.grad.detach().to(torch.float32)
+                                              for name, p in self.params.items() if p.grad is not None}
         row_grads = row_gradients(lookups, leaves, self.row_dtype) if leaves and lookups is not None else []
         logits = out.detach().reshape(-1).float().cpu().numpy() if self.keep_logits else None
         return StepResult(float(loss.detach()), grads, int(x.shape[0]), row_grads, logits)

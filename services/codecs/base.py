@@ -86,6 +86,15 @@ class Codec(ABC):
         msg = self.encode(values, None)
         return msg, self.decode(msg, None)
 
+    def encode_sent_device(self, values: torch.Tensor, inner: Codec | None
+                           ) -> tuple[dict[str, Any], Sent, torch.Tensor | None]:
+        """:meth:`encode_sent` of a contiguous 1-D float32 tensor on an accelerator, and the positions
+        kept as a tensor on that device (None: every position). This default copies every value to
+        the host and encodes there (a dense codec sends every value anyway); a sparsifier selects on
+        the device, so that only the kept values and their indices cross."""
+        msg, sent = self.encode_sent(values.to("cpu"), inner)
+        return msg, sent, None
+
     @abstractmethod
     def decode(self, msg: dict[str, Any], inner_decode: Any) -> Sent:
         """Decode ``msg`` (already size-checked) into the values it carries: every value

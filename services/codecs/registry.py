@@ -98,6 +98,16 @@ class CodecChain:
         msg, sent = self.parts[0].encode_sent(check_input(values, finite=check_finite), self._inner)
         return Encoded(pack(msg), values.numel()), sent
 
+    def encode_sent_device(self, values: torch.Tensor) -> tuple[Encoded, Sent, torch.Tensor | None]:
+        """:meth:`encode_sent` of a contiguous 1-D float32 tensor on an accelerator, checked finite
+        by the caller: a sparsifier selects there and only the kept values and their indices cross
+        to the host. Also returns the kept positions on the device (None: every position), for the
+        caller's error feedback to stay there."""
+        if values.dtype != torch.float32:
+            raise BadGradientError(f"codec input must be float32, got {values.dtype}")
+        msg, sent, idx = self.parts[0].encode_sent_device(values.reshape(-1).contiguous(), self._inner)
+        return Encoded(pack(msg), values.numel()), sent, idx
+
     @property
     def _inner(self) -> Codec | None:
         return self.parts[1] if len(self.parts) > 1 else None

@@ -7,7 +7,7 @@ node's config file (mode 0600) as ``requirepass`` and ``masterauth``. Once the
 nodes answer, ``redis-cli --cluster create`` assigns the slots (the password
 reaches it in ``REDISCLI_AUTH``, never on a command line), and the cluster is
 ready when ``CLUSTER INFO`` says ``cluster_state:ok`` on every node and every
-node knows all the others.
+node knows all the others and every replica is linked to its master (its first sync done).
 
 Clients reach it by :attr:`RedisCluster.url`, ``redis+cluster://:PASSWORD@host:port,...``
 (:mod:`common.redis_client`); print :attr:`RedisCluster.display_url`, never the URL.
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Self
 from urllib.parse import quote
 
-from common.redis_client import CLUSTER_SCHEME
+from common.redis_client import CLUSTER_SCHEME, connect
 from common.urls import redact_url
 
 from .process import LaunchError, ServerFolder, ServerState, _die_with_parent, free_port, pid_alive
@@ -68,6 +68,23 @@ class ClusterNode(RedisServer):
     def _command(self) -> Sequence[str]:
         return [*super()._command(), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-port", str(self.bus_port), "--cluster-node-timeout", str(NODE_TIMEOUT_MS)]
+
+    def replication_linked(self) -> bool:
+        """True unless this node is a replica whose link to its master is not up (``INFO
+        replication``: ``master_link_status``): a replica still in its first sync cannot be promoted."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1.0,
+                             socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
+        try:
+            info = client.info("replication")
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        finally:
+            client.close()
+        return info.get("role") != "slave" or info.get("master_link_status") == "up"
 
     def cluster_info(self) -> dict[str, str]:
         """``CLUSTER INFO`` of this node ({} while it does not answer)."""
@@ -234,12 +251,13 @@ class RedisCluster(ServerFolder):
             raise LaunchError(f"{self.name}: redis-cli --cluster create failed (exit {res.returncode}):\n{tail}")
 
     def _wait_ready(self, deadline: float) -> None:
-        """Until every node says ``cluster_state:ok`` and knows every node."""
+        """Until every node says ``cluster_state:ok`` and knows every node, and every replica has
+        finished its first sync (until then its master's death would leave the slots unserved)."""
         delay = 0.05
         while True:
             infos = [n.cluster_info() for n in self.nodes]
             if all(i.get("cluster_state") == "ok" and i.get("cluster_known_nodes") == str(len(self.nodes))
-                   for i in infos):
+                   for i in infos) and all(n.replication_linked() for n in self.nodes):
                 return
             for node in self.nodes:
                 if node.pid is None or not pid_alive(node.pid):
@@ -251,6 +269,24 @@ class RedisCluster(ServerFolder):
                 raise LaunchError(f"{self.name} was not ready after {self.start_timeout_s:.0f}s ({states})")
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
+
+    # -- fault injection ----------------------------------------------------------------------------
+    def master_of(self, key: str) -> ClusterNode:
+        """The node that serves ``key``'s slot now (a master; after a failover, the promoted replica)."""
+        client = connect(self.url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        try:
+            serving = client.get_node_from_key(key)  # type: ignore[attr-defined]  # a cluster client
+            return next(n for n in self.nodes if n.port == serving.port)
+        finally:
+            client.close()
+
+    def kill_master_of(self, key: str) -> ClusterNode:
+        """SIGKILL the master that serves ``key``'s slot; returns it. Its replica (``replicas`` >= 1) is
+        promoted once the others have missed it for ``cluster-node-timeout`` (:data:`NODE_TIMEOUT_MS`)."""
+        node = self.master_of(key)
+        node.kill()
+        logger.info("%s: killed master %s serving %r", self.name, node.address, key)
+        return node
 
     def stop(self) -> None:
         """Stop every node by its pid (SIGTERM, then SIGKILL); idempotent. Removes the folder

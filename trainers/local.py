@@ -1,0 +1,185 @@
+"""Local steps (DiLoCo, Douillard et al. 2023): H inner-optimizer steps on the replica between a pull
+and a push, and the push of the parameters' difference since the pull.
+
+With ``local_steps`` H > 1 a trainer does not push every step's gradient. It pulls (after the clock
+wait), takes H steps of its *inner optimizer* on its own replica (:func:`inner_optimizer`: AdamW for
+``adam``/``lazyadam``, SGD with momentum for ``sgd``, the job's ``lr``), and pushes the
+*pseudo-gradient* ``theta_pulled - theta_now`` with the offsets of every batch the H steps consumed,
+as one update at one clock (:func:`window_batch`). The parameter servers apply it with the *outer
+optimizer*, SGD with Nesterov momentum at ``outer_lr`` and ``outer_momentum``
+(:func:`server_optimizer`; DiLoCo's defaults 0.7 and 0.9). Then the replica goes back to the
+parameters of its pull, so the next pull (of the deltas since that version) lands on what the
+parameter plane holds. The inner optimizer's state lives on across windows, as each DiLoCo worker
+keeps its own.
+
+The arithmetic, for one window of one trainer (``g_k`` the gradient of local step k)::
+
+    theta_0 = pulled;  theta_k = inner(theta_{k-1}, g_k)          k = 1..H
+    delta   = theta_0 - theta_H                                  (pushed)
+    buf     = outer_momentum * buf + delta                       (on the server)
+    theta   = theta - outer_lr * (delta + outer_momentum * buf)
+
+With H = 1, ``outer_lr`` 1, ``outer_momentum`` 0 and inner SGD without momentum, ``delta`` is
+``lr * g`` and the server's step is ``theta - lr * g``: one step of today's ``sgd`` with momentum 0
+(``tests/test_local_steps.py`` checks it). ``local_steps`` 1, the default, runs none of this: every
+step pushes its gradient and the servers apply ``optimizer``.
+
+What a window is to the rest of the system: one push, so one clock (the clock bound counts windows,
+and the wait and the pull happen once per window, before its first step), and one update whose
+offsets cover every batch of the window, committed atomically with it. Records of a window never
+pushed (the trainer killed, its push refused, its partitions reassigned) are not committed: the next
+owner reads them again from the committed offsets, as it does a batch whose push never landed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from coordinator.assignment import JobConfig
+from datastream import Batch
+from services import OptimizerConfig
+
+from .models import ModelSpec
+
+__all__ = ["LocalSteps", "check_model", "inner_optimizer", "server_optimizer", "window_batch"]
+
+
+def server_optimizer(config: JobConfig) -> OptimizerConfig:
+    """What the parameter servers apply to a push of ``config``'s job: the job's ``optimizer`` at its
+    ``lr`` to gradients, or with local steps the outer optimizer (SGD with Nesterov momentum at
+    ``outer_lr`` and ``outer_momentum``) to pseudo-gradients."""
+    if config.local_steps == 1:
+        return OptimizerConfig(name=config.optimizer, lr=config.lr)
+    return OptimizerConfig(name="sgd", lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True)
+
+
+def inner_optimizer(config: JobConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The trainer's inner optimizer of ``config``'s job (local steps): SGD with momentum for ``sgd``,
+    AdamW for ``adam`` and ``lazyadam``, with the job's ``lr`` and the hyperparameters the servers'
+    optimizer of that name has (``services.OptimizerConfig``'s defaults).
+
+    Raises:
+        ValueError: an optimizer that cannot be an inner one (``dgc``; ``JobConfig`` refuses it first).
+    """
+    hyper = OptimizerConfig(name=config.optimizer, lr=config.lr)
+    if hyper.name == "sgd":
+        return torch.optim.SGD(params, lr=hyper.lr, momentum=hyper.momentum, weight_decay=hyper.weight_decay)
+    if hyper.name in ("adam", "lazyadam"):
+        return torch.optim.AdamW(params, lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
+                                 weight_decay=hyper.weight_decay)
+    raise ValueError(f"optimizer {hyper.name!r} cannot be the inner optimizer of local steps")
+
+
+def check_model(config: JobConfig, spec: ModelSpec) -> None:
+    """Refuse a model local steps do not support.
+
+    Raises:
+        ValueError: ``config`` has local steps and the model has embedding tables (their rows live in
+            the parameter plane only and are applied sparsely per step: a window of local steps over
+            rows is not implemented).
+    """
+    if config.local_steps > 1 and spec.tables:
+        raise ValueError(f"local_steps {config.local_steps}: model {spec.name} has embedding tables "
+                         f"({', '.join(t.name for t in spec.tables)}), and local steps support dense models only "
+                         "(the tables' rows are pulled and applied step by step); use local_steps 1")
+
+
+def window_batch(batches: Sequence[Batch]) -> Batch:
+    """What the push of a window carries: the records and offsets of ``batches`` (consumed one after
+    another) as one batch. Per partition its offsets run from the first batch's first offset to the
+    last one's next; its samples are the batches' in order; its produce time the oldest. Its ``x``
+    and ``y`` hold no values (``x`` is ``[n, 0]``: the steps are taken).
+
+    Raises:
+        ValueError: no batches, or a partition's offsets are not contiguous from one batch to the next
+            (a gap the push would cover without having trained on it).
+    """
+    if not batches:
+        raise ValueError("a window without batches has nothing to push")
+    offsets: dict[int, tuple[int, int]] = {}
+    for batch in batches:
+        for partition, (first, nxt) in batch.offsets.items():
+            if partition in offsets:
+                start, end = offsets[partition]
+                if first != end:
+                    raise ValueError(f"partition {partition}: a batch of the window starts at offset {first}, "
+                                     f"not at {end} where the one before it ended")
+                offsets[partition] = (start, nxt)
+            else:
+                offsets[partition] = (first, nxt)
+    n = sum(len(b) for b in batches)
+    return Batch(x=torch.empty(n, 0), y=torch.empty(n), offsets=offsets,
+                 samples=[run for b in batches for run in b.samples],
+                 produced_ts_ms=min(b.produced_ts_ms for b in batches),
+                 rejected=sum(b.rejected for b in batches))
+
+
+class LocalSteps:
+    """The window of local steps in hand: the parameters at its start (the *anchor*), the batches its
+    steps consumed, and the inner optimizer (whose state lives across windows).
+
+    Not shared across threads at once: the shell begins a window and steps on its worker thread, and
+    closes or discards it on its event loop, never while a step runs."""
+
+    def __init__(self, params: Mapping[str, torch.nn.Parameter], inner: torch.optim.Optimizer, steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"local steps must be >= 1, got {steps}")
+        self.params = dict(params)
+        self.inner = inner
+        """The inner optimizer over :attr:`params` (:func:`inner_optimizer`)."""
+        self.steps = steps
+        """Steps per window (H)."""
+        self.batches: list[Batch] = []
+        """The batches of the window in hand, in order (a batch of dead-lettered records only too)."""
+        self._anchor: dict[str, torch.Tensor] | None = None
+
+    @property
+    def open(self) -> bool:
+        """A window is in hand (it has stepped on at least one batch)."""
+        return bool(self.batches)
+
+    @property
+    def full(self) -> bool:
+        """The window has taken its H steps: push it."""
+        return len(self.batches) >= self.steps
+
+    def begin(self) -> None:
+        """A window starts on the parameters the replica holds now (after the pull, if any)."""
+        self._anchor = {name: p.detach().clone() for name, p in self.params.items()}
+
+    def stepped(self, batch: Batch) -> None:
+        """The window's inner optimizer stepped on ``batch`` (or it was empty: its offsets only).
+
+        Raises:
+            RuntimeError: no window was begun.
+        """
+        if self._anchor is None:
+            raise RuntimeError("a local step outside a window: begin() first")
+        self.batches.append(batch)
+
+    def close(self) -> tuple[dict[str, torch.Tensor], Batch]:
+        """End the window: its pseudo-gradient (``anchor - now`` per parameter, float32 on the CPU) and
+        its :func:`window_batch`; the replica goes back to the anchor.
+
+        Raises:
+            RuntimeError: no window is open.
+            ValueError: the window's offsets have a gap (:func:`window_batch`); the window is discarded.
+        """
+        if self._anchor is None or not self.batches:
+            raise RuntimeError("no window of local steps to close")
+        anchor, batches = self._anchor, self.batches
+        delta = {name: (anchor[name] - p.detach()).to("cpu", torch.float32) for name, p in self.params.items()}
+        self.discard()
+        return delta, window_batch(batches)
+
+    def discard(self) -> None:
+        """Drop the window in hand (its records are not pushed: they go to the next owner from the
+        committed offsets); the replica goes back to the anchor. Nothing to do when none is open."""
+        if self._anchor is not None:
+            with torch.no_grad():
+                for name, p in self.params.items():
+                    p.copy_(self._anchor[name])
+        self._anchor = None
+        self.batches = []
