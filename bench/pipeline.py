@@ -20,7 +20,7 @@ In one run:
    One more digits-mlp run with one trainer pulls for the next step while a step
    computes (``--overlap-pulls``, off by default); the ratio of the two says what
    overlapping bought in that run.
-3b. **Local steps** (DiLoCo): digits-mlp with one trainer taking ``LOCAL_STEPS`` (16)
+3b. **Local steps** (DiLoCo): digits-mlp with one trainer taking ``LOCAL_STEPS`` (64)
    steps of AdamW between a pull and a push, the parameter difference applied by the
    outer Nesterov SGD (lr 0.7, momentum 0.9, the defaults), codec ``fp16`` (local steps
    refuse a sparsifying codec), the job's lr: its samples/s against the ceiling, and
@@ -97,8 +97,10 @@ MODELS: dict[str, dict[str, Any]] = {
 """Batch, data and the job's learning rate per model (the job default, ``CoordinatorSettings.lr``, is tuned
 on digits; the wider model trains best at 0.003 with lazyadam and top-k at 1%: 5.0 s to 70% against 6.5 s
 at 0.01)."""
-LOCAL_STEPS = 16
-"""Local steps H of the DiLoCo run of digits-mlp (3b)."""
+LOCAL_STEPS = 64
+"""Local steps H of the DiLoCo run of digits-mlp (3b). One trainer on 40,000 records, one run each (denormals
+flushed): H=16 23,162 samples/s and 0.942 held out, H=32 25,806 and 0.972, H=64 28,531 and 0.969 (the local
+loop 0.969): fewer waits and pulls per record, and no accuracy lost at 64 on this stream."""
 LOCAL_STEPS_CODEC = "fp16"
 """Its codec: local steps need a dense one (the job default, ``topk+fp16``, is refused)."""
 LOCAL_STEPS_THREADS = 1

@@ -4,6 +4,9 @@ real Redis)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -65,6 +68,35 @@ def test_device_plan() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             plan_device("cuda")
+
+
+_DENORMAL_PROBE = """
+import asyncio, sys
+import numpy as np, torch
+from trainers import TrainerSettings, plan_device
+flush = sys.argv[1] == "1"
+plan = plan_device("cpu", threads=1, flush_denormal=flush)
+tiny = np.float32(1e-39)  # a float32 denormal
+def product() -> tuple[float, float]:  # on a worker thread started after the plan, as a trainer's step runs
+    return float(np.float32(1.0) * tiny), (torch.tensor([1e-39]) * 1.0).item()
+print(plan.flush_denormal, *asyncio.run(asyncio.to_thread(product)))
+"""
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_trainer_flushes_denormals_on_the_threads_it_starts(flush: bool) -> None:
+    """``flush_denormal`` (on by default) makes the CPU treat denormal floats as zero on the trainer's
+    worker threads, numpy's arithmetic too; off, they stay. In a subprocess: the flag is process state."""
+    assert TrainerSettings().flush_denormal
+    done = subprocess.run([sys.executable, "-c", _DENORMAL_PROBE, "1" if flush else "0"], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    in_effect, by_numpy, by_torch = done.stdout.split()
+    assert in_effect == str(flush)
+    if flush:
+        assert float(by_numpy) == 0.0 and float(by_torch) == 0.0
+    else:
+        assert float(by_numpy) > 0.0 and float(by_torch) > 0.0
 
 
 def test_step_computes_the_true_gradient_on_parameters_pulled_into_the_replica(redis) -> None:

@@ -188,7 +188,8 @@ class Trainer:
 
     def __init__(self, settings: TrainerSettings) -> None:
         self.settings = settings
-        self.plan = plan_device(settings.device, settings.threads, settings.mixed_precision)
+        self.plan = plan_device(settings.device, settings.threads, settings.mixed_precision,
+                                flush_denormal=settings.flush_denormal)
         self.replica = Replica(build_model(settings.model, seed=settings.seed), self.plan,
                                row_dtype=getattr(torch, settings.row_dtype),
                                keep_logits=settings.progressive_every > 0)
