@@ -99,8 +99,8 @@ on digits; the wider model trains best at 0.003 with lazyadam and top-k at 1%: 5
 at 0.01)."""
 LOCAL_STEPS = 64
 """Local steps H of the DiLoCo run of digits-mlp (3b). One trainer on 40,000 records, one run each (denormals
-flushed): H=16 23,162 samples/s and 0.942 held out, H=32 25,806 and 0.972, H=64 28,531 and 0.969 (the local
-loop 0.969): fewer waits and pulls per record, and no accuracy lost at 64 on this stream."""
+flushed, a hand-off per step): H=16 23,162 samples/s and 0.942 held out, H=32 25,806 and 0.972, H=64 28,531
+and 0.969 (the local loop 0.969): fewer waits and pulls per record, and no accuracy lost at 64 on this stream."""
 LOCAL_STEPS_CODEC = "fp16"
 """Its codec: local steps need a dense one (the job default, ``topk+fp16``, is refused)."""
 LOCAL_STEPS_THREADS = 1
