@@ -506,12 +506,18 @@ class LocalCluster:
     def quiesce(self, timeout_s: float = 60.0) -> None:
         """Stop the producer and the trainers (they drain, commit and leave), then wait until
         the parameter servers have applied every pushed update: the job then stands still."""
-        from common.redis_client import connect
-        from services import unapplied_updates
-
         for proc in [self.producer, *self.trainers]:
             if proc is not None:
                 proc.stop()
+        self.wait_applied(timeout_s)
+
+    def wait_applied(self, timeout_s: float = 60.0) -> None:
+        """Wait until the parameter servers have applied every pushed update, and so recorded its
+        accounting: a push commits its offsets before the servers apply it, so an audit of committed
+        records must wait for this (``unapplied`` is lowered with the accounting entry, atomically)."""
+        from common.redis_client import connect
+        from services import unapplied_updates
+
         client = connect(self.redis_url)
 
         def applied() -> bool:
@@ -543,5 +549,8 @@ class LocalCluster:
             p["owner"] is not None for p in st["partitions"]), timeout_s, what)
 
     def wait_consumed(self, timeout_s: float) -> dict[str, Any]:
-        """Wait until :meth:`consumed` holds; return that status."""
-        return self.wait_for(self.consumed, timeout_s, "every produced record to be committed")
+        """Wait until :meth:`consumed` holds, then until the servers have applied every pushed update
+        (:meth:`wait_applied`: what an audit of the committed records needs); return that status."""
+        status = self.wait_for(self.consumed, timeout_s, "every produced record to be committed")
+        self.wait_applied(timeout_s)
+        return status
