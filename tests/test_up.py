@@ -48,6 +48,24 @@ def test_regression_job_ends_at_max_records_with_loss_mae_and_r2() -> None:
     assert r2 > 0.7 and mae < 1.0, out[-3000:]  # it learned the linear teacher (R² 0: the mean; ~0.16 at init)
 
 
+def test_a_job_on_an_endless_source_is_scored_on_a_bounded_held_out_split_and_ends() -> None:
+    """The built-in ``synthetic`` source has no end unless ``limit=``, and so neither has its test split:
+    ``up`` scores on its first ``HELD_OUT_LIMIT`` records (it hung in its first score before)."""
+    from streamtrain.up import HELD_OUT_LIMIT
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]), "COLUMNS": "200"}
+    env = {k: v for k, v in env.items() if not k.startswith("STREAMTRAIN_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "streamtrain.cli", "up", "--source", "synthetic?task=regression&features=8",
+         "--model", "regression_job:linear_model", "--max-records", "3000", "--trainers", "1",
+         "--partitions", "2", "--timeout-s", "240"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=330)
+    out = done.stdout
+    assert done.returncode == 0, f"exit {done.returncode}\n{out[-3000:]}\n{done.stderr[-3000:]}"
+    assert "--max-records 3,000 consumed" in out, out[-3000:]
+    assert f"on {HELD_OUT_LIMIT} records" in out and "held-out R²" in out, out[-3000:]
+
+
 def test_the_movielens_example_prints_its_held_out_auc_and_log_loss() -> None:
     """``up --example movielens``, shortened: MovieLens-100K through Kafka into the ranking model with
     embedding tables, until a low AUC target or 30,000 records; scored on the last 10 % by time."""
