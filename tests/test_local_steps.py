@@ -153,6 +153,27 @@ def test_the_servers_optimizer_follows_local_steps() -> None:
     assert isinstance(inner_optimizer(_config(local_steps=4, optimizer="lazyadam"), params), torch.optim.AdamW)
 
 
+@pytest.mark.parametrize("optimizer", ["lazyadam", "sgd"])
+def test_the_inner_optimizer_is_fused_on_the_cpu_and_steps_as_the_per_tensor_loop_does(optimizer: str) -> None:
+    torch.manual_seed(3)
+    fused_net, plain_net = build_model("digits-mlp").model, build_model("digits-mlp").model
+    plain_net.load_state_dict(fused_net.state_dict())
+    initial = [p.detach().clone() for p in fused_net.parameters()]
+    inner = inner_optimizer(_config(local_steps=4, optimizer=optimizer, lr=0.01), fused_net.parameters())
+    assert inner.defaults["fused"] is True
+    kwargs = {k: v for k, v in inner.defaults.items() if k in ("lr", "betas", "eps", "weight_decay", "momentum")}
+    plain = type(inner)(plain_net.parameters(), foreach=False, **kwargs)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    for net, opt in ((fused_net, inner), (plain_net, plain)):
+        for _ in range(5):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+    moved = [(a - b).abs().max().item() for a, b in zip(fused_net.parameters(), plain_net.parameters(), strict=True)]
+    assert max(moved) < 1e-5
+    assert all(not torch.equal(a, b) for a, b in zip(fused_net.parameters(), initial, strict=True))
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"local_steps": 0}, "local_steps must be an integer >= 1, got 0"),
     ({"local_steps": 8, "codec": "topk+fp16"}, "cannot run with codec 'topk\\+fp16'.*use a dense codec"),
