@@ -40,11 +40,19 @@ from common.outage import DEFAULT_LIMIT_S, DependencyUnavailable, Outage
 from .dlq import DeadLetterWriter
 from .jagged import Jagged, concat_features
 from .records import DEFAULT_MAX_RECORD_BYTES, LABEL_KINDS, DecodeError, Records, decode_record, label_kind_of
-from .topics import MAX_MESSAGE_BYTES, broker_reachable
+from .topics import broker_reachable
 
 __all__ = ["Batch", "ConsumerClosedError", "ConsumerStats", "ShardConsumer"]
 
 logger = logging.getLogger(__name__)
+
+PARTITION_FETCH_BYTES = 4 << 20
+"""Bytes one fetch asks of each partition (``max.partition.fetch.bytes``). A shard larger than this
+still comes whole (the broker returns a partition's first record batch whatever its size; topics
+take shards up to ``datastream.topics.MAX_MESSAGE_BYTES``, 16 MB). It bounds the first fetch on a
+backlog: with 16 MB a partition, a trainer starting on four partitions of 400 KB shards got its
+first batch 0.21-0.25 s after assigning them (the whole 63 MB backlog came and was parsed first),
+with 4 MB 0.06 s, and read the backlog as fast (1 MB: 0.014 s, a third slower to read)."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +182,8 @@ class ShardConsumer:
         dlq: write rejected messages to ``<topic>.dlq`` (they are counted and covered either way).
         max_record_bytes: larger message values are rejected as ``too_large``.
         max_wait_ms: a partial batch is handed out after this long, or as soon as no data is waiting.
-        fetch_max_bytes, max_partition_fetch_bytes, fetch_min_bytes, fetch_max_wait_ms: Kafka fetch tuning.
+        fetch_max_bytes, max_partition_fetch_bytes, fetch_min_bytes, fetch_max_wait_ms: Kafka fetch tuning
+            (``max_partition_fetch_bytes``: :data:`PARTITION_FETCH_BYTES`).
         client_id: Kafka client id.
     """
 
@@ -182,7 +191,7 @@ class ShardConsumer:
                  label_kind: str | None = None, max_records_per_batch: int = 256, prefetch: int = 4,
                  group_id: str | None = None, dlq: bool = True,
                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, max_wait_ms: int = 100,
-                 fetch_max_bytes: int = 64 << 20, max_partition_fetch_bytes: int = MAX_MESSAGE_BYTES,
+                 fetch_max_bytes: int = 64 << 20, max_partition_fetch_bytes: int = PARTITION_FETCH_BYTES,
                  fetch_min_bytes: int = 1, fetch_max_wait_ms: int = 100,
                  client_id: str = "streamtrain-consumer", outage_limit_s: float = DEFAULT_LIMIT_S) -> None:
         if feature_dim is not None and feature_dim < 0:

@@ -32,6 +32,7 @@ from datastream import (
     parse_dlq_headers,
     produce,
 )
+from datastream.consumer import PARTITION_FETCH_BYTES
 from streamtrain.launcher import wait_until
 
 
@@ -96,6 +97,20 @@ def test_produce_digits_and_consume_every_record_once(kafka) -> None:
             np.testing.assert_array_equal(b.y[row:row + count].numpy(), y_all[first:first + count])
             row += count
         assert row == len(b)
+
+
+def test_a_shard_larger_than_a_partition_fetch_comes_whole(kafka) -> None:
+    topic = f"wide-{time.monotonic_ns()}"
+    report = produce(kafka.bootstrap, topic, "synthetic?features=784&classes=10&seed=4", partitions=1,
+                     shard_size=2000, limit=4000, split="train")
+    assert (report.records, report.shards) == (4000, 2)
+    with ShardConsumer(kafka.bootstrap, topic, max_records_per_batch=2000, prefetch=2) as consumer:
+        ends = consumer.end_offsets()
+        consumer.assign({0: None})
+        batches = drain(consumer, ends)
+    assert PARTITION_FETCH_BYTES < 784 * 4 * 2000  # each shard is larger than one fetch asks for
+    assert [len(b) for b in batches] == [2000, 2000] and all(b.x.shape == (2000, 784) for b in batches)
+    check_chains(batches, {0: 0}, ends)
 
 
 def test_offsets_after_seek_and_reassignment(kafka) -> None:
