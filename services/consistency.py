@@ -97,7 +97,7 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
                    consistency: Consistency | None = None, timeout_s: float = 60.0,
                    poll_s: float = 0.0005, max_unapplied: int | None = None,
                    known: ClockWait | None = None, own_from: int | None = None,
-                   own_through: int | None = None) -> ClockWait:
+                   own_through: int | None = None, max_poll_s: float = 0.05) -> ClockWait:
     """Block until a step at ``clock`` is allowed by the job's consistency model.
 
     Under ASP nobody waits for others; with ``max_unapplied`` a member still waits
@@ -116,6 +116,10 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     ``own_through``: this member's own updates up to this clock must be applied too, whatever the
     mode (local steps: a window's pseudo-gradient is taken from its pull, so a window starts on its
     own previous windows, or it would push their progress again; ``trainers.local``).
+
+    ``max_poll_s``: the longest pause between two reads (the backoff's cap). A trainer with local
+    steps waits once a window, for its own previous window to be applied (tens of ms for a dense push
+    of the 1.86M MLP): it reads every few ms, where a cap of 50 ms would add up to 50 ms to each wait.
 
     ``known`` is what this member's previous wait read. Applied clocks only grow
     and a member that leaves only lowers the bar. When every live member took part
@@ -167,7 +171,7 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
             raise StalenessTimeout(f"member {member_id} at clock {clock} waited {timeout_s:.1f}s for "
                                    f"applied clock {need}; slowest live member {who} is at {low}")
         time.sleep(delay)
-        delay = min(delay * 1.5, 0.05)
+        delay = min(delay * 1.5, max_poll_s)
     waited = time.monotonic() - start
     staleness = max(0, clock - 1 - low) if low is not None else 0
     client.hset(keys.staleness, member_id, staleness)
