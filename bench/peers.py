@@ -34,15 +34,18 @@ from streamtrain.launcher import free_port
 from trainers.models import build_model
 
 
-def local_throughput(model: str, batch: int, threads: int, source: str, records: int, lr: float = 0.001) -> float:
-    """Samples/s of a plain local loop (the ceiling): forward, backward, Adam step, data in memory."""
+def local_throughput(model: str, batch: int, threads: int, source: str, records: int, lr: float = 0.001, *,
+                     fused: bool = False) -> float:
+    """Samples/s of a plain local loop (the ceiling): forward, backward, Adam step, data in memory.
+    ``fused``: Adam with PyTorch's fused kernel (``torch.optim.Adam(..., fused=True)``) instead of its
+    default (a per-tensor loop on the CPU), what the trainers' inner optimizer of local steps uses."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         xs, ys = load_source(source, split="train").read(limit=records)
         x, y = torch.from_numpy(xs).float(), torch.from_numpy(ys).long()
         spec = build_model(model)
-        opt = torch.optim.Adam(spec.model.parameters(), lr=lr)
+        opt = torch.optim.Adam(spec.model.parameters(), lr=lr, fused=True if fused else None)
         steps = len(x) // batch
 
         def epoch(n: int) -> None:
@@ -128,7 +131,8 @@ def ddp_throughput(model: str, batch: int, *, procs: int = 2, threads: int = 1, 
 
 def local_time_to_accuracy(model: str, batch: int, *, threads: int, source: str, target: float,
                            lr: float = 0.001, optimizer: str = "adam", max_records: int,
-                           eval_every_records: int = 2048, eval_limit: int = 2000) -> dict[str, Any]:
+                           eval_every_records: int = 2048, eval_limit: int = 2000,
+                           fused: bool = False) -> dict[str, Any]:
     """Training seconds and records a plain local loop needs to reach held-out accuracy ``target``.
 
     Trains on the train split of ``source`` (at most ``max_records`` records, in memory; a
@@ -136,6 +140,7 @@ def local_time_to_accuracy(model: str, batch: int, *, threads: int, source: str,
     at most ``eval_limit`` records of the test split of the same spec without ``repeat``.
     The clock stops while evaluating. Stops at the first evaluation at/above ``target`` or
     once ``max_records`` are consumed (then evaluates a last time).
+    ``fused``: the optimizer with PyTorch's fused kernel instead of its default.
 
     Returns:
         ``reached``, ``seconds`` and ``records`` at that evaluation (or at the end),
@@ -154,8 +159,8 @@ def local_time_to_accuracy(model: str, batch: int, *, threads: int, source: str,
         if not spec.classification:
             raise ValueError(f"model {model!r} is not a classifier; accuracy is undefined")
         params = spec.model.parameters()
-        opt = (torch.optim.Adam(params, lr=lr) if optimizer == "adam"
-               else torch.optim.SGD(params, lr=lr, momentum=0.9))
+        opt = (torch.optim.Adam(params, lr=lr, fused=True if fused else None) if optimizer == "adam"
+               else torch.optim.SGD(params, lr=lr, momentum=0.9, fused=True if fused else None))
 
         def accuracy() -> float:
             with torch.no_grad():
