@@ -3,20 +3,23 @@ recovery and freshness.
 
 In one run:
 
-1. **Ceiling**: a plain local PyTorch loop (same model, batch size, thread count,
+1. **Ceiling**: a plain local PyTorch loop (same model, batch size, 2 threads,
    Adam, data already in memory) for the digits MLP (64-256-256-10, batch 64) and a
    ~1.86M-parameter MLP (784-1024-1024-10, batch 128) on synthetic data.
 2. **Peer**: PyTorch DDP (gloo on loopback) with 2 processes of 1 thread each, the
    same model, per-process batch and Adam, data in memory: what a user with data at
    rest would run on this machine instead of two trainers.
 3. **Pipeline**: the same models trained through everything real (Kafka, trainers,
-   Redis, the parameter server, the coordinator) with one trainer (all threads) and
+   Redis, the parameter server, the coordinator) with one trainer (one thread) and
    with two (one thread each), under SSP s = 2 with the job defaults (optimizer,
    codec, density: ``CoordinatorSettings`` and ``TrainerSettings``). The data is produced first, so the producer is
    not what is measured; samples/s counts the samples the parameter server applied,
    from the first to the last applied update. The trainers' step logs say where a
    step's time goes (wait, pull, compute, push wait), in ms per step. Each run's
    stored parameters are scored on the held-out split at its end.
+   The one-trainer runs use ``ONE_TRAINER_THREADS`` (1) torch thread, the best on this
+   2-core machine where the push thread, the server, Redis and the broker share the
+   cores; the ceilings and DDP are each the median of ``PEER_RUNS`` (3) measurements.
    One more digits-mlp run with one trainer pulls for the next step while a step
    computes (``--overlap-pulls``, off by default); the ratio of the two says what
    overlapping bought in that run.
@@ -117,6 +120,16 @@ LOCAL_STEPS_THREADS = 1
 compute, and on 2 cores shared with the broker, Redis and the server two spinning torch threads
 lost time: 7.1 ms of compute per step with 2 threads against 2.9 ms with 1 (13,271 against 7,394
 samples/s, 20,000 records, one run each)."""
+ONE_TRAINER_THREADS = 1
+"""Torch threads of the one-trainer runs at the job defaults (H = 1; ``--threads``); the ceiling, the
+runs with local steps on mlp-2m and the peers keep ``--threads`` (2). At H = 1 the trainer's push thread
+(top-k selection), the server, Redis and the broker share the 2 cores with it, and two torch threads
+lost time: digits 14,970/14,920 samples/s with 1 against 13,338/13,971 with 2, mlp-2m 7,939/8,205
+against 6,728/7,113 (alternating runs); with H = 64 on mlp-2m, where the trainer computes nearly
+alone, 2 were faster (16,282 against 15,123)."""
+PEER_RUNS = 3
+"""The ceilings and DDP are each measured this many times, the median kept: one measurement lasts 1-2 s,
+and two whole runs of the bench measured the mlp-2m ceiling at 11,835 and 16,122 samples/s."""
 TARGET = 0.7
 """Held-out accuracy the time-to-accuracy runs aim at (mlp-2m on the synthetic task)."""
 SNAPSHOT_EVERY_S = 0.25
@@ -371,7 +384,7 @@ def main() -> None:
     parser.add_argument("--records-large", type=int, default=24_000, help="784-wide records per pipeline run")
     parser.add_argument("--records-accuracy", type=int, default=40_000,
                         help="most 784-wide records of the time-to-accuracy runs")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the ceiling and the one trainer")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the ceilings and of one trainer with local steps on mlp-2m")
     parser.add_argument("--rate", type=float, default=2000.0, help="records/s of the recovery/freshness stream")
     parser.add_argument("--workdir", type=Path, default=_HERE / "results" / "pipeline-run")
     args = parser.parse_args()
@@ -387,11 +400,15 @@ def main() -> None:
         phases.add_column(col)
     for model, records in (("digits-mlp", args.records_small), ("mlp-2m", args.records_large)):
         m = MODELS[model]
-        ceil = local_throughput(model, m["batch"], args.threads, m["source"], min(records, 20_000))
+        ceil = statistics.median(local_throughput(model, m["batch"], args.threads, m["source"], min(records, 20_000))
+                                 for _ in range(PEER_RUNS))
         console.print(f"{model}: ceiling {ceil:,.0f} samples/s")
-        ddp = ddp_throughput(model, m["batch"], procs=2, threads=1, source=m["source"], records=min(records, 20_000))
+        ddps = sorted((ddp_throughput(model, m["batch"], procs=2, threads=1, source=m["source"],
+                                      records=min(records, 20_000)) for _ in range(PEER_RUNS)),
+                      key=lambda r: r["samples_per_s"])
+        ddp = ddps[len(ddps) // 2]
         console.print(f"{model}: DDP 2 x 1 thread {ddp['samples_per_s']:,.0f} samples/s")
-        one = pipeline(model, 1, args.threads, records, args.workdir / f"{model}-1")
+        one = pipeline(model, 1, ONE_TRAINER_THREADS, records, args.workdir / f"{model}-1")
         console.print(f"{model}: 1 trainer {one['samples_per_s']:,.0f} samples/s ({_phases(one['step_ms'])})")
         two = pipeline(model, 2, 1, records, args.workdir / f"{model}-2")
         console.print(f"{model}: 2 trainers {two['samples_per_s']:,.0f} samples/s ({_phases(two['step_ms'])})")
@@ -404,7 +421,7 @@ def main() -> None:
         phases.add_row(model, "1", _phases(one["step_ms"]))
         phases.add_row(model, "2", _phases(two["step_ms"]))
     records, m = args.records_small, MODELS["digits-mlp"]
-    overlapped = pipeline("digits-mlp", 1, args.threads, records, args.workdir / "digits-mlp-overlap",
+    overlapped = pipeline("digits-mlp", 1, ONE_TRAINER_THREADS, records, args.workdir / "digits-mlp-overlap",
                           overlap_pulls=True)
     results["digits-mlp"]["one_trainer_overlap_pulls"] = overlapped
     console.print(f"digits-mlp: 1 trainer, --overlap-pulls: {overlapped['samples_per_s']:,.0f} samples/s "
@@ -421,8 +438,9 @@ def main() -> None:
                   f"({_phases(diloco['step_ms'])}), held-out accuracy {diloco['accuracy']:.3f}")
     phases.add_row("digits-mlp", f"1, H={LOCAL_STEPS}", _phases(diloco["step_ms"]))
     m = MODELS["mlp-2m"]
-    fused_ceiling = local_throughput("mlp-2m", m["batch"], args.threads, m["source"], min(args.records_large, 20_000),
-                                     fused=True)
+    fused_ceiling = statistics.median(
+        local_throughput("mlp-2m", m["batch"], args.threads, m["source"], min(args.records_large, 20_000), fused=True)
+        for _ in range(PEER_RUNS))
     console.print(f"mlp-2m: ceiling with fused Adam {fused_ceiling:,.0f} samples/s")
     big_h = pipeline("mlp-2m", 1, args.threads, args.records_large, args.workdir / "mlp-2m-local", LOCAL_STEPS)
     big = results["mlp-2m"]
@@ -439,8 +457,8 @@ def main() -> None:
                                          target=TARGET, max_records=args.records_accuracy, fused=True)
     console.print(f"mlp-2m local loop, fused Adam: {TARGET:.0%} after {local_fused['seconds']:.2f} s "
                   f"({local_fused['records']:,} records)")
-    ours = time_to_accuracy(job_spec("mlp-2m", 1, args.threads, "tta"), m["source"], args.records_accuracy, TARGET,
-                            args.workdir / "tta")
+    ours = time_to_accuracy(job_spec("mlp-2m", 1, ONE_TRAINER_THREADS, "tta"), m["source"], args.records_accuracy,
+                            TARGET, args.workdir / "tta")
     console.print(f"mlp-2m pipeline, 1 trainer: {TARGET:.0%} after {ours['seconds']:.2f} s "
                   f"(reached: {ours['reached']}, final accuracy {ours['final_accuracy']:.3f})")
     h_spec = job_spec("mlp-2m", 1, args.threads, "tta-local", TTA_LOCAL_STEPS)
