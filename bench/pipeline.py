@@ -384,7 +384,8 @@ def main() -> None:
     parser.add_argument("--records-large", type=int, default=24_000, help="784-wide records per pipeline run")
     parser.add_argument("--records-accuracy", type=int, default=40_000,
                         help="most 784-wide records of the time-to-accuracy runs")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the ceilings and of one trainer with local steps on mlp-2m")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads of the ceilings and of one trainer with local steps on mlp-2m")
     parser.add_argument("--rate", type=float, default=2000.0, help="records/s of the recovery/freshness stream")
     parser.add_argument("--workdir", type=Path, default=_HERE / "results" / "pipeline-run")
     args = parser.parse_args()
