@@ -88,7 +88,7 @@ def test_the_outer_optimizer_is_torchs_nesterov_sgd_on_the_pseudo_gradients() ->
     assert OptimizerConfig.from_json(cfg.to_json()) == cfg
 
 
-def test_a_window_of_h_steps_pushes_the_parameters_difference_and_stays_where_it_ended() -> None:
+def test_a_window_of_h_steps_pushes_the_parameters_difference_and_returns_to_the_pull() -> None:
     replica = Replica(build_model("digits-mlp", seed=4), plan_device("cpu"))
     pulled = {n: p.detach().clone() for n, p in replica.params.items()}
     local = LocalSteps(replica.params, inner_optimizer(_config(), replica.params.values()), steps=4)
@@ -110,43 +110,10 @@ def test_a_window_of_h_steps_pushes_the_parameters_difference_and_stays_where_it
     for n, p in loop.named_parameters():
         torch.testing.assert_close(ended[n], p.detach())
         torch.testing.assert_close(delta[n], pulled[n] - p.detach())
-        assert torch.equal(replica.params[n].detach(), ended[n])  # the next window begins here, or on a pull
+        assert torch.equal(replica.params[n].detach(), pulled[n])  # back at the pull
     assert covered.offsets == {1: (10, 74)} and len(covered) == 64 and covered.produced_ts_ms == 197
     assert covered.samples == [("p", 0, 16), ("p", 16, 16), ("p", 32, 16), ("p", 48, 16)]
     assert not local.open
-
-
-def test_a_window_begun_before_the_last_one_was_applied_is_rebased_and_pushes_its_own_steps_only() -> None:
-    replica = Replica(build_model("digits-mlp", seed=6), plan_device("cpu"))
-    local = LocalSteps(replica.params, torch.optim.SGD(replica.params.values(), lr=0.1), steps=4)
-    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
-    local.begin()
-    replica.step(x, y, inner=local.inner)
-    local.stepped(_batch({0: (0, 8)}, 8))
-    first, _ = local.close()
-    ended = {n: p.detach().clone() for n, p in replica.params.items()}
-    local.begin(pending=7)  # the first window (clock 7) is on its way: begin where it ended
-    assert local.pending == 7
-    replica.step(x, y, inner=local.inner)
-    local.stepped(_batch({0: (8, 16)}, 8))
-    progress = {n: p.detach() - ended[n] for n, p in replica.params.items()}
-    assert any(v.abs().max() > 0 for v in progress.values())
-    # the servers applied the first window with their outer optimizer: not where its steps ended
-    pulled = {n: ended[n] + 0.5 * first[n] for n in ended}
-    local.rebase(pulled)
-    assert local.pending is None
-    for n, p in replica.params.items():
-        torch.testing.assert_close(p.detach(), pulled[n] + progress[n])
-    replica.step(x, y, inner=local.inner)
-    local.stepped(_batch({0: (16, 24)}, 8))
-    now = {n: p.detach().clone() for n, p in replica.params.items()}
-    second, covered = local.close()
-    for n in now:  # the steps since the pull and the two before it; nothing of the first window
-        torch.testing.assert_close(second[n], pulled[n] - now[n])
-    assert covered.offsets == {0: (8, 24)} and local.pending is None
-    assert (local.begun, local.begun_pending, local.rebased) == (2, 1, 1)
-    with pytest.raises(RuntimeError, match="begin"):
-        local.rebase(pulled)
 
 
 def test_a_discarded_window_leaves_the_replica_at_its_pull() -> None:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections import defaultdict
 from dataclasses import replace
@@ -35,10 +34,6 @@ from trainers.models import build_model
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 BATCH = 64
-
-
-_WINDOWS = re.compile(r"local steps: (\d+) of (\d+) windows began before the last one was applied, (\d+) were rebased")
-"""The line a trainer with local steps logs as it stops."""
 
 
 def applied_entries(cluster: LocalCluster) -> list[AccountingRecord]:
@@ -148,12 +143,6 @@ def test_two_ssp_trainers_with_local_steps_stay_within_the_bound_one_clock_per_p
     assert max(reported) <= s, reported
     assert_one_clock_per_push(entries, h)
     assert len({e.member_id for e in entries}) == 2
-    # windows began while the trainer's last one travelled, and were rebased once it was applied
-    windows = [tuple(map(int, found.groups())) for log in (tmp_path / "cluster").glob("trainer-*/trainer-*.log")
-               if (found := _WINDOWS.search(log.read_text(errors="replace")))]
-    assert len(windows) == 2, windows
-    assert sum(pending for pending, _, _ in windows) > 0, windows
-    assert all(rebased <= pending < begun for pending, begun, rebased in windows), windows
 
 
 def test_a_trainer_killed_in_a_window_of_local_steps_leaves_its_records_to_the_next_owner(tmp_path) -> None:

@@ -7,23 +7,10 @@ wait), takes H steps of its *inner optimizer* on its own replica (:func:`inner_o
 *pseudo-gradient* ``theta_pulled - theta_now`` with the offsets of every batch the H steps consumed,
 as one update at one clock (:func:`window_batch`). The parameter servers apply it with the *outer
 optimizer*, SGD with Nesterov momentum at ``outer_lr`` and ``outer_momentum``
-(:func:`server_optimizer`; DiLoCo's defaults 0.7 and 0.9). The inner optimizer's state lives on
-across windows, as each DiLoCo worker keeps its own.
-
-One window of a trainer's own is in flight at most: the next window's wait needs the trainer's
-windows up to the one before the last applied, not the last (and the consistency bound as ever). When
-the last one is applied already, the window begins on a pull (which holds it). Otherwise it begins
-where the last one's steps ended, and the trainer reads the clocks between its steps (every 2 ms at
-most); once the last window is applied it pulls and *rebases* the window in hand: its steps so far are
-carried onto the pulled parameters (:meth:`LocalSteps.rebase`). Every pseudo-gradient is taken from
-its own window's anchor, so a window's progress is pushed once, never twice (a window begun on a pull
-lacking the trainer's own last window, with its anchor at that pull, would push that progress again:
-one trainer under SSP s = 2 with H = 16 on digits ended at chance that way). The trainer computes
-while its last window travels and is applied, where it waited for it before: on mlp-2m with H = 64,
-16,819 and 17,266 samples/s against 15,957 and 16,249 (one trainer, alternating runs; on two cores the
-pull that rebases competes with the servers' apply). Under BSP the bound needs the last window applied
-anyway, so nothing overlaps there. Pulls with local steps go into a buffer of their own
-(``TrainerService._pulled``), as the replica runs ahead of them.
+(:func:`server_optimizer`; DiLoCo's defaults 0.7 and 0.9). Then the replica goes back to the
+parameters of its pull, so the next pull (of the deltas since that version) lands on what the
+parameter plane holds. The inner optimizer's state lives on across windows, as each DiLoCo worker
+keeps its own.
 
 The arithmetic, for one window of one trainer (``g_k`` the gradient of local step k)::
 
@@ -38,7 +25,7 @@ With H = 1, ``outer_lr`` 1, ``outer_momentum`` 0 and inner SGD without momentum,
 step pushes its gradient and the servers apply ``optimizer``.
 
 What a window is to the rest of the system: one push, so one clock (the clock bound counts windows,
-and the wait happens once per window, before its first step), and one update whose
+and the wait and the pull happen once per window, before its first step), and one update whose
 offsets cover every batch of the window, committed atomically with it. Records of a window never
 pushed (the trainer killed, its push refused, its partitions reassigned) are not committed: the next
 owner reads them again from the committed offsets, as it does a batch whose push never landed.
@@ -149,13 +136,6 @@ class LocalSteps:
     """The window of local steps in hand: the parameters at its start (the *anchor*), the batches its
     steps consumed, and the inner optimizer (whose state lives across windows).
 
-    A window may begin before this trainer's previous window is applied (:attr:`pending`: the clock
-    of that window). It then begins where the previous window's steps ended, and is *rebased*
-    (:meth:`rebase`) on the first pull that holds that window: the steps taken so far are carried
-    over onto the pulled parameters, which become the anchor. Its pseudo-gradient is always the
-    difference from its own anchor, so it holds this window's steps only, whether or not it was
-    rebased, and no window's progress is pushed twice.
-
     Not shared across threads at once: the shell begins a window and steps on its worker thread, and
     closes or discards it on its event loop, never while a step runs."""
 
@@ -169,15 +149,6 @@ class LocalSteps:
         """Steps per window (H)."""
         self.batches: list[Batch] = []
         """The batches of the window in hand, in order (a batch of dead-lettered records only too)."""
-        self.pending: int | None = None
-        """The clock of this trainer's own window that the window in hand waits for to be applied, to
-        be rebased on a pull that holds it; None when it began on such a pull, or was rebased."""
-        self.begun = 0
-        """Windows begun (and ticks' empty ones)."""
-        self.begun_pending = 0
-        """Of those, begun before this trainer's last window was applied."""
-        self.rebased = 0
-        """Windows rebased on a pull holding the last one."""
         self._anchor: dict[str, torch.Tensor] | None = None
 
     @property
@@ -190,31 +161,9 @@ class LocalSteps:
         """The window has taken its H steps: push it."""
         return len(self.batches) >= self.steps
 
-    def begin(self, pending: int | None = None) -> None:
-        """A window starts on the parameters the replica holds now: a pull holding every window of
-        this trainer pushed so far, or (``pending``: the clock of the last one, not applied yet) where
-        that window's steps ended."""
+    def begin(self) -> None:
+        """A window starts on the parameters the replica holds now (after the pull, if any)."""
         self._anchor = {name: p.detach().clone() for name, p in self.params.items()}
-        self.pending = pending
-        self.begun += 1
-        self.begun_pending += pending is not None
-
-    def rebase(self, pulled: Mapping[str, torch.Tensor]) -> None:
-        """The window in hand moves onto ``pulled`` (parameters holding the window it waited for):
-        the replica becomes ``pulled`` plus the steps taken since the anchor, and ``pulled`` the anchor.
-
-        Raises:
-            RuntimeError: no window was begun.
-        """
-        if self._anchor is None:
-            raise RuntimeError("rebase outside a window: begin() first")
-        with torch.no_grad():
-            for name, p in self.params.items():
-                anchor = self._anchor[name]
-                p.add_(pulled[name].to(p.device) - anchor)
-                anchor.copy_(pulled[name])
-        self.pending = None
-        self.rebased += 1
 
     def stepped(self, batch: Batch) -> None:
         """The window's inner optimizer stepped on ``batch`` (or it was empty: its offsets only).
@@ -228,8 +177,7 @@ class LocalSteps:
 
     def close(self) -> tuple[dict[str, torch.Tensor], Batch]:
         """End the window: its pseudo-gradient (``anchor - now`` per parameter, float32 on the CPU) and
-        its :func:`window_batch`. The replica stays where the steps ended: the next window begins
-        there, or on a pull holding this one.
+        its :func:`window_batch`; the replica goes back to the anchor.
 
         Raises:
             RuntimeError: no window is open.
@@ -239,13 +187,8 @@ class LocalSteps:
             raise RuntimeError("no window of local steps to close")
         anchor, batches = self._anchor, self.batches
         delta = {name: (anchor[name] - p.detach()).to("cpu", torch.float32) for name, p in self.params.items()}
-        try:
-            covered = window_batch(batches)
-        except ValueError:
-            self.discard()
-            raise
-        self._anchor, self.batches, self.pending = None, [], None
-        return delta, covered
+        self.discard()
+        return delta, window_batch(batches)
 
     def discard(self) -> None:
         """Drop the window in hand (its records are not pushed: they go to the next owner from the
@@ -256,4 +199,3 @@ class LocalSteps:
                     p.copy_(self._anchor[name])
         self._anchor = None
         self.batches = []
-        self.pending = None

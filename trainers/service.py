@@ -75,7 +75,7 @@ from services import (
     wait_for_clock,
     was_committed,
 )
-from services.consistency import ClockWait, Consistency, StalenessTimeout, read_clocks
+from services.consistency import ClockWait, Consistency, StalenessTimeout
 from services.embeddings import RowGrads
 
 from .device import plan_device
@@ -99,9 +99,6 @@ IDLE_S = 0.1
 """Pause of a turn with nothing to consume."""
 POLL_S = 0.2
 """Longest wait for a batch before the loop turns again."""
-REBASE_READ_S = 0.002
-"""A window of local steps begun before our previous window was applied reads the clocks at most this
-often (at most once a step) to learn that it was, and rebase on a pull that holds it."""
 LOCAL_STEPS_POLL_S = 0.002
 """Longest pause between two reads of the clocks while a window of local steps waits for its own
 previous window to be applied (once a window: a read every 2 ms costs the servers nothing that
@@ -243,11 +240,6 @@ class Trainer:
         """The pull for the next step while this one computes (``--overlap-pulls``; made on the first
         step that can use one, :mod:`trainers.prefetch`)."""
         self.local: LocalSteps | None = None
-        self._pulled: dict[str, torch.Tensor] = {}
-        """With local steps: what the last pull brought (the tensors of :attr:`snapshot`), apart from
-        the replica, which runs ahead of it by the window in hand."""
-        self._rebase_read = 0.0
-        """When a window waiting to be rebased last read the clocks (monotonic seconds)."""
         """The window of local steps with ``local_steps`` > 1 (set on joining); None: a push per step."""
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._heartbeat_lock = asyncio.Lock()
@@ -302,9 +294,6 @@ class Trainer:
         if self.ahead is not None:
             self.ahead.close()
             logger.info("%d of %d pulls ahead were taken by the next step", self.ahead.taken, self.ahead.started)
-        if self.local is not None:
-            logger.info("local steps: %d of %d windows began before the last one was applied, %d were rebased",
-                        self.local.begun_pending, self.local.begun, self.local.rebased)
         self._score_pool.shutdown(wait=False, cancel_futures=True)
         await self.coordinator.close()
         self.redis.close()
@@ -344,7 +333,6 @@ class Trainer:
         if config.local_steps > 1 and self.local is None:  # its inner state lives on through a new member id
             self.local = LocalSteps(self.replica.params, inner_optimizer(config, self.replica.params.values()),
                                     config.local_steps)
-            self._pulled = {name: t.detach().clone() for name, t in self.replica.tensors.items()}
         if self.tables:
             self.rows = RowFetcher(self.redis, self.settings.job, self.tables, meta.groups, self.row_cache)
         options = {"density": self.settings.topk_density} if "topk" in config.codec else {}
@@ -601,7 +589,8 @@ class Trainer:
         if done.wait is not None:
             state.waited(done.wait)
             self.progress.applied(done.wait.own_applied, time.time() * 1000)
-        if done.snapshot is not None:  # a window's first step, or a later one that rebased the window
+        if done.snapshot is not None:
+            assert done.wait is not None
             self.snapshot = done.snapshot
             assert done.covers is not None
             state.pulled(done.covers)
@@ -661,8 +650,8 @@ class Trainer:
         ahead = pulling.take(base, member_id) if pulling is not None else None  # pulled while the last step computed
         t_take = time.monotonic() - t0
         wait = None
-        # local steps: one window of our own in flight; the windows before it must be applied
-        own_through = clock - 2 if local is not None and clock - 2 >= own_from else None
+        # a window starts on its own previous windows: its pseudo-gradient is taken from its pull
+        own_through = clock - 1 if local is not None and clock - 1 >= own_from else None
         if opens:
             wait = wait_for_clock(self.redis, self.settings.job, member_id, clock,
                                   consistency=wait_consistency(dense, bound),
@@ -675,28 +664,11 @@ class Trainer:
             pulling.swap(self.replica.params, ahead)
             snapshot, base, covers = ahead.snapshot, ahead.snapshot, low_covered(ahead.low)
         newest = ahead is not None and wait is not None and wait.required is None  # ASP: take the newest ready
-        pending = None
-        if wait is not None and local is not None:
-            if clock - 1 < own_from or wait.own_applied >= clock - 1:  # holds every window we pushed
-                snapshot = self.store.pull(base, out=self._pulled)
-                covers = low_covered(wait.min_applied)
-                with torch.no_grad():
-                    for name, t in self.replica.tensors.items():
-                        t.copy_(self._pulled[name])
-            else:  # our last window is on its way: begin where its steps ended, rebase once it is applied
-                pending = clock - 1
-        elif wait is not None and len(batch) and not newest and needs_pull(covers, wait):
+        if wait is not None and (local is not None or (len(batch) and not newest and needs_pull(covers, wait))):
             snapshot = self.store.pull(base, out=self.replica.tensors)
             covers = low_covered(wait.min_applied)
         if opens and local is not None:
-            local.begin(pending)
-        elif local is not None and local.pending is not None and time.monotonic() - self._rebase_read >= REBASE_READ_S:
-            self._rebase_read = time.monotonic()
-            view = read_clocks(self.redis, self.settings.job, member_id)
-            if view.own_applied >= local.pending:  # read before the pull: the pull holds that window
-                snapshot = self.store.pull(base, out=self._pulled)
-                covers = low_covered(view.low)
-                local.rebase(self._pulled)
+            local.begin()
         if wait is not None and local is None and self.settings.overlap_pulls and overlaps(dense, 1):
             held = snapshot if snapshot is not None else base
             if held is not None:  # the pull for the next step, while this one computes
