@@ -45,7 +45,7 @@ def local_throughput(model: str, batch: int, threads: int, source: str, records:
         xs, ys = load_source(source, split="train").read(limit=records)
         x, y = torch.from_numpy(xs).float(), torch.from_numpy(ys).long()
         spec = build_model(model)
-        opt = torch.optim.Adam(spec.model.parameters(), lr=lr, fused=True if fused else None)
+        opt = torch.optim.Adam(spec.model.parameters(), lr=lr, fused=fused or None)
         steps = len(x) // batch
 
         def epoch(n: int) -> None:
@@ -159,8 +159,8 @@ def local_time_to_accuracy(model: str, batch: int, *, threads: int, source: str,
         if not spec.classification:
             raise ValueError(f"model {model!r} is not a classifier; accuracy is undefined")
         params = spec.model.parameters()
-        opt = (torch.optim.Adam(params, lr=lr, fused=True if fused else None) if optimizer == "adam"
-               else torch.optim.SGD(params, lr=lr, momentum=0.9, fused=True if fused else None))
+        opt = (torch.optim.Adam(params, lr=lr, fused=fused or None) if optimizer == "adam"
+               else torch.optim.SGD(params, lr=lr, momentum=0.9, fused=fused or None))
 
         def accuracy() -> float:
             with torch.no_grad():

@@ -267,6 +267,11 @@ def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float
             "updates": len(entries), "grad_bytes_per_update": sum(e.grad_bytes for e in entries) / len(entries)}
 
 
+def tta_ratio(loop: dict[str, Any], ours: dict[str, Any]) -> float:
+    """The loop's time to the target divided by the pipeline's (0 when the pipeline missed it)."""
+    return loop["seconds"] / ours["seconds"] if ours["reached"] and ours["seconds"] > 0 else 0.0
+
+
 def started_consuming(log_path: Path) -> float:
     """When a trainer first began consuming its partitions (seconds since the epoch): the time of the
     first ``consuming`` line in its log (``streamtrain.cli``'s format starts each line with
@@ -405,10 +410,9 @@ def main() -> None:
         ceil = max(local_throughput(model, m["batch"], args.threads, m["source"], min(records, 20_000))
                    for _ in range(PEER_RUNS))
         console.print(f"{model}: ceiling {ceil:,.0f} samples/s")
-        ddps = sorted((ddp_throughput(model, m["batch"], procs=2, threads=1, source=m["source"],
-                                      records=min(records, 20_000)) for _ in range(PEER_RUNS)),
-                      key=lambda r: r["samples_per_s"])
-        ddp = ddps[-1]
+        ddp = max((ddp_throughput(model, m["batch"], procs=2, threads=1, source=m["source"],
+                                  records=min(records, 20_000)) for _ in range(PEER_RUNS)),
+                  key=lambda r: r["samples_per_s"])
         console.print(f"{model}: DDP 2 x 1 thread {ddp['samples_per_s']:,.0f} samples/s")
         one = pipeline(model, 1, ONE_TRAINER_THREADS, records, args.workdir / f"{model}-1")
         console.print(f"{model}: 1 trainer {one['samples_per_s']:,.0f} samples/s ({_phases(one['step_ms'])})")
@@ -503,14 +507,10 @@ def main() -> None:
     console.print(f"wrote {RESULTS}")
     print(f"recovery after kill -9, median of {len(rf['recovery_s'])}: {rf['recovery_median_s']:.2f} s")
     print(f"freshness p99 at half capacity: {half['freshness_p99_s']:.3f} s")
-    # the local loop's time divided by the pipeline's, to the same accuracy (0 when the pipeline missed it)
-    tta = local["seconds"] / ours["seconds"] if ours["reached"] and ours["seconds"] > 0 else 0.0
-    tta_h = local["seconds"] / ours_h["seconds"] if ours_h["reached"] and ours_h["seconds"] > 0 else 0.0
-    print(f"ratio time to accuracy, mlp-2m, pipeline / local loop: {tta:.2f}")
-    print(f"ratio time to accuracy, mlp-2m, pipeline(H={TTA_LOCAL_STEPS}) / local loop: {tta_h:.2f}")
-    tta_fused = local_fused["seconds"] / ours_h["seconds"] if ours_h["reached"] and ours_h["seconds"] > 0 else 0.0
+    print(f"ratio time to accuracy, mlp-2m, pipeline / local loop: {tta_ratio(local, ours):.2f}")
+    print(f"ratio time to accuracy, mlp-2m, pipeline(H={TTA_LOCAL_STEPS}) / local loop: {tta_ratio(local, ours_h):.2f}")
     print(f"ratio time to accuracy, mlp-2m, pipeline(H={TTA_LOCAL_STEPS}) / local loop with fused Adam: "
-          f"{tta_fused:.2f}")
+          f"{tta_ratio(local_fused, ours_h):.2f}")
     print(f"ratio pipeline(1 trainer, H={LOCAL_STEPS})/ceiling, mlp-2m: {big['local_steps']['ratio']:.2f} "
           f"(against the ceiling with fused Adam: {big['local_steps']['ratio_fused']:.2f})")
     print(f"ratio 2 trainers / ddp, mlp-2m: {results['mlp-2m']['ratio_two_ddp']:.2f}")

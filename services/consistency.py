@@ -93,11 +93,15 @@ def starting_clock(client: redis.Redis, job: str, member_id: str) -> int:
     return read_job_clocks(client, job).starting_clock(member_id)
 
 
+MAX_POLL_S = 0.05
+"""The longest pause between two reads of the clocks while :func:`wait_for_clock` waits, by default."""
+
+
 def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
                    consistency: Consistency | None = None, timeout_s: float = 60.0,
                    poll_s: float = 0.0005, max_unapplied: int | None = None,
                    known: ClockWait | None = None, own_from: int | None = None,
-                   own_through: int | None = None, max_poll_s: float = 0.05) -> ClockWait:
+                   own_through: int | None = None, max_poll_s: float = MAX_POLL_S) -> ClockWait:
     """Block until a step at ``clock`` is allowed by the job's consistency model.
 
     Under ASP nobody waits for others; with ``max_unapplied`` a member still waits

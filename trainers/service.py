@@ -75,7 +75,7 @@ from services import (
     wait_for_clock,
     was_committed,
 )
-from services.consistency import ClockWait, Consistency, StalenessTimeout
+from services.consistency import MAX_POLL_S, ClockWait, Consistency, StalenessTimeout
 from services.embeddings import RowGrads
 
 from .device import plan_device
@@ -658,7 +658,7 @@ class Trainer:
                                   timeout_s=self.settings.staleness_timeout_s,
                                   max_unapplied=self.settings.max_unapplied,
                                   known=ahead.known(clock) if ahead is not None else known, own_from=own_from,
-                                  own_through=own_through, max_poll_s=LOCAL_STEPS_POLL_S if local else 0.05)
+                                  own_through=own_through, max_poll_s=LOCAL_STEPS_POLL_S if local else MAX_POLL_S)
         t1 = time.monotonic()
         if pulling is not None and ahead is not None:
             pulling.swap(self.replica.params, ahead)
