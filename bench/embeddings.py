@@ -63,8 +63,8 @@ from coordinator.settings import CoordinatorSettings
 from datastream import load_source, produce
 from datastream.examples import Examples
 from services import ParameterStore, connect
-from services.embeddings.store import pull_rows
 from services.protocol import AccountingRecord
+from services.tables.store import pull_rows
 from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec, LocalCluster
 from streamtrain.launcher import free_port
 from trainers.models import build_model
@@ -115,7 +115,7 @@ def local_loop(vocab: int, limit: int, threads: int) -> dict[str, Any]:
         rows += ids.size
         bag = torch.nn.EmbeddingBag(ids.size, DIM, mode="sum", sparse=True)
         with torch.no_grad():  # the same initial rows the parameter plane gives each ID
-            from services.embeddings import initial_rows
+            from services.tables import initial_rows
             bag.weight.copy_(torch.from_numpy(initial_rows(spec.tables[names.index(name)], ids)))
         bags[name] = bag
     index = {name: torch.from_numpy(np.searchsorted(maps[name], train.ids[name].values)) for name in names}

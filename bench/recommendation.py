@@ -24,7 +24,7 @@ steps, dense part SSP s = 2, batch 64 (the trainers' default).
 3. **The serving feed at half capacity**: two trainers consume while the producer streams at half
    the records/s two trainers reached in (2); a consumer polls ``GET /v1/model/updates`` every 50 ms
    and measures, for each changelog entry, the time from its apply (Redis's clock) to the answer
-   that carried it (``services.embeddings.feed_copy.measure_feed_lag``): p50 and p99.
+   that carried it (``coordinator.feed_copy.measure_feed_lag``): p50 and p99.
 
 Writes ``bench/results/recommendation.json``; prints the AUC gap last.
 
@@ -56,12 +56,12 @@ from rich.table import Table
 from sklearn.metrics import log_loss, roc_auc_score
 
 from common.keys import JobKeys
+from coordinator.feed_copy import fetch_changes, measure_feed_lag
 from coordinator.progressive import mean_auc
 from coordinator.settings import CoordinatorSettings
 from datastream import Examples, load_source, produce
-from services.embeddings import initial_rows
-from services.embeddings.feed_copy import fetch_changes, measure_feed_lag
 from services.protocol import AccountingRecord
+from services.tables import initial_rows
 from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec, LocalCluster
 from streamtrain.examples import EXAMPLES
 from streamtrain.scoring import score_job

@@ -257,14 +257,14 @@ class GroupKeys:
 
     def table_rows(self, table: str) -> str:
         """Hash: ID (8 little-endian bytes) -> the stored record of its row of embedding table
-        ``table`` (``services.embeddings.rows.row_dtype``: version, values, when it was written,
-        optimizer state), for the IDs this group owns (``services.embeddings.rows.group_of_ids``).
+        ``table`` (``services.tables.rows.row_dtype``: version, values, when it was written,
+        optimizer state), for the IDs this group owns (``services.tables.rows.group_of_ids``).
         Bounded by the table's expiry and row cap."""
         return self.key("rows", table)
 
     def table_seen(self, table: str) -> str:
         """Hash: ID -> how often, and when last, a gradient arrived for an ID of table ``table`` that
-        has no row yet (``services.embeddings.rows.SEEN_DTYPE``); deleted when the ID is admitted,
+        has no row yet (``services.tables.rows.SEEN_DTYPE``); deleted when the ID is admitted,
         and expired like the rows."""
         return self.key("seen", table)
 
@@ -277,14 +277,14 @@ class GroupKeys:
 
     def rows_blob(self, token: str) -> str:
         """Gradient rows, for this group's rows, of the pushed update ``token``
-        (``services.embeddings.grads``); deleted by the group's apply of the update (which writes its rows
+        (``services.tables.grads``); deleted by the group's apply of the update (which writes its rows
         with their optimizer state), or swept with the shard blobs of an abandoned push."""
         return self.key("grad", token, "rows")
 
     @property
     def table_cut(self) -> str:
         """String ``"<version> <owner> <blobs>"``: a checkpoint is saving this group's tables as of
-        group version ``<version>`` (``services.checkpoint``). While it is set, the applies and the
+        group version ``<version>`` (``services.snapshot.checkpoint``). While it is set, the applies and the
         sweeps copy every row record of at most that version, and every sighting record, into the
         shadows (:meth:`table_shadow`, :meth:`seen_shadow`) before they overwrite or delete it, and
         with ``<blobs>`` = 1 the row-gradient blobs they delete into :attr:`rows_blob_shadow`. Set
@@ -315,7 +315,7 @@ class GroupKeys:
     @property
     def feed(self) -> str:
         """Stream: the changelog of the group's rows, which a serving system follows
-        (``services.embeddings.feed``). Entry ``<n>-0`` is the group's feed position n (1, 2, 3, ...),
+        (``services.tables.feed``). Entry ``<n>-0`` is the group's feed position n (1, 2, 3, ...),
         written by the same script as what it records: one per apply that bumps the group version
         (fields ``v`` the version, ``ms`` Redis's time in ms, ``d`` 1 when dense shards changed, and
         ``w:<table>`` the IDs of the rows written, 8 little-endian bytes each), one per sweep step

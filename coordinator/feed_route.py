@@ -3,13 +3,13 @@ what a serving system needs of the embedding tables, beside ``GET /v1/model``'s 
 
 - ``/v1/model/updates?since=P[&limit=N][&dense=0]``: the changes since feed position ``P`` (one integer
   per shard group joined by '.', like a version name; ``0`` per group: from the start) as safetensors
-  (``services.embeddings.feed``): per table ``<table>.ids``, ``<table>.values``, ``<table>.removed``,
+  (``services.tables.feed``): per table ``<table>.ids``, ``<table>.values``, ``<table>.removed``,
   and the dense tensors by parameter name when a shard changed in the range (not with ``dense=0``:
   ``X-Dense-Changed`` says when to fetch ``/v1/model``). ``X-Feed-Position`` is
   the position reached (the next ``since``), ``X-Feed-Head`` each group's newest (equal: caught up),
   ``X-Model-Version`` the groups' versions at the read. No change: 200 with empty tensors, the
   position unchanged (one form for every answer). ``limit``: most entries per group (default
-  ``services.embeddings.feed.FEED_LIMIT``). 410 ``feed_gone`` (with ``oldest`` and ``current``) when
+  ``services.tables.feed.FEED_LIMIT``). 410 ``feed_gone`` (with ``oldest`` and ``current``) when
   the feed no longer holds every change after ``P``; 404 ``position_not_found`` (with ``current``)
   for a position past the newest or of another number of groups; 400 ``invalid_query`` otherwise.
 - ``/v1/embeddings/<table>?ids=1,2,3``: those rows as they are now, as JSON (an ID without a row: its
@@ -75,8 +75,8 @@ def _translate(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` with the parameter plane's refusals turned into API errors (on the reader's thread)."""
     @functools.wraps(fn)
     def call(*args: Any) -> T:
-        from services.embeddings.feed import FeedAheadError, FeedGoneError, position_name
-        from services.export import NoModelError
+        from services.snapshot.export import NoModelError
+        from services.tables.feed import FeedAheadError, FeedGoneError, position_name
         try:
             return fn(*args)
         except NoModelError as exc:
@@ -91,7 +91,7 @@ def _translate(fn: Callable[..., T]) -> Callable[..., T]:
 
 def _meta(client: redis.Redis, job: str) -> Any:
     from common.keys import JobKeys
-    from services.export import NoModelError
+    from services.snapshot.export import NoModelError
     from services.store import ModelMeta
     raw = client.get(JobKeys(job).meta)
     if raw is None:
@@ -104,7 +104,8 @@ def _updates(client: redis.Redis, job: str, since_text: str, limit: int, with_de
              ) -> tuple[bytes, str, str, str, int, bool]:
     """(body, position reached, heads, versions, entries, dense changed) of the changes since ``since_text``
     (the dense tensors in the body when they changed and ``with_dense``)."""
-    from services.embeddings.feed import (
+    from services.snapshot.export import snapshot
+    from services.tables.feed import (
         FeedAheadError,
         changes_to_safetensors,
         feed_heads,
@@ -112,7 +113,6 @@ def _updates(client: redis.Redis, job: str, since_text: str, limit: int, with_de
         position_name,
         read_changes,
     )
-    from services.export import snapshot
     meta = _meta(client, job)
     try:
         since = parse_position(since_text, meta.groups)
@@ -141,7 +141,7 @@ async def get_updates(request: web.Request) -> web.Response:
     if not _POSITION.fullmatch(since):
         raise ApiError(400, "invalid_query", f"since must be a feed position (non-negative integers of at most 18 "
                                              f"digits joined by '.', one per shard group), got {since[:100]!r}")
-    from services.embeddings.feed import FEED_LIMIT
+    from services.tables.feed import FEED_LIMIT
     limit = FEED_LIMIT
     if "limit" in from_query:
         raw = from_query["limit"]
@@ -166,7 +166,7 @@ async def get_updates(request: web.Request) -> web.Response:
 def _rows(client: redis.Redis, job: str, table: str, ids: list[int]) -> dict[str, Any]:
     import numpy as np
 
-    from services.embeddings.store import pull_rows
+    from services.tables.store import pull_rows
     meta = _meta(client, job)
     specs = {t.name: t for t in meta.tables}
     if table not in specs:

@@ -1,11 +1,11 @@
 """``GET /v1/model``: the job's model, one consistent version, as a safetensors file.
 
-The bytes come from :mod:`services.export` (the same code as ``streamtrain
+The bytes come from :mod:`services.snapshot.export` (the same code as ``streamtrain
 export``): each shard group is read in one MULTI/EXEC, its shards rebuilt at
 the group's version, and the tensors named by parameter, so
 ``module.load_state_dict(safetensors.torch.load_file(path))`` loads them.
 
-- A version is named as :func:`services.export.version_name` writes it: the
+- A version is named as :func:`services.snapshot.export.version_name` writes it: the
   plain integer with one shard group (``1200``), each group's version joined
   by '.' with several (``12.7``, group 0's first).
 - ``X-Model-Version`` names the version, ``ETag`` is ``"<job>-v<version>"``;
@@ -119,16 +119,16 @@ def _requested_version(request: web.Request) -> str | None:
 
 def _json_version(version: tuple[int, ...]) -> int | str:
     """A version in an error's JSON: the integer with one group (as before groups), else its name."""
-    from services.export import version_name
+    from services.snapshot.export import version_name
     return version[0] if len(version) == 1 else version_name(version)
 
 
 def _translate(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` with the export's refusals turned into API errors (in the export thread, where
-    :mod:`services.export` is imported)."""
+    :mod:`services.snapshot.export` is imported)."""
     @functools.wraps(fn)
     def call(*args: Any) -> T:
-        from services.export import BadVersionError, NoModelError, VersionGoneError, VersionNotFoundError
+        from services.snapshot.export import BadVersionError, NoModelError, VersionGoneError, VersionNotFoundError
         try:
             return fn(*args)
         except NoModelError as exc:
@@ -147,7 +147,7 @@ def _translate(fn: Callable[..., T]) -> Callable[..., T]:
 def _resolve(client: redis.Redis, job: str, requested: str | None) -> tuple[tuple[int, ...] | None, str]:
     """The version ``requested`` names, parsed (None: the current one), and the name of the version
     it resolves to now; cheap: no shards."""
-    from services.export import BadVersionError, parse_version, resolve_version, retained, version_name
+    from services.snapshot.export import BadVersionError, parse_version, resolve_version, retained, version_name
     kept = retained(client, job)
     try:
         want = None if requested is None else parse_version(requested, len(kept.current), job=job)
@@ -161,7 +161,7 @@ def _resolve(client: redis.Redis, job: str, requested: str | None) -> tuple[tupl
 
 @_translate
 def _export(client: redis.Redis, job: str, requested: tuple[int, ...] | None) -> tuple[str, bytes]:
-    from services.export import snapshot, to_safetensors_bytes, version_name
+    from services.snapshot.export import snapshot, to_safetensors_bytes, version_name
     version, tensors = snapshot(client, job, requested)
     return version_name(version), to_safetensors_bytes(tensors, job=job, version=version)
 

@@ -70,28 +70,26 @@ __all__ = [
 ]
 
 lazy_exports(__name__, __all__, {
-    ".checkpoint": ("restore_checkpoint", "save_checkpoint"),
+    ".snapshot.checkpoint": ("restore_checkpoint", "save_checkpoint"),
     ".codecs": ("CodecChain", "Sent", "decode_gradient", "decode_sent", "get_codec"),
     ".clocks": ("ClockWait", "JobClocks"),
     ".consistency": ("Consistency", "StalenessTimeout", "read_job_clocks", "starting_clock", "wait_for_clock"),
-    ".encoder": ("Feedback", "Prepared", "Pusher", "PushResult"),
+    ".push.encoder": ("Feedback", "Prepared", "Pusher", "PushResult"),
     ".errors": ("BackpressureError", "BadGradientError", "CheckpointError", "FencedError", "LayoutError",
                 "OffsetConflictError", "ParameterPlaneError", "PayloadError", "UnknownCodecError"),
     ".layout": ("Layout", "ShardSpec", "TensorSpec"),
     ".optim": ("OPTIMIZERS", "OptimizerConfig"),
-    ".server": ("ParameterServer", "ServerStatus"),
+    ".server.service": ("ParameterServer", "ServerStatus"),
     ".settings": ("ServerSettings",),
     ".store": ("ModelMeta", "ParameterStore", "Snapshot", "connect"),
     ".protocol": ("Update",),
-    ".updates": ("committed_offsets", "push_update", "unapplied_updates", "was_committed"),
+    ".push.updates": ("committed_offsets", "push_update", "unapplied_updates", "was_committed"),
 })
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers (tests/test_structure.py keeps the two alike)
-    from .checkpoint import restore_checkpoint, save_checkpoint
     from .clocks import ClockWait, JobClocks
     from .codecs import CodecChain, Sent, decode_gradient, decode_sent, get_codec
     from .consistency import Consistency, StalenessTimeout, read_job_clocks, starting_clock, wait_for_clock
-    from .encoder import Feedback, Prepared, Pusher, PushResult
     from .errors import (
         BackpressureError,
         BadGradientError,
@@ -106,7 +104,9 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers (tests/test_stru
     from .layout import Layout, ShardSpec, TensorSpec
     from .optim import OPTIMIZERS, OptimizerConfig
     from .protocol import Update
-    from .server import ParameterServer, ServerStatus
+    from .push.encoder import Feedback, Prepared, Pusher, PushResult
+    from .push.updates import committed_offsets, push_update, unapplied_updates, was_committed
+    from .server.service import ParameterServer, ServerStatus
     from .settings import ServerSettings
+    from .snapshot.checkpoint import restore_checkpoint, save_checkpoint
     from .store import ModelMeta, ParameterStore, Snapshot, connect
-    from .updates import committed_offsets, push_update, unapplied_updates, was_committed

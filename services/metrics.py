@@ -25,11 +25,11 @@ from prometheus_client.registry import Collector
 from common.keys import JobKeys
 from common.redis_client import connect
 
-from .updates import unapplied_updates
+from .push.updates import unapplied_updates
 
 if TYPE_CHECKING:
-    from .apply import Outcome
-    from .embeddings.apply import TableWrites
+    from .server.apply import Outcome
+    from .tables.apply import TableWrites
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class MeteredSettings(Protocol):
 
 class MeteredServer(Protocol):
     """What :class:`ServerMetrics` reads of a parameter server, so this module needs no import
-    of ``services.server`` (whose ``ParameterServer`` is one)."""
+    of ``services.server.service`` (whose ``ParameterServer`` is one)."""
 
     @property
     def settings(self) -> MeteredSettings:

@@ -24,7 +24,7 @@ Weight decay is *decoupled* (AdamW/SGDW: ``p -= lr * wd * p`` on the
 coordinates a step touches). So the optimizer state (momentum, m, v) is a
 function of the gradients alone, never of the parameters: a restarted server
 rebuilds it by replaying the logged gradients since its last persisted state
-(``services.server``), whatever the parameters are.
+(``services.server.service``), whatever the parameters are.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class Update:
     """Encoded gradient bytes of all its shards and rows (set by the push)."""
     rows: Mapping[int, bytes] = field(default_factory=dict)
     """Group -> the gradient rows of the group's rows of embedding tables
-    (``services.embeddings.grads``). Empty in an update read back from the log until its blobs are
+    (``services.tables.grads``). Empty in an update read back from the log until its blobs are
     loaded."""
     tables: tuple[str, ...] = ()
     """Embedding tables the update carries gradient rows for (each group counts a step of each,
@@ -207,7 +207,7 @@ class Update:
     @classmethod
     def from_fields(cls, entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Update:
         """The update of ``update_log`` entry ``entry_id``, without its gradients (``shards`` names
-        them; ``services.updates.load_gradients`` reads them).
+        them; ``services.push.updates.load_gradients`` reads them).
 
         Raises:
             PayloadError: the header is missing or malformed (the message names the entry).

@@ -14,7 +14,7 @@ holds:
 
 **Versions.** Each group has its own version; a model version is the vector
 of them (:attr:`Snapshot.group_versions`, named ``12.7`` by
-:func:`services.export.version_name`). Their sum (:attr:`Snapshot.version`)
+:func:`services.snapshot.export.version_name`). Their sum (:attr:`Snapshot.version`)
 grows with every apply of any group, so it orders a reader's successive
 snapshots, but it names no model: ``12.7`` and ``11.8`` have the same sum
 (``docs/serving.md``). Shard ``i`` at group
@@ -52,11 +52,11 @@ from redis.typing import FieldT
 from common.keys import JobKeys
 
 from .deltas import apply_deltas
-from .embeddings.spec import TableSpec, tables_from_json, tables_to_json, validate_tables
 from .errors import LayoutError
 from .layout import DEFAULT_SHARD_ELEMS, Layout, ShardSpec, make_layout
 from .optim import OptimizerConfig, slots
 from .protocol import own_shards
+from .tables.spec import TableSpec, tables_from_json, tables_to_json, validate_tables
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class ModelMeta:
     ``services.protocol.group_of(i, groups)``)."""
     tables: tuple[TableSpec, ...] = ()
     """The model's embedding tables (rows live only in Redis; row ``id`` of a table belongs to group
-    ``services.embeddings.group_of_ids([id], groups)``)."""
+    ``services.tables.group_of_ids([id], groups)``)."""
 
     def to_json(self) -> str:
         """Stored form (``tables`` only when the model has some: a dense model's meta is as before)."""

@@ -20,9 +20,9 @@ from common.settings import SettingsError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("streamtrain.up", "bring everything up locally and train from a stream"),
-    "ps": ("services.cli_ps", "run a parameter server applying a job's update log"),
-    "checkpoint": ("services.cli_checkpoint", "save or restore a job's parameter-plane checkpoint"),
-    "export": ("services.cli_export", "write a job's model (one consistent version) to a safetensors file"),
+    "ps": ("services.server.cli", "run a parameter server applying a job's update log"),
+    "checkpoint": ("services.snapshot.cli_checkpoint", "save or restore a job's parameter-plane checkpoint"),
+    "export": ("services.snapshot.cli_export", "write a job's model (one consistent version) to a safetensors file"),
     "produce": ("datastream.cli", "stream a source into a training topic as shards"),
     "trainer": ("trainers.cli", "run a trainer: consume partitions, compute and push gradients"),
     "coordinator": ("coordinator.cli", "run the coordinator: membership, leases, assignment, status"),

@@ -11,7 +11,7 @@ import torch
 
 from datastream import load_source
 from services import ParameterStore, connect
-from services.embeddings.store import pull_rows
+from services.tables.store import pull_rows
 from trainers import EvalResult, build_model, evaluate
 from trainers.tables import table_inputs
 

@@ -33,7 +33,7 @@ job token, or ``streamtrain export``, fetch the model while it trains. A Redis
 password or tokens set in the environment (``STREAMTRAIN_REDIS_PASSWORD``,
 ``STREAMTRAIN_JOB_TOKEN``, ``STREAMTRAIN_ADMIN_TOKEN``) are used instead of fresh
 random ones. With ``--model-out FILE`` the final model is written there as
-safetensors when the run ends (:func:`services.export.export_model`). The folder,
+safetensors when the run ends (:func:`services.snapshot.export.export_model`). The folder,
 and the file with it, is removed when ``up`` ends.
 
 **Exit status** (:func:`exit_code`): 0 when the run ended as asked — a target
@@ -273,7 +273,7 @@ def _write_model(cluster: LocalCluster, path: str) -> str:
     """Export the job's current model to ``path`` (safetensors, :func:`services.export_model`);
     returns its version's name."""
     from common.redis_client import connect
-    from services.export import export_model, version_name
+    from services.snapshot.export import export_model, version_name
 
     client = connect(cluster.redis_url)
     try:

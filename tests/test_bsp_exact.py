@@ -20,8 +20,8 @@ import torch
 from coordinator.settings import CoordinatorSettings
 from datastream import load_source, produce
 from services import ParameterStore, connect
-from services.embeddings import initial_rows
-from services.embeddings.store import pull_rows
+from services.tables import initial_rows
+from services.tables.store import pull_rows
 from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec, LocalCluster
 from trainers.models import build_model
 

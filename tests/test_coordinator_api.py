@@ -29,7 +29,7 @@ from coordinator.state import JobConfig, Store, check_fence, parse_assignment
 from coordinator.testing import running_coordinator
 from coordinator.validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field
 from services import ParameterStore
-from services.embeddings import TableSpec
+from services.tables import TableSpec
 from streamtrain.launcher import await_until
 
 JOB = "job1"

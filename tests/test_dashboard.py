@@ -29,7 +29,7 @@ from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
 from services import ParameterStore
-from services.embeddings import TableSpec
+from services.tables import TableSpec
 from streamtrain.launcher import await_until
 
 pytestmark = pytest.mark.timeout(180)  # the first Kafka test of a session starts the broker

@@ -17,10 +17,10 @@ from test_services_util import accounting_left, gradient_blobs, set_membership, 
 
 from common.keys import JobKeys
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, ServerStatus
-from services.embeddings import RowGrads, RowOptimizerConfig, TableSpec, group_of_ids, initial_rows, step_rows
-from services.embeddings.rows import row_dtype
-from services.embeddings.store import pull_rows
 from services.errors import BadGradientError, LayoutError
+from services.tables import RowGrads, RowOptimizerConfig, TableSpec, group_of_ids, initial_rows, step_rows
+from services.tables.rows import row_dtype
+from services.tables.store import pull_rows
 from streamtrain.launcher import wait_until
 
 JOB = "tables"
@@ -274,8 +274,8 @@ def test_row_gradients_travel_as_float16_when_asked(redis: redis_lib.Redis, redi
 
 def test_rows_expire_and_the_row_cap_evicts_the_least_recently_written(redis: redis_lib.Redis) -> None:
     """The sweep on rows written by hand at known times (the same records an apply writes)."""
-    from services.embeddings.rows import SEEN_DTYPE, id_bytes
-    from services.embeddings.store import sweep_rows
+    from services.tables.rows import SEEN_DTYPE, id_bytes
+    from services.tables.store import sweep_rows
 
     spec = TableSpec("t", 2, expire_after_s=60.0, max_rows=50)
     gk = JobKeys("sweep").group(0)

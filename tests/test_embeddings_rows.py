@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.embeddings import (
+from services.errors import BadGradientError, PayloadError
+from services.tables import (
     RowGrads,
     RowOptimizerConfig,
     TableSpec,
@@ -21,11 +22,10 @@ from services.embeddings import (
     tables_from_json,
     tables_to_json,
 )
-from services.embeddings.apply import RowBatch
-from services.embeddings.rows import SEEN_DTYPE
-from services.embeddings.spec import validate_tables
-from services.embeddings.store import LoadedRows
-from services.errors import BadGradientError, PayloadError
+from services.tables.apply import RowBatch
+from services.tables.rows import SEEN_DTYPE
+from services.tables.spec import validate_tables
+from services.tables.store import LoadedRows
 
 
 def test_a_spec_round_trips_and_defaults_its_feature_to_its_name() -> None:

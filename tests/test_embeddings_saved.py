@@ -25,16 +25,16 @@ from services import (
     ParameterStore,
     Pusher,
     ServerSettings,
-    checkpoint_cut,
     restore_checkpoint,
     save_checkpoint,
 )
-from services.checkpoint_tables import SavedPiece, tables_folder
-from services.embeddings import TableSpec
-from services.embeddings.feed import FeedGoneError, feed_heads, read_group
-from services.embeddings.rows import SEEN_DTYPE, row_dtype
-from services.embeddings.store import sweep_rows
 from services.errors import CheckpointError
+from services.snapshot import cut as checkpoint_cut
+from services.snapshot.checkpoint_tables import SavedPiece, tables_folder
+from services.tables import TableSpec
+from services.tables.feed import FeedGoneError, feed_heads, read_group
+from services.tables.rows import SEEN_DTYPE, row_dtype
+from services.tables.store import sweep_rows
 from streamtrain import cli
 
 JOB = "saved"

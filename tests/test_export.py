@@ -26,7 +26,7 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
 from datastream import load_source
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings
-from services.export import (
+from services.snapshot.export import (
     BadVersionError,
     NoModelError,
     Retained,

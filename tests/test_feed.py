@@ -16,11 +16,14 @@ from test_embeddings import ITEM, USER, applied, batch_rows, push_rows, setup
 from test_services_util import small_model
 
 from common.keys import JobKeys
+from coordinator.feed_copy import FeedCopy, lag_of
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
 from services import ParameterServer, Pusher, ServerSettings, ServerStatus
-from services.embeddings import TableSpec, initial_rows
-from services.embeddings.feed import (
+from services.snapshot.export import snapshot
+from services.snapshot.table_export import export_tables
+from services.tables import TableSpec, initial_rows
+from services.tables.feed import (
     FeedAheadError,
     FeedGoneError,
     changes_from_safetensors,
@@ -30,11 +33,8 @@ from services.embeddings.feed import (
     read_changes,
     read_group,
 )
-from services.embeddings.feed_copy import FeedCopy, lag_of
-from services.embeddings.rows import id_bytes, row_dtype
-from services.embeddings.store import sweep_rows
-from services.export import snapshot
-from services.table_export import export_tables
+from services.tables.rows import id_bytes, row_dtype
+from services.tables.store import sweep_rows
 from streamtrain.launcher import wait_until
 
 JOB = "feed"

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from common.keys import JobKeys
+from coordinator.feed_copy import FeedCopy, fetch_changes, lag_of
 from coordinator.settings import CoordinatorSettings
 from services import ServerSettings, connect
-from services.embeddings.feed_copy import FeedCopy, fetch_changes, lag_of
-from services.embeddings.rows import row_dtype
 from services.store import ModelMeta
+from services.tables.rows import row_dtype
 from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster
 from streamtrain.launcher import wait_until
 

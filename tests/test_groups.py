@@ -13,8 +13,8 @@ import torch
 from test_services_server import JOB, applied, expected_params, grads_for, push_n, setup
 from test_services_util import accounting_left, gradient_blobs, set_membership
 
-import services.apply
-import services.updates
+import services.push.updates
+import services.server.apply
 from common.keys import JobKeys
 from services import (
     BackpressureError,
@@ -29,7 +29,7 @@ from services import (
     push_update,
     unapplied_updates,
 )
-from services.apply import finish_accounting
+from services.server.apply import finish_accounting
 from streamtrain.launcher import wait_until
 
 KEYS = JobKeys(JOB)
@@ -77,14 +77,14 @@ def test_a_server_killed_between_its_halves_finishes_the_accounting_on_restart(
     assert len(accounting_left(redis, JOB)) == 4
 
     doomed = group_server(redis, redis_url, 1)
-    account = services.apply._account
+    account = services.server.apply._account
 
     def killed(*args: object, **kwargs: object) -> object:
         if when == "after-accounting":
             account(*args, **kwargs)  # recorded, but the server dies before it hears so
         raise Killed
 
-    monkeypatch.setattr(services.apply, "_account", killed)
+    monkeypatch.setattr(services.server.apply, "_account", killed)
     with pytest.raises(Killed):
         doomed.step()
     monkeypatch.undo()
@@ -151,7 +151,7 @@ def test_the_blobs_of_an_abandoned_push_are_swept_after_the_grace(
     def dies(*args: object, **kwargs: object) -> object:
         raise redis_lib.ConnectionError("the pusher died before its push")
 
-    monkeypatch.setattr(services.updates, "execute_with_script", dies)
+    monkeypatch.setattr(services.push.updates, "execute_with_script", dies)
     with pytest.raises(redis_lib.ConnectionError):
         pusher.push(grads_for(2), generation=1, clock=2, offsets={0: (10, 20)})
     monkeypatch.undo()
@@ -238,15 +238,15 @@ def test_a_server_whose_accounting_another_server_of_its_group_overtook_carries_
     store = setup(redis, cfg, groups=2)
     push_n(redis, range(1, 3))
     x, y = (group_server(redis, redis_url, 0, batch=1) for _ in range(2))
-    account = services.apply._account
+    account = services.server.apply._account
 
     def delayed(*args: object, **kwargs: object) -> object:
-        monkeypatch.setattr(services.apply, "_account", account)
+        monkeypatch.setattr(services.server.apply, "_account", account)
         assert y.step() == 0  # lost the compare-and-set to x: reloaded, recording x's plan
         assert y.step() == 1  # the next update: the group's accounting is past x's plan
         return account(*args, **kwargs)
 
-    monkeypatch.setattr(services.apply, "_account", delayed)
+    monkeypatch.setattr(services.server.apply, "_account", delayed)
     assert x.step() == 1
     assert x.step() == 0 and x.step() == 0  # lost the compare-and-set to y, reloaded: nothing left
     other = group_server(redis, redis_url, 1)

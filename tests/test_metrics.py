@@ -37,9 +37,9 @@ from datastream import produce
 from datastream.consumer import ConsumerStats
 from datastream.records import DecodeError, decode_record
 from services import OptimizerConfig, ParameterServer, Pusher, ServerSettings
-from services.apply import Outcome
 from services.metrics import MetricsServer, ServerMetrics
 from services.protocol import Update
+from services.server.apply import Outcome
 from streamtrain.launcher import wait_until
 from trainers.evaluate import EvalResult
 from trainers.metrics import TrainerMetrics, TrainerReport

@@ -23,7 +23,6 @@ import redis as redis_lib
 
 from common.fence import fence_token, parse_fence_token
 from common.keys import JobKeys
-from services.apply import Outcome, write_batch
 from services.errors import PayloadError
 from services.layout import make_layout
 from services.protocol import (
@@ -48,6 +47,7 @@ from services.scripts import (
     ShardPlan,
     ShardPublish,
 )
+from services.server.apply import Outcome, write_batch
 
 LUA = Path(__file__).resolve().parents[1] / "services" / "lua"
 JOB = "protocol"

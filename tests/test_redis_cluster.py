@@ -286,8 +286,8 @@ def test_a_table_spreads_over_the_nodes_and_servers(redis_cluster: RedisCluster,
     IDs reads them back (one round trip per group)."""
     import numpy as np
 
-    from services.embeddings import RowGrads, TableSpec, group_of_ids
-    from services.embeddings.store import pull_rows
+    from services.tables import RowGrads, TableSpec, group_of_ids
+    from services.tables.store import pull_rows
 
     job = spread_job(client, 3)
     keys = JobKeys(job)
@@ -313,7 +313,7 @@ def test_a_table_spreads_over_the_nodes_and_servers(redis_cluster: RedisCluster,
     pulled = pull_rows(client, job, {"user": table}, 3, {"user": ids})
     assert pulled.tables["user"].present.all() and sorted(pulled.group_versions) == [0, 1, 2]
     # the feed: each group's changelog on its master, read there with the rows it names
-    from services.embeddings.feed import read_changes
+    from services.tables.feed import read_changes
     assert all(client.get_node_from_key(keys.group(g).feed).name == client.get_node_from_key(keys.group(g).version).name
                for g in range(3))
     changes = read_changes(client, job, (table,), (0, 0, 0))
@@ -330,8 +330,8 @@ def test_a_checkpoint_and_an_export_of_a_table_on_the_cluster(redis_cluster: Red
     import safetensors.numpy
 
     from services import restore_checkpoint, save_checkpoint
-    from services.embeddings import RowGrads, TableSpec
-    from services.table_export import export_tables
+    from services.snapshot.table_export import export_tables
+    from services.tables import RowGrads, TableSpec
 
     job = spread_job(client, 2)
     table = TableSpec("user", 4)

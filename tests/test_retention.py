@@ -39,7 +39,7 @@ from coordinator.membership import (
 from coordinator.state import JobConfig, Store
 from datastream import encode_json_record
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings
-from services.apply import Housekeeping, write_batch
+from services.server.apply import Housekeeping, write_batch
 from streamtrain.accounting import audit
 
 JOB = "retention"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.embeddings import TableSpec
+from services.tables import TableSpec
 from trainers.rowcache import RowCache, TableBound
 
 TABLES = {"t": TableSpec("t", 2)}

@@ -20,13 +20,13 @@ from services import (
     ParameterStore,
     Pusher,
     ServerSettings,
-    checkpoint_cut,
     restore_checkpoint,
     save_checkpoint,
     unapplied_updates,
 )
-from services import apply as apply_module
-from services.checkpoint import FORMAT, CheckpointError
+from services.server import apply as apply_module
+from services.snapshot import cut as checkpoint_cut
+from services.snapshot.checkpoint import FORMAT, CheckpointError
 from streamtrain import cli
 from streamtrain.launcher import wait_until
 

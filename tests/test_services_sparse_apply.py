@@ -12,7 +12,7 @@ from services.codecs import decode_sent, decode_sents
 from services.codecs.sparse import varint_decode, varint_encode
 from services.layout import make_layout
 from services.optim import sparse_steps, step
-from services.updates import validate_gradients
+from services.push.updates import validate_gradients
 from services.wire import pack, unpack
 
 

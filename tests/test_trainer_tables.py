@@ -11,7 +11,7 @@ from sklearn.metrics import log_loss, roc_auc_score
 from datastream import movielens
 from datastream.jagged import Jagged
 from services.consistency import Consistency
-from services.embeddings import TableSpec
+from services.tables import TableSpec
 from trainers.evaluate import evaluate
 from trainers.models import build_model
 from trainers.ranking import Dlrm, binary_logistic_loss

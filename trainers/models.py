@@ -12,7 +12,7 @@ that returns ``(model, loss_fn)`` — an ``nn.Module`` and a callable
 ``loss_fn(output, target) -> scalar tensor``.
 
 **Models with embedding tables.** A model whose module has a ``tables``
-attribute (a sequence of ``services.embeddings.TableSpec``) keeps its tables
+attribute (a sequence of ``services.tables.TableSpec``) keeps its tables
 in the parameter plane: its parameters are only the dense part, and its
 ``forward(x, pooled)`` takes, beside the dense features ``x``, each table
 feature's rows already pooled per record (``pooled[feature]``: ``[n, dim]``).
@@ -31,8 +31,8 @@ from urllib.parse import parse_qsl
 import torch
 from torch import nn
 
-from services.embeddings import TableSpec
-from services.embeddings.spec import validate_tables
+from services.tables import TableSpec
+from services.tables.spec import validate_tables
 
 from .ranking import binary_logistic_loss, dlrm_from_options
 

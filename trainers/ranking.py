@@ -50,7 +50,7 @@ from torch import nn
 
 from datastream.movielens import MULTI as MOVIELENS_MULTI
 from datastream.movielens import SINGLE as MOVIELENS_SINGLE
-from services.embeddings import RowOptimizerConfig, TableSpec
+from services.tables import RowOptimizerConfig, TableSpec
 
 __all__ = ["SCHEMAS", "Dlrm", "dlrm_from_options", "binary_logistic_loss"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.embeddings import TableSpec
+from services.tables import TableSpec
 
 __all__ = ["RowCache", "CacheStats", "TableBound"]
 

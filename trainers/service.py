@@ -76,7 +76,7 @@ from services import (
     was_committed,
 )
 from services.consistency import MAX_POLL_S, ClockWait, Consistency, StalenessTimeout
-from services.embeddings import RowGrads
+from services.tables import RowGrads
 
 from .device import plan_device
 from .evaluate import EvalResult, evaluate

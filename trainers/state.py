@@ -101,7 +101,7 @@ class Push:
     """It ended :data:`Outcome.UNREACHABLE`: it waits for ``was_committed``
     (:meth:`TrainerState.outage_settled`)."""
     feedback: object = None
-    """Once unsettled: the error-feedback state it left behind (``services.encoder.Feedback``; opaque
+    """Once unsettled: the error-feedback state it left behind (``services.push.encoder.Feedback``; opaque
     here), adopted if it turns out committed."""
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.embeddings import RowGrads
+from services.tables import RowGrads
 
 from .device import DevicePlan
 from .models import ModelSpec

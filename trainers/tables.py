@@ -9,7 +9,7 @@ Per step and per table:
    (``EmbeddingBag``'s input). No Python loop over records.
 2. **Fetch** (:class:`RowFetcher`): the rows the cache may serve under the
    table's bound (``trainers.rowcache``), and the others in one pull
-   (``services.embeddings.store.pull_rows``: one round trip per group for every
+   (``services.tables.store.pull_rows``: one round trip per group for every
    table at once), which then go into the cache. An ID without a row reads as
    its initial value.
 3. **Pool** (:func:`pool`): the fetched rows become a leaf tensor on the
@@ -32,8 +32,8 @@ import torch
 
 from datastream.jagged import Jagged
 from services.consistency import Consistency, required_clock
-from services.embeddings import RowGrads, TableSpec, group_of_ids
-from services.embeddings.store import pull_rows
+from services.tables import RowGrads, TableSpec, group_of_ids
+from services.tables.store import pull_rows
 
 from .rowcache import RowCache, TableBound
 
@@ -61,7 +61,7 @@ class TableLookup:
     """Unique IDs, sorted (int64)."""
     features: tuple[FeatureLookup, ...]
     owners: np.ndarray | None = None
-    """The shard group of each of :attr:`ids` (``services.embeddings.group_of_ids``), computed once
+    """The shard group of each of :attr:`ids` (``services.tables.group_of_ids``), computed once
     for the pull and the push of the step."""
 
 

@@ -8,7 +8,7 @@ exact top-k over those few trims to ``k = ceil(density * n)`` (then it is the
 exact top-k); when the estimate undershoots, fewer than k are kept, never more.
 The kept values go to an inner value codec (``none`` unless chained, e.g.
 ``topk+fp16``). Error feedback (the residual of what was
-not sent) is kept by the trainer-side encoder, see ``services.encoder``.
+not sent) is kept by the trainer-side encoder, see ``services.push.encoder``.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@
 --            KEYS index of its rows shadow, KEYS index of its seen shadow}
 --
 -- While a checkpoint holds the group's table cut (`table_cut` = "<version> <owner> <blobs>",
--- services.checkpoint), the old record of each row this call overwrites is first copied into the
+-- services.snapshot.checkpoint), the old record of each row this call overwrites is first copied into the
 -- table's rows shadow when its version (its first 8 bytes) is at most the cut's: the row as the
 -- cut saw it (HSETNX: only the first copy after the cut counts; a row written after the cut has a
 -- higher version and needs none). Sighting records carry no version: the old one of each ID whose

@@ -1,7 +1,7 @@
 -- One step of a scan of an embedding table's hash in a shard group's slot (rows, sighting records, or
 -- a checkpoint's shadow of either), returned as bulk bytes: the IDs concatenated and the records (or a
 -- prefix of each) concatenated, never one reply per entry. What it leaves out makes a checkpoint's
--- passes (services/embeddings/cut.py): rows written after the cut (their version is above it),
+-- passes (services/snapshot/table_cut.py): rows written after the cut (their version is above it),
 -- sighting records the applies shadowed since the cut (the shadow holds the cut's), and the ''
 -- markers of a seen shadow (no record at the cut).
 --

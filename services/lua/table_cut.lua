@@ -1,5 +1,5 @@
 -- A checkpoint's cut of one shard group's embedding tables, in the group's slot (see
--- services/checkpoint.py): `take` it (in the MULTI/EXEC that reads the group's dense cut, so its
+-- services/snapshot/checkpoint.py): `take` it (in the MULTI/EXEC that reads the group's dense cut, so its
 -- version is that read's), `keep` it while the save streams the tables (renewing its expiry, and
 -- saying whether the applies still copy the row-gradient blobs they delete), and `drop` it when done.
 -- One save holds a group's cut at a time; a save that dies leaves a cut that expires by itself.

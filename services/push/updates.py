@@ -35,8 +35,8 @@ import redis
 from common.keys import JobKeys
 from common.outage import REDIS_DOWN
 
-from .codecs import Sent, decode_sent, decode_sents, is_topk
-from .errors import (
+from ..codecs import Sent, decode_sent, decode_sents, is_topk
+from ..errors import (
     BackpressureError,
     BadGradientError,
     FencedError,
@@ -45,10 +45,10 @@ from .errors import (
     ParameterPlaneError,
     PayloadError,
 )
-from .layout import Layout
-from .protocol import Update, group_of
-from .scripts import PushCall, execute_with_script
-from .wire import DEFAULT_MAX_BYTES
+from ..layout import Layout
+from ..protocol import Update, group_of
+from ..scripts import PushCall, execute_with_script
+from ..wire import DEFAULT_MAX_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
     the job's slot. A refused push deletes its blobs again.
 
     With ``layout`` every gradient is decoded and validated first (pass it for
-    gradients you did not encode yourself; :class:`services.encoder.Pusher`
+    gradients you did not encode yourself; :class:`services.push.encoder.Pusher`
     validates the tensors before encoding instead). When the log is full the
     push is retried until ``backpressure_timeout_s``.
 

@@ -15,7 +15,7 @@ update after the lowest ``P_g`` with its committed offsets, and the
 accounting of exactly the updates each group has applied: group g's
 accounted cursor ``T_g`` is ``C_g``, or the start of its plan when the plan
 is not recorded yet (the restored server records it on load,
-``services.apply.finish_accounting``).
+``services.server.apply.finish_accounting``).
 
 **Save.** Each attempt:
 
@@ -72,7 +72,7 @@ they delete into ``rows_blob_shadow`` (an apply deletes the blob of each update
 it applies, so step 4 finds there those of updates pushed after 1 and applied
 after the cut; the save then stops that copying). After the cut is settled, each
 table of each group is read as of its cut, HSCAN step by step, and written piece
-by piece (``services.checkpoint_tables``, ``services.embeddings.cut``); the
+by piece (``services.snapshot.checkpoint_tables``, ``services.snapshot.table_cut``); the
 group's cut is dropped, with its shadows, once its tables are written. A row
 gradient is applied with its row's optimizer state and never replayed, so the
 blobs kept are those of the updates after ``C_g`` (not ``P_g``).
@@ -91,12 +91,12 @@ import redis
 from common.keys import JobKeys
 from common.outage import REDIS_DOWN
 
-from .embeddings.cut import CUT_TTL_MS, CutBusy, drop_cut, keep_cut, take_call, took
-from .errors import CheckpointError, ParameterPlaneError, PayloadError
-from .optim import slots
-from .protocol import AccountingRecord, AccountPlan, StreamId, Update, after, group_of, own_shards
-from .scripts import execute_with_script
-from .store import ModelMeta
+from ..errors import CheckpointError, ParameterPlaneError, PayloadError
+from ..optim import slots
+from ..protocol import AccountingRecord, AccountPlan, StreamId, Update, after, group_of, own_shards
+from ..scripts import execute_with_script
+from ..store import ModelMeta
+from .table_cut import CUT_TTL_MS, CutBusy, drop_cut, keep_cut, take_call, took
 
 logger = logging.getLogger(__name__)
 

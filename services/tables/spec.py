@@ -80,7 +80,7 @@ class TableSpec:
     pools to zeros)."""
     init_scale: float = 0.05
     """A row starts uniform in ``[-init_scale, init_scale)``, drawn from its ID alone
-    (:func:`services.embeddings.rows.initial_rows`), so every trainer and server agrees on a row
+    (:func:`services.tables.rows.initial_rows`), so every trainer and server agrees on a row
     nobody has written yet."""
     optimizer: RowOptimizerConfig = field(default_factory=RowOptimizerConfig)
     """The row optimizer."""

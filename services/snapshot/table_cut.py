@@ -38,8 +38,8 @@ import redis
 from common.keys import JobKeys
 
 from ..scripts import RowsScanCall, TableCutCall, execute_with_script
-from .rows import SEEN_DTYPE, pull_dtype, row_dtype
-from .spec import TableSpec
+from ..tables.rows import SEEN_DTYPE, pull_dtype, row_dtype
+from ..tables.spec import TableSpec
 
 __all__ = ["CUT_TTL_MS", "Piece", "scan_pieces", "cut_pieces", "live_pieces", "take_call", "keep_cut", "drop_cut",
            "CutBusy"]

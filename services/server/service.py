@@ -18,7 +18,7 @@ memory. In each round it:
    optimizer (``lazyadam``, ``dgc``) touches only the coordinates a top-k
    gradient carries, in every shard of an update at once; a refused update is
    recorded as rejected and the others still apply;
-3. writes the group's half with ``lua/apply.lua`` (:mod:`services.apply`),
+3. writes the group's half with ``lua/apply.lua`` (:mod:`services.server.apply`),
    which succeeds only if its cursor and the shard versions are still what it
    read (compare-and-set), and in the same atomic step bumps the group's
    version once, publishes each changed shard's *delta* at that version,
@@ -40,7 +40,7 @@ memory. In each round it:
 
 Killed before 3, nothing was written and the batch is redone on restart;
 killed between 3 and 4, the restarted server finds the plan in
-``unaccounted`` and records it first (:func:`services.apply.finish_accounting`;
+``unaccounted`` and records it first (:func:`services.server.apply.finish_accounting`;
 a plan recorded twice counts once); killed after 4, the cursor has moved past
 the batch. A restarted server reads its shards, its persisted optimizer state,
 and replays the updates between its persisted cursor and its cursor to rebuild
@@ -73,19 +73,19 @@ import torch
 from common.keys import JobKeys
 from common.outage import REDIS_DOWN, Outage, redis_name, url_name, wait_connected
 
+from ..codecs import Sent
+from ..deltas import apply_deltas, encode_delta
+from ..errors import BadGradientError, LayoutError, ParameterPlaneError
+from ..metrics import ServerMetrics
+from ..optim import clip_factor, slots, sparse_steps, step
+from ..protocol import Status, StreamId, Update, after, group_of, own_shards
+from ..push.updates import blob_keys, load_gradients, row_blob_keys, validate_gradients
+from ..settings import ServerSettings
+from ..store import ModelMeta, ParameterStore, connect
+from ..tables import RowGrads, decode_row_grads, group_of_ids
+from ..tables.apply import RowBatch, TableWrites, kinds
+from ..tables.store import load_rows, sweep_rows
 from .apply import Housekeeping, Outcome, Persist, ShardWrite, WriteResult, finish_accounting, write_batch
-from .codecs import Sent
-from .deltas import apply_deltas, encode_delta
-from .embeddings import RowGrads, decode_row_grads, group_of_ids
-from .embeddings.apply import RowBatch, TableWrites, kinds
-from .embeddings.store import load_rows, sweep_rows
-from .errors import BadGradientError, LayoutError, ParameterPlaneError
-from .metrics import ServerMetrics
-from .optim import clip_factor, slots, sparse_steps, step
-from .protocol import Status, StreamId, Update, after, group_of, own_shards
-from .settings import ServerSettings
-from .store import ModelMeta, ParameterStore, connect
-from .updates import blob_keys, load_gradients, row_blob_keys, validate_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -559,7 +559,7 @@ class ParameterServer:
         return deleted
 
     def sweep_tables(self) -> tuple[int, int]:
-        """One step of each bounded embedding table's sweep (``services.embeddings.store.sweep_rows``):
+        """One step of each bounded embedding table's sweep (``services.tables.store.sweep_rows``):
         rows not written for the table's expiry time go, and beyond its row cap the least recently
         written are evicted. Returns (rows expired, rows evicted)."""
         if self._meta is None:
@@ -722,7 +722,7 @@ class ParameterServer:
                    ) -> list[TableWrites]:
         """Apply the gradient rows of ``updates`` (accepted, in log order) to this group's rows: load
         every row they touch in one round trip, step each update in turn (admission included), and
-        return what to write (``services.embeddings.apply``: tables of one kind in one batch)."""
+        return what to write (``services.tables.apply``: tables of one kind in one batch)."""
         if not updates:
             return []
         specs = {t.name: t for t in cast(ModelMeta, self._meta).tables}
@@ -806,7 +806,7 @@ class ParameterServer:
         every = self.settings.checkpoint_every
         if not every or self.settings.group != 0 or version // every <= self._last_checkpoint // every:
             return
-        from .checkpoint import CheckpointError, save_checkpoint
+        from ..snapshot.checkpoint import CheckpointError, save_checkpoint
 
         self._last_checkpoint = version
         path = os.path.join(self.settings.checkpoint_dir, f"{self.settings.job}-v{version:012d}.pt")

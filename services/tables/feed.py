@@ -14,7 +14,7 @@ group's rows at its last read: a row changed after a read is named by an entry a
 that read reached, and a row no entry names since has not changed. (Values are not kept in the
 entries: the rows are read where they are, so the feed costs the apply 8 bytes per row written.)
 
-**Positions of a job** are named like its versions (``services.export.version_name``): one integer
+**Positions of a job** are named like its versions (``services.snapshot.export.version_name``): one integer
 per group joined by '.', group 0's first (``"812.640"``); :func:`read_changes` reads every group.
 
 **On the wire** (``GET /v1/model/updates``, :func:`changes_to_safetensors`,

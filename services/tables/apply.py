@@ -1,4 +1,4 @@
-"""What one server's apply does to its group's rows (pure: the I/O is in ``services.server``).
+"""What one server's apply does to its group's rows (pure: the I/O is in ``services.server.service``).
 
 A server applies a batch of updates in log order. For its rows it first loads,
 in one round trip, every row the batch touches (``store.load_rows``), then

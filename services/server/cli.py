@@ -12,9 +12,9 @@ import torch
 from common.settings import add_arguments as add_settings
 from common.settings import from_args
 
-from .metrics import MetricsServer
-from .server import ParameterServer, ServerStatus
-from .settings import ServerSettings
+from ..metrics import MetricsServer
+from ..settings import ServerSettings
+from .service import ParameterServer, ServerStatus
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Exporting a job's embedding tables in pieces: safetensors files of IDs and values, and a manifest.
 
-``streamtrain export --tables-dir DIR`` (``services.cli_export``) writes, beside the dense part
-(``services.export``), each table group by group, read with HSCAN while training goes on
-(``services.embeddings.cut.live_pieces``), in pieces of at most ``rows_per_piece`` rows:
+``streamtrain export --tables-dir DIR`` (``services.snapshot.cli_export``) writes, beside the dense part
+(``services.snapshot.export``), each table group by group, read with HSCAN while training goes on
+(``services.snapshot.table_cut.live_pieces``), in pieces of at most ``rows_per_piece`` rows:
 
 * ``DIR/<table>-<group>-<n>.safetensors`` (n from 0): tensors ``ids`` (int64 ``[rows]``) and
   ``values`` (float32 ``[rows, dim]``); metadata ``streamtrain.job``, ``streamtrain.table``,
@@ -10,7 +10,7 @@
   the piece's last scan step ran (every row in it was written at or before it);
 * ``DIR/manifest.json``: ``{"format": "streamtrain-tables-1", "job", "groups", "feed_position",
   "tables": [{"table", "dim", "rows", "pieces": [{"file", "group", "rows", "version"}, ...]}, ...]}``;
-  ``feed_position`` is each group's feed position (``services.embeddings.feed``) before the export read
+  ``feed_position`` is each group's feed position (``services.tables.feed``) before the export read
   anything: a copy loaded from the export and brought up to date by following the feed from it
   (``GET /v1/model/updates?since=<feed_position>``) holds exactly the rows Redis holds.
 
@@ -19,7 +19,7 @@ is no cut (rows written while it is read may be before or after, and a group's r
 many group versions); a checkpoint is a cut. An ID appears once, except when Redis resized the
 group's hash during the read (HSCAN then returns an entry twice): the later occurrence is the later
 read. IDs never admitted (or expired, or evicted) have no row: a model reads them as their initial
-value (``services.embeddings.rows.initial_rows``), which the table's spec in the model's meta fixes.
+value (``services.tables.rows.initial_rows``), which the table's spec in the model's meta fixes.
 The optimizer state is not exported.
 
 The pieces are written into a temporary folder beside ``DIR``, renamed into place when complete; a
@@ -38,9 +38,11 @@ import redis
 
 from common.keys import JobKeys
 
-from .embeddings.cut import live_pieces
-from .embeddings.feed import feed_heads, position_name
-from .embeddings.pieces import (
+from ..errors import LayoutError, ParameterPlaneError
+from ..store import ModelMeta
+from ..tables.feed import feed_heads, position_name
+from ..tables.rows import pull_dtype
+from .pieces import (
     MANIFEST,
     install_folder,
     new_folder,
@@ -49,9 +51,7 @@ from .embeddings.pieces import (
     write_manifest,
     write_piece,
 )
-from .embeddings.rows import pull_dtype
-from .errors import LayoutError, ParameterPlaneError
-from .store import ModelMeta
+from .table_cut import live_pieces
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A checkpoint's embedding tables: streamed in pieces into a folder beside the checkpoint file, and back.
 
-``services.checkpoint`` takes each group's cut of its tables (``services.embeddings.cut``) with the
+``services.snapshot.checkpoint`` takes each group's cut of its tables (``services.snapshot.table_cut``) with the
 group's dense cut; this module writes the tables as of those cuts and reads them back.
 
 **The folder** ``<checkpoint>.tables/`` (:func:`tables_folder`) holds one safetensors file per piece
@@ -17,7 +17,7 @@ manifest::
        "rows": {"record_bytes": ..., "records": <in all>, "pieces": [{"file": ..., "records": n}, ...]},
        "seen": {...}}, ...]}
 
-An ID may appear in two pieces (see ``services.embeddings.cut``), always with the same record, so
+An ID may appear in two pieces (see ``services.snapshot.table_cut``), always with the same record, so
 ``records`` counts records, not distinct IDs; a restore writes each, the same value again.
 
 The main file names the folder and the save's token; it is written last (its presence means the
@@ -40,12 +40,12 @@ import redis
 
 from common.keys import JobKeys
 
-from .embeddings.cut import cut_pieces, drop_cut, keep_cut
-from .embeddings.pieces import piece_header, read_manifest, read_piece, write_manifest, write_piece
-from .embeddings.rows import SEEN_DTYPE, row_dtype
-from .embeddings.spec import TableSpec
-from .errors import CheckpointError
-from .store import ModelMeta
+from ..errors import CheckpointError
+from ..store import ModelMeta
+from ..tables.rows import SEEN_DTYPE, row_dtype
+from ..tables.spec import TableSpec
+from .pieces import piece_header, read_manifest, read_piece, write_manifest, write_piece
+from .table_cut import cut_pieces, drop_cut, keep_cut
 
 logger = logging.getLogger(__name__)
 

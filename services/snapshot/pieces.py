@@ -1,7 +1,7 @@
 """Tables on disk in pieces: one safetensors file per piece, and a folder of them installed whole.
 
-A checkpoint's tables (``services.checkpoint_tables``) and an export of the tables
-(``services.table_export``) are written piece by piece, never a whole table in memory: each piece is
+A checkpoint's tables (``services.snapshot.checkpoint_tables``) and an export of the tables
+(``services.snapshot.table_export``) are written piece by piece, never a whole table in memory: each piece is
 a safetensors file (numpy arrays; its string metadata names what it holds) of at most
 ``rows_per_piece`` entries, and a ``manifest.json`` lists the pieces. The files are written into a
 temporary folder beside the destination, which is then renamed into place (:func:`install_folder`),

@@ -1,7 +1,7 @@
 """A serving system's side of the feed: a copy of the tables kept in sync over HTTP, and the feed's lag.
 
 :class:`FeedCopy` holds, per table, ID -> values in memory, and applies the answers of
-``GET /v1/model/updates`` (``services.embeddings.feed``) to it: upserts replace a row, tombstones
+``GET /v1/model/updates`` (``services.tables.feed``) to it: upserts replace a row, tombstones
 remove it. :func:`follow` polls the coordinator until the copy has caught up; :func:`measure_feed_lag`
 measures, for every entry a polling consumer sees, the time from its apply (Redis's clock) to then.
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .feed import DecodedChanges, changes_from_safetensors
-from .pieces import read_manifest, read_piece
+from services.snapshot.pieces import read_manifest, read_piece
+from services.tables.feed import DecodedChanges, changes_from_safetensors
 
 __all__ = ["FeedCopy", "FeedHttpError", "fetch_changes", "follow", "FeedLag", "lag_of", "measure_feed_lag"]
 

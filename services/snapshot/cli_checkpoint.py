@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import ParameterPlaneError
+from ..store import connect
 from .checkpoint import ROWS_PER_PIECE, restore_checkpoint, save_checkpoint
-from .errors import ParameterPlaneError
 from .export import version_name
-from .store import connect
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
 """``streamtrain export``: write a job's model (a consistent version) to a safetensors file, and with
-``--tables-dir`` its embedding tables in pieces (``services.table_export``)."""
+``--tables-dir`` its embedding tables in pieces (``services.snapshot.table_export``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from common.outage import REDIS_DOWN, redis_name
 from common.settings import add_arguments as add_settings
 from common.settings import from_args
 
-from .errors import ParameterPlaneError
+from ..errors import ParameterPlaneError
+from ..settings import ExportSettings
+from ..store import connect
 from .export import export_model, version_name
-from .settings import ExportSettings
-from .store import connect
 from .table_export import export_tables
 
 

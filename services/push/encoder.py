@@ -8,7 +8,7 @@ when the push is known committed: :meth:`Pusher.prepare` encodes and returns the
 nothing here, and :meth:`Pusher.adopt` makes the feedback current. Which pushes
 are committed is the caller's to say, never the Pusher's: :meth:`Pusher.push`
 adopts when the push succeeds; a caller that rides out outages (the trainer)
-settles a push whose reply was lost with :func:`services.updates.was_committed`
+settles a push whose reply was lost with :func:`services.push.updates.was_committed`
 and adopts only if it went through. A push not adopted leaves the residual as
 it was.
 
@@ -43,12 +43,12 @@ import numpy as np
 import redis
 import torch
 
-from .codecs import CodecChain, Sent, SizeAdaptive
-from .embeddings.grads import WIRE_DTYPES, RowGrads, encode_row_grads, split_by_group
-from .errors import BadGradientError
-from .layout import ShardSpec
-from .protocol import Update
-from .store import ParameterStore
+from ..codecs import CodecChain, Sent, SizeAdaptive
+from ..errors import BadGradientError
+from ..layout import ShardSpec
+from ..protocol import Update
+from ..store import ParameterStore
+from ..tables.grads import WIRE_DTYPES, RowGrads, encode_row_grads, split_by_group
 from .updates import DEFAULT_MAX_PENDING, push_update
 
 logger = logging.getLogger(__name__)
@@ -323,7 +323,7 @@ class Pusher:
         Raises:
             FencedError, OffsetConflictError, BackpressureError, PayloadError, and the
                 ``common.outage.REDIS_DOWN`` errors (the push may have been committed:
-                ``was_committed``): see :func:`services.updates.push_update`.
+                ``was_committed``): see :func:`services.push.updates.push_update`.
         """
         update_id = push_update(self.client, self.job, prepared.update, max_pending=self.max_pending,
                                 backpressure_timeout_s=backpressure_timeout_s, groups=self.groups)

@@ -21,7 +21,7 @@ then writes the result:
 A server killed between the halves finds the plan in ``unaccounted`` when it
 restarts and runs the second half then (:func:`finish_accounting`); a plan
 that was already recorded is answered ``ALREADY``. Under Redis Cluster the
-halves run on different nodes; each is one slot. :mod:`services.server`
+halves run on different nodes; each is one slot. :mod:`services.server.service`
 decides what goes into them. The scripts' KEYS and ARGV are those of
 :class:`services.scripts.ApplyCall` and :class:`~services.scripts.AccountCall`;
 the plan of the second half is a :class:`services.protocol.AccountPlan`, and
@@ -42,11 +42,11 @@ import torch
 
 from common.keys import JobKeys
 
-from .embeddings.apply import TableWrites
-from .embeddings.rows import SEEN_DTYPE, id_bytes
-from .errors import ParameterPlaneError
-from .protocol import AccountingRecord, AccountPlan, PlanUpdate, Status, Update
-from .scripts import DEFAULT_FEED_ENTRIES, AccountCall, ApplyCall, ShardPublish, TablePublish, execute_with_script
+from ..errors import ParameterPlaneError
+from ..protocol import AccountingRecord, AccountPlan, PlanUpdate, Status, Update
+from ..scripts import DEFAULT_FEED_ENTRIES, AccountCall, ApplyCall, ShardPublish, TablePublish, execute_with_script
+from ..tables.apply import TableWrites
+from ..tables.rows import SEEN_DTYPE, id_bytes
 
 __all__ = ["Outcome", "ShardWrite", "Persist", "Housekeeping", "WriteResult", "AccountingError", "write_batch",
            "finish_accounting"]

@@ -2,7 +2,7 @@
 
 The one place that turns what Redis holds into a model file, used by
 ``GET /v1/model`` on the coordinator (``coordinator/model_route.py``) and by
-``streamtrain export`` (``services/cli_export.py``).
+``streamtrain export`` (``services/snapshot/cli_export.py``).
 
 **Naming a version.** Each parameter-server shard group has its own version
 (``services.store``), so a model version is the vector of the groups'
@@ -57,10 +57,10 @@ from safetensors.torch import save as _save_safetensors
 
 from common.keys import JobKeys
 
-from .deltas import apply_deltas
-from .errors import LayoutError, ParameterPlaneError
-from .protocol import own_shards
-from .store import ModelMeta
+from ..deltas import apply_deltas
+from ..errors import LayoutError, ParameterPlaneError
+from ..protocol import own_shards
+from ..store import ModelMeta
 
 logger = logging.getLogger(__name__)
 

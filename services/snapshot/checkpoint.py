@@ -2,10 +2,10 @@
 folder beside it), and back.
 
 What is saved, and why it is a cut that restores exactly (invariant 1: no record applied twice, none
-lost), is :mod:`services.checkpoint_cut`: each of the job's ``1 + G`` hash slots read in its own
+lost), is :mod:`services.snapshot.cut`: each of the job's ``1 + G`` hash slots read in its own
 MULTI/EXEC, the job's accounting rolled back in the file to each group's cut, and each group's
 embedding tables saved as of the group's cut, with copy-on-write shadows while the servers go on
-applying (``services.embeddings.cut``, ``services.checkpoint_tables``).
+applying (``services.snapshot.table_cut``, ``services.snapshot.checkpoint_tables``).
 
 **Restore** (:func:`restore_checkpoint`), into a Redis without the job's
 model, under the init lock that ``ParameterStore.init_model`` takes (renewed
@@ -22,7 +22,7 @@ restored job's audit goes on; the coordinator's keys (membership, config) and
 Format ``streamtrain-checkpoint-4``: ``torch.save`` of a dict of tensors,
 strings, bytes and numbers, loaded with ``weights_only=True`` (no pickled
 code), and, for a model with tables, the folder ``<file>.tables`` of their
-pieces (``services.checkpoint_tables``), which the file names: both are written
+pieces (``services.snapshot.checkpoint_tables``), which the file names: both are written
 under temporary names, the folder renamed into place, the file last.
 ``streamtrain-checkpoint-3`` files (no tables) are restored too; files of older
 formats (one MULTI/EXEC of a one-slot job) are refused.
@@ -43,14 +43,14 @@ import torch
 
 from common.keys import JobKeys
 
-from .checkpoint_cut import GROUP_HASHES, JOB_HASHES, let_go, read_cut
+from ..errors import CheckpointError, LayoutError
+from ..optim import slots
+from ..protocol import own_shards
+from ..store import ModelMeta
 from .checkpoint_tables import TABLES_FORMAT, SavedPiece, check_tables, restore_tables, save_tables, tables_folder
-from .embeddings.pieces import install_folder, new_folder, read_manifest, remove_folder
-from .errors import CheckpointError, LayoutError
+from .cut import GROUP_HASHES, JOB_HASHES, let_go, read_cut
 from .export import version_name
-from .optim import slots
-from .protocol import own_shards
-from .store import ModelMeta
+from .pieces import install_folder, new_folder, read_manifest, remove_folder
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def save_checkpoint(client: redis.Redis, job: str, path: str, *, rows_per_piece:
     once). ``progress`` is called after each piece of a table is written.
 
     Returns:
-        The model version it holds: each group's version (``services.export.version_name``
+        The model version it holds: each group's version (``services.snapshot.export.version_name``
         writes it).
 
     Raises:

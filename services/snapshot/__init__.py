@@ -1,0 +1,2 @@
+"""Taking state out of Redis and back: checkpoints, consistent cuts, exports and table pieces
+(``docs/parameter-plane.md``, ``docs/embeddings.md``)."""
