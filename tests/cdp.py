@@ -29,7 +29,7 @@ import aiohttp
 from streamtrain.launcher import await_until
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-"""Path of the Chromium binary (Debian's ``chromium``; ``scripts/setup.sh`` installs it), or None."""
+"""Path of the Chromium binary (Debian's ``chromium``; ``scripts/setup_tests.sh`` installs it), or None."""
 
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic")
@@ -184,7 +184,7 @@ async def chromium(profile: Path, *, width: int = 1400, height: int = 1000,
         RuntimeError: Chromium is not installed, or did not start within ``timeout_s``.
     """
     if CHROMIUM is None:
-        raise RuntimeError("chromium is not installed (scripts/setup.sh installs it)")
+        raise RuntimeError("chromium is not installed (scripts/setup_tests.sh installs it)")
     profile.mkdir(parents=True, exist_ok=True)
     log = profile.parent / "chromium.log"
     with open(log, "wb") as log_file:

@@ -10,7 +10,7 @@ coordinator's container, on the stack's network); Prometheus has every target up
 series); ``GET /v1/model`` with the job token, from the host, loads into the job's PyTorch model and
 scores 95 % too; ``down -v`` leaves no container, network or volume behind. Then the engine stops.
 
-Needs root (dockerd) and what ``scripts/setup.sh`` prepares as root: Docker Engine, docker-compose
+Needs root (dockerd) and what ``scripts/setup_tests.sh`` prepares as root: Docker Engine, docker-compose
 1.29 and the base rootfs tar, the wheels in compose/wheels and the Kafka jars in
 compose/offline/kafka-libs. Skipped when not root or with STREAMTRAIN_COMPOSE_STACK=0 (as the setup
 is). The engine's data root (~/.cache/streamtrain/docker) keeps the images: the first run builds
@@ -60,7 +60,7 @@ TRAINERS_AFTER_SCALE = 3
 
 
 def _prepared() -> Path:
-    """The base rootfs tar that scripts/setup.sh made; fail (not skip) when the setup did not run."""
+    """The base rootfs tar that scripts/setup_tests.sh made; fail (not skip) when the setup did not run."""
     missing = [tool for tool in ("dockerd", "docker", "docker-compose") if shutil.which(tool) is None]
     tars = sorted((cache_dir() / "docker-base").glob("bookworm-*.tar"), key=lambda p: p.stat().st_mtime)
     if not tars:
@@ -70,7 +70,7 @@ def _prepared() -> Path:
     if not any((ROOT / "compose" / "offline" / "kafka-libs").glob("kafka_2.13-*.jar")):
         missing.append("the Kafka jars in compose/offline/kafka-libs")
     if missing:
-        pytest.fail("run scripts/setup.sh as root first; missing: " + ", ".join(missing))
+        pytest.fail("run scripts/setup_tests.sh as root first; missing: " + ", ".join(missing))
     return tars[-1]
 
 

@@ -244,7 +244,7 @@ async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis, memb
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed "
-                                             "(scripts/setup.sh installs it: apt-get install chromium)")
+                                             "(scripts/setup_tests.sh installs it: apt-get install chromium)")
 async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
         redis_url: str, redis: redis_lib.Redis, kafka, tmp_path: Path) -> None:
     topic = kafka.create_topic(partitions=2, prefix="dash")

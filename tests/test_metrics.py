@@ -5,7 +5,7 @@ prometheus_client's HTTP server, read back with urllib); then a parameter
 server started from its CLI, and a trainer with an in-process coordinator and
 parameter server on the real Kafka and Redis, must export every series with
 samples. Each endpoint's text also passes ``promtool check metrics`` where
-promtool is installed (``scripts/setup.sh`` installs it).
+promtool is installed (``scripts/setup_tests.sh`` installs it).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def free_port() -> int:
 
 def test_promtool_is_checked_where_installed() -> None:
     if shutil.which("promtool") is None:
-        pytest.skip("promtool not installed (scripts/setup.sh installs it): exposition texts are parsed only")
+        pytest.skip("promtool not installed (scripts/setup_tests.sh installs it): exposition texts are parsed only")
     with pytest.raises(AssertionError):  # the check really runs: a bad exposition fails it
         assert_promtool_accepts("# TYPE x counter\nx_total{a=\"1\"} 1\nx_total{a=\"1\"} 2\n")
 
