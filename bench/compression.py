@@ -11,7 +11,7 @@ coordinator), digits under SSP s = 2, the same record budget for every job:
    accuracy of each, as a mean and spread over ``--runs`` runs (the digits test split has
    359 records: one record is 0.28 points).
 2. **A small model with the job defaults**: a ~1,200-parameter plug-in MLP
-   (:func:`small_mlp`, 64-16-10) trained with the job's default codec, density, optimizer,
+   (:func:`bench.models.small_mlp`, 64-16-10) trained with the job's default codec, density, optimizer,
    learning rate and ``dense_below`` (every tensor of it dense in fp16), against the same
    defaults with ``dense_below`` 0 (every tensor top-k'd at 1 %: the old behaviour) and
    against ``none`` with dense Adam, ``--small-runs`` runs each.
@@ -33,8 +33,6 @@ ratio and the accuracy lost last.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import re
 import shutil
 import statistics
@@ -43,20 +41,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 from rich.console import Console
 from rich.table import Table
 
+from bench import harness
 from bench.pipeline import time_to_accuracy
 from coordinator.settings import CoordinatorSettings
 from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec
 from trainers import build_model
 from trainers.settings import TrainerSettings
 
-RESULTS = _HERE / "results" / "compression.json"
 SOURCE = "digits?repeat=0"
 console = Console(width=120)
 
@@ -76,16 +72,8 @@ TRAINER_FIELDS = ("topk_density", "dense_below", "density_warmup_steps", "model"
 """Settings of a job that are the trainers' (the rest are the coordinator's)."""
 SMALL_JOBS = ("defaults", "defaults, all top-k", "dense")
 """Section 2's jobs: the job defaults, the same with ``dense_below`` 0, and ``none`` with dense Adam."""
-SMALL_MODEL = "bench.compression:small_mlp"
-"""The small plug-in model (:func:`small_mlp`)."""
-
-
-def small_mlp() -> tuple[Any, Any]:
-    """A 64-16-10 MLP for digits (1,210 parameters), as a plug-in model factory."""
-    from torch import nn
-
-    from trainers.models import mlp
-    return mlp([64, 16, 10]), nn.functional.cross_entropy
+SMALL_MODEL = "bench.models:small_mlp"
+"""The small plug-in model (:func:`bench.models.small_mlp`; the trainers import it from the repository)."""
 OPTIMIZERS = {"adam": 0.001, "lazyadam": 0.005, "dgc": 0.1}
 """Optimizers compared with the default codec, at the learning rate each trains digits best with."""
 
@@ -156,10 +144,11 @@ def main() -> None:
     parser.add_argument("--warmup-runs", type=int, default=3, help="runs of the sparse job with the warm-up")
     parser.add_argument("--skip", nargs="*", default=[], choices=("sizes", "small", "warmup", "speed"),
                         help="sections to leave out")
-    parser.add_argument("--workdir", type=Path, default=_HERE / "results" / "compression-run")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the results (JSON)")
+    parser.add_argument("--workdir", type=Path, default=harness.RESULTS_DIR / "compression-run")
+    parser.add_argument("--results", type=Path, default=harness.results_path("compression"),
+                        help="where to write the results (JSON)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    harness.start()
     fp32 = 4 * sum(p.numel() for p in build_model("digits-mlp").model.parameters())
     results: dict[str, Any] = {"records": args.records, "fp32_bytes_per_step": fp32}
     tables: list[Table] = []
@@ -226,11 +215,7 @@ def main() -> None:
 
     for table in tables:
         console.print(table)
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=2) + "\n")
-    console.print(f"wrote {args.results}")
-    for line in lines:
-        print(line)
+    harness.finish("compression", results, lines, path=args.results)
 
 
 if __name__ == "__main__":

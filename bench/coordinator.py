@@ -25,26 +25,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, cast
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import redis
 from aiohttp import web
 
+from bench import harness
 from common.keys import JobKeys
 from coordinator import CoordinatorClient, CoordinatorSettings
 from coordinator.app import create_app
 from coordinator.state import parse_assignment
 from streamtrain.launcher import RedisServer, free_port
-
-RESULTS = _HERE / "results" / "coordinator.json"
 
 
 async def one_round(url: str, r: redis.Redis, keys: JobKeys, members: int,
@@ -107,7 +104,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await runner.cleanup()
     expiry = [x["expiry_to_reassign_ms"] for x in rounds]
     return {
-        "machine": platform.platform(), "python": platform.python_version(),
         "lease_ms": args.lease_ms, "check_interval_ms": args.lease_ms / 4,
         "members": args.members, "rounds": rounds,
         "expiry_to_reassign_ms": {"median": statistics.median(expiry), "max": max(expiry),
@@ -124,9 +120,8 @@ def main() -> int:
     parser.add_argument("--lease-ms", type=int, default=3000)
     parser.add_argument("--members", type=int, default=4)
     args = parser.parse_args()
+    harness.start()
     result = asyncio.run(main_async(args))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     e = result["expiry_to_reassign_ms"]
     print(f"lease {args.lease_ms} ms, checker every {args.lease_ms / 4:.0f} ms, "
           f"{args.members} members, {args.rounds} rounds")
@@ -134,7 +129,8 @@ def main() -> int:
           f"max {e['max']:.0f})")
     print(f"last heartbeat -> reassignment: median "
           f"{result['last_heartbeat_to_reassign_ms_median']:.0f} ms")
-    print(f"ratio expiry delay / checker period: {result['ratio_expiry_delay_to_check_interval']:.2f}")
+    harness.finish("coordinator", result,
+                   [f"ratio expiry delay / checker period: {result['ratio_expiry_delay_to_check_interval']:.2f}"])
     return 0
 
 

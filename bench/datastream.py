@@ -19,29 +19,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import logging
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this file's folder comes first on sys.path and its name would hide the package:
-# put the repository root there instead.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import numpy as np
 import torch
 from kafka import KafkaConsumer, TopicPartition
 
+from bench import harness
 from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce
 from datastream.topics import MAX_MESSAGE_BYTES
 from streamtrain.launcher import KafkaBroker
 
-RESULTS = Path(__file__).resolve().parent / "results" / "datastream.json"
 FETCH: dict[str, Any] = {"fetch_max_bytes": 64 << 20, "max_partition_fetch_bytes": MAX_MESSAGE_BYTES,
                         "fetch_min_bytes": 1, "fetch_max_wait_ms": 100}
 
@@ -100,7 +93,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best of each counts")
     parser.add_argument("--bootstrap", help="use this broker instead of starting one")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    harness.start()
 
     record_bytes = 64 * 4 + 8  # float32 features + int64 label
     shard_size = max(1, args.shard_bytes // record_bytes)
@@ -138,17 +131,13 @@ def main() -> None:
         "ours": {"seconds": ours_best, "records_per_s": report.records / ours_best, "mb_per_s": mb / ours_best},
         "decode_only": {"seconds": decode_s, "records_per_s": report.records / decode_s},
         "ratio": raw_best / ours_best,
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"raw kafka-python bytes : {result['raw']['records_per_s']:>12,.0f} records/s "
           f"{result['raw']['mb_per_s']:>8.1f} MB/s")
     print(f"datastream to tensors  : {result['ours']['records_per_s']:>12,.0f} records/s "
           f"{result['ours']['mb_per_s']:>8.1f} MB/s")
     print(f"decode only (no Kafka) : {result['decode_only']['records_per_s']:>12,.0f} records/s")
-    print(f"wrote {RESULTS}")
-    print(f"ratio ours/raw: {result['ratio']:.2f}")
+    harness.finish("datastream", result, [f"ratio ours/raw: {result['ratio']:.2f}"])
 
 
 if __name__ == "__main__":

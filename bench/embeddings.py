@@ -36,9 +36,7 @@ Writes ``bench/results/embeddings.json``; prints the ratios last.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import shutil
 import sys
 import threading
@@ -48,9 +46,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-# Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import numpy as np
 import redis as redis_lib
@@ -58,6 +54,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench import harness
+from bench.pipeline import step_phases
 from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from datastream import load_source, produce
@@ -68,10 +66,8 @@ from services.tables.store import pull_rows
 from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec, LocalCluster
 from streamtrain.launcher import free_port
 from trainers.models import build_model
-from trainers.progress import PHASE_LOG
 from trainers.tables import plan_lookups, pool
 
-RESULTS = _HERE / "results" / "embeddings.json"
 console = Console(width=120)
 
 BATCH = 512
@@ -216,17 +212,6 @@ def _rows(cluster: LocalCluster, *, usage: bool = True) -> tuple[int, int]:
     return sum(got[0::2]), sum(v or 0 for v in got[1::2])
 
 
-def _phases(cluster: LocalCluster) -> dict[str, float]:
-    sums: dict[str, list[float]] = {}
-    for trainer in cluster.trainers:
-        for line in trainer.log_path.read_text(errors="replace").splitlines():
-            if PHASE_LOG in line:
-                for part in line.split(PHASE_LOG, 1)[1].strip().split(", "):
-                    name, value = part.rsplit(" ", 1)
-                    sums.setdefault(name, []).append(float(value))
-    return {k: sum(v) / len(v) for k, v in sorted(sums.items())}
-
-
 def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path) -> dict[str, Any]:
     """Samples/s the servers applied with ``trainers`` trainers on pre-produced records, and what it moved."""
     port = free_port() if trainers == 1 else 0  # trainers of one cluster share their settings: one port
@@ -242,7 +227,7 @@ def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path)
         cluster.wait_consumed(timeout_s=1800)
         metrics = _metrics(port) if port else {}
         rss = _rss_mb(cluster.trainers[0].pid or 0)
-        phases = _phases(cluster)
+        phases = step_phases(cluster)
         cluster.quiesce()
         client = redis_lib.Redis.from_url(cluster.redis_url)
         try:
@@ -299,6 +284,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="threads of the local loop and of each trainer")
     ap.add_argument("--workdir", default="/tmp/streamtrain-bench-embeddings")
     args = ap.parse_args()
+    harness.start()
     workdir = Path(args.workdir)
     shutil.rmtree(workdir, ignore_errors=True)
 
@@ -320,10 +306,6 @@ def main() -> None:
         "one_over_local": one["samples_per_s"] / local["samples_per_s"],
         "auc_gap": local["auc"] - one["auc"],
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": platform.platform(), "cpus": torch.get_num_threads(),
-                                   "records": args.records, "vocab": args.vocab, "local": local, "runs": runs,
-                                   "ratios": ratios}, indent=2, default=str))
     table = Table(title="embeddings: the pipeline against a plain local loop (one run)")
     for col in ("", "samples/s", "rows", "AUC", "log loss", "peak RSS MB", "cache hits"):
         table.add_column(col)
@@ -335,20 +317,23 @@ def main() -> None:
                       f"{r['log_loss']:.4f}" if r.get("log_loss") is not None else "",
                       f"{r['trainer_peak_rss_mb']:.0f}", f"{r['cache_hit_rate']:.2f}" if r["cache_hit_rate"] else "")
     console.print(table)
-    console.print(f"one trainer, ms per step: {one['step_ms']}")
+    console.print(f"one trainer, ms per step: { {k: round(v, 1) for k, v in one['step_ms'].items()} }")
     curve = one["memory"]
     if curve:
         console.print("one trainer's resident memory as the tables grow: " + ", ".join(
             f"{rows:,} rows {rss:.0f} MB" for _, rows, rss in curve[::max(1, len(curve) // 8)]))
-    print(f"trainer peak RSS: {small['trainer_peak_rss_mb']:.0f} MB at {small['rows']:,} rows")
-    print(f"trainer peak RSS: {one['trainer_peak_rss_mb']:.0f} MB at {one['rows']:,} rows")
-    print(f"pull bytes per step / (unique ids x dim x 4): {ratios['pull_bytes_per_needed']:.3f}")
-    print(f"redis bytes per row / raw row bytes: {ratios['redis_bytes_per_raw_row']:.3f}")
-    print(f"held-out AUC: pipeline {one['auc']:.4f}, local loop {local['auc']:.4f}; "
-          f"log loss: pipeline {one['log_loss']:.4f}, local loop {local['log_loss']:.4f}")
-    print(f"auc gap, local loop - pipeline, embeddings: {ratios['auc_gap']:.4f}")
-    print(f"ratio 2 trainers / 1 trainer, embeddings: {ratios['two_over_one']:.3f}")
-    print(f"ratio 1 trainer / local loop, embeddings: {ratios['one_over_local']:.3f}")
+    harness.finish("embeddings", {"records": args.records, "vocab": args.vocab, "local": local, "runs": runs,
+                                  "ratios": ratios}, [
+        f"trainer peak RSS: {small['trainer_peak_rss_mb']:.0f} MB at {small['rows']:,} rows",
+        f"trainer peak RSS: {one['trainer_peak_rss_mb']:.0f} MB at {one['rows']:,} rows",
+        f"pull bytes per step / (unique ids x dim x 4): {ratios['pull_bytes_per_needed']:.3f}",
+        f"redis bytes per row / raw row bytes: {ratios['redis_bytes_per_raw_row']:.3f}",
+        (f"held-out AUC: pipeline {one['auc']:.4f}, local loop {local['auc']:.4f}; "
+         f"log loss: pipeline {one['log_loss']:.4f}, local loop {local['log_loss']:.4f}"),
+        f"auc gap, local loop - pipeline, embeddings: {ratios['auc_gap']:.4f}",
+        f"ratio 2 trainers / 1 trainer, embeddings: {ratios['two_over_one']:.3f}",
+        f"ratio 1 trainer / local loop, embeddings: {ratios['one_over_local']:.3f}",
+    ])
     shutil.rmtree(workdir, ignore_errors=True)
     assert math.isfinite(ratios["one_over_local"])
 

@@ -7,7 +7,8 @@ INCR their own counter in one slot on its master (each reply awaited; with
 ``--run-s``, waits for its replica's promotion and compares each counter there
 with the last value its writer saw acknowledged. Prints one line per trial: the
 acknowledged INCRs lost (negative: kept writes whose reply died with the master)
-and the rate. See ``docs/parameter-plane.md`` (Failover).
+and the rate. Writes ``bench/results/failover.json``; prints the acknowledged INCRs
+lost in all, without and with ``WAIT``, last. See ``docs/parameter-plane.md`` (Failover).
 
     .venv/bin/python bench/failover.py [--trials 3] [--writers 1 8] [--run-s 1.0]
 """
@@ -19,12 +20,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import redis
 
+from bench import harness
 from common.redis_client import connect
 from streamtrain.launcher import RedisCluster, wait_until
 
@@ -73,12 +75,21 @@ def main() -> None:
     parser.add_argument("--writers", type=int, nargs="+", default=[1, 8], help="writer threads")
     parser.add_argument("--run-s", type=float, default=1.0, help="seconds of writes before the kill")
     args = parser.parse_args()
+    harness.start()
+    trials: list[dict[str, Any]] = []
     for wait in (False, True):
         for writers in args.writers:
             for _ in range(args.trials):
                 lost, total, rate = trial(writers, wait, args.run_s)
+                trials.append({"wait": wait, "writers": writers, "lost": lost, "acknowledged": total,
+                               "incr_per_s": rate})
                 print(f"WAIT={'1' if wait else '-'} writers={writers}: {lost} of {total} acknowledged INCRs lost "
                       f"({rate:,.0f}/s)", flush=True)
+    totals = {wait: (sum(t["lost"] for t in trials if t["wait"] == wait),
+                     sum(t["acknowledged"] for t in trials if t["wait"] == wait)) for wait in (False, True)}
+    summary = (f"acknowledged INCRs lost in all: {totals[False][0]} of {totals[False][1]} without WAIT, "
+               f"{totals[True][0]} of {totals[True][1]} with WAIT 1")
+    harness.finish("failover", {"run_s": args.run_s, "trials": trials}, [summary])
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ and says so). In one run, on one device, against one ``redis-server`` on loopbac
    and is timed apart: in the pipeline it runs in its own process.
 
 Prints the phases (ms per step), the bytes that crossed from the device per step against the
-gradient's fp32 bytes, and last the ratio of the trainer's step rate (pull + compute + encode +
-push) to the plain loop's.
+gradient's fp32 bytes, writes ``bench/results/gpu.json``, and prints last the ratio of the trainer's
+step rate (pull + compute + encode + push) to the plain loop's.
 
     .venv/bin/python bench/gpu.py [--model mlp-2m] [--steps 200] [--device auto]
 """
@@ -29,11 +29,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import torch
 
+from bench import harness
 from common.keys import JobKeys
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, connect
 from services.codecs.sparse import TopKCodec
@@ -145,6 +145,7 @@ def main() -> None:
     parser.add_argument("--codec", default="topk+fp16", help="the job's codec")
     parser.add_argument("--density", type=float, default=0.01, help="top-k density")
     args = parser.parse_args()
+    harness.start()
     plan = plan_device(args.device)
     if plan.kind != "cuda":
         print(f"no CUDA device: measuring on {plan.device} (the figures are the CPU path's)")
@@ -155,14 +156,19 @@ def main() -> None:
     with RedisServer() as server:
         ours = trainer_steps(args.model, data, server.url, args.device, args.codec, args.density)
     step_ms = ours["pull"] + ours["compute"] + ours["encode"] + ours["push"]
-    print(f"device {plan.device} ({torch.cuda.get_device_name(plan.device) if plan.kind == 'cuda' else 'cpu'}), "
+    device_name = torch.cuda.get_device_name(plan.device) if plan.kind == "cuda" else "cpu"
+    print(f"device {plan.device} ({device_name}), "
           f"model {args.model}, batch {args.batch}, codec {args.codec} at {args.density:g}")
     print(f"plain loop: {plain:.3f} ms per step")
     print("trainer step, ms: " + ", ".join(f"{p} {ours[p]:.3f}" for p in ("pull", "compute", "encode", "push"))
           + f" (server apply {ours['apply']:.3f}, apart)")
     print(f"bytes from the device per step: {ours['crossed_bytes']:,.0f} of the gradient's "
           f"{ours['grad_bytes']:,.0f} fp32 bytes ({ours['crossed_bytes'] / ours['grad_bytes']:.2%})")
-    print(f"ratio trainer step / plain loop, {args.model} on {plan.kind}: {plain / step_ms:.2f}")
+    harness.finish("gpu", {"device": str(plan.device), "device_name": device_name, "kind": plan.kind,
+                           "model": args.model, "batch": args.batch, "steps": args.steps, "codec": args.codec,
+                           "density": args.density, "plain_loop_ms": plain, "trainer_step_ms": step_ms,
+                           "phases_ms": ours, "ratio": plain / step_ms},
+                   [f"ratio trainer step / plain loop, {args.model} on {plan.kind}: {plain / step_ms:.2f}"])
 
 
 if __name__ == "__main__":

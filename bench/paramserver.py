@@ -36,9 +36,6 @@ and prints the ratios, the push/pull ratio last.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import platform
 import statistics
 import sys
 import time
@@ -46,12 +43,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import redis
 import torch
 
+from bench import harness
 from common.keys import JobKeys
 from services import (
     OptimizerConfig,
@@ -67,7 +64,6 @@ from services import (
 from services.protocol import group_of
 from streamtrain.launcher import RedisServer
 
-RESULTS = _HERE / "results" / "paramserver.json"
 MB = 1024 * 1024
 
 
@@ -312,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="pending updates applied per write in the sparse apply measurements")
     parser.add_argument("--sparse-updates", type=int, default=320, help="updates per sparse apply measurement")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    harness.start()
     torch.manual_seed(0)
     net = mlp()
     lazy = OptimizerConfig(name="lazyadam", lr=1e-3)
@@ -331,12 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         aof = apply_rate(server.url, net, args.sparse_updates, args.pending, optimizer=lazy, codec="topk+fp16")
     torch.set_num_threads(1)  # encode times single-threaded: torch's 2 spinning threads are 2-3x slower on a shared box
     sizes = codec_sizes(10_000_000)
-    result = {"benchmark": "paramserver", "host": platform.node(), "python": platform.python_version(),
-              "torch": torch.__version__, "redis_py": redis.__version__, "client_paths": paths,
-              "push_pull": pp, "apply_dense": dense, "apply_sparse": sparse, "apply_sparse_aof": aof,
-              "pull_bytes": pulls, "codecs": sizes}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    result = {"client_paths": paths, "push_pull": pp, "apply_dense": dense, "apply_sparse": sparse,
+              "apply_sparse_aof": aof, "pull_bytes": pulls, "codecs": sizes}
 
     for name in ("python", "hiredis", "ours"):
         if name in paths:
@@ -373,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"topk+fp16 at 1% density: {sizes['topk+fp16']['x_smaller']:.1f}x smaller than fp32 (target >= 100x)")
     print(f"applies/s, 1.86M MLP, topk+fp16 1%: {sparse[0]['updates_per_s']:.0f} (lazyadam, the job default; "
           f"dgc {sparse[1]['updates_per_s']:.0f}; dense adam {sparse[2]['updates_per_s']:.0f})")
-    print(f"push/pull vs raw redis-py SET/GET: push {pp['push_ratio_new_keys']:.2f} vs SET into new keys "
-          f"({pp['push_ratio']:.2f} vs SET overwriting the same keys)  pull {pp['pull_ratio']:.2f} (target >= 0.80)")
+    ratio = (f"push/pull vs raw redis-py SET/GET: push {pp['push_ratio_new_keys']:.2f} vs SET into new keys "
+             f"({pp['push_ratio']:.2f} vs SET overwriting the same keys)  pull {pp['pull_ratio']:.2f} (target >= 0.80)")
+    harness.finish("paramserver", result, [ratio])
     return 0
 
 

@@ -14,14 +14,8 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-# Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import torch
 import torch.distributed as dist

@@ -14,8 +14,9 @@ In one run:
    with two (one thread each), under SSP s = 2 with the job defaults (optimizer,
    codec, density: ``CoordinatorSettings`` and ``TrainerSettings``). The data is produced first, so the producer is
    not what is measured; samples/s counts the samples the parameter server applied,
-   from the first to the last applied update. The trainers' step logs say where a
-   step's time goes (wait, pull, compute, push wait), in ms per step. Each run's
+   from the first to the last applied update. The trainers' ``step_phases`` records
+   (:mod:`trainers.events`, in their logs) say where a step's time goes (wait, pull,
+   compute, push wait), in ms per step. Each run's
    stored parameters are scored on the held-out split at its end.
    The one-trainer runs use ``ONE_TRAINER_THREADS`` (1) torch thread, the best on this
    2-core machine where the push thread, the server, Redis and the broker share the
@@ -64,29 +65,23 @@ pipeline/ceiling ratio of the larger model last of all.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import platform
-import re
 import shutil
 import statistics
 import sys
 import time
 from collections import defaultdict
 from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-# Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import redis as redis_lib
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench import harness
 from bench.peers import ddp_throughput, local_accuracy, local_throughput, local_time_to_accuracy
 from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
@@ -96,10 +91,8 @@ from services import LayoutError, ParameterStore, Snapshot, connect
 from services.protocol import AccountingRecord
 from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster
 from streamtrain.scoring import score_job
-from trainers import build_model, evaluate
-from trainers.progress import PHASE_LOG
+from trainers import build_model, evaluate, events
 
-RESULTS = _HERE / "results" / "pipeline.json"
 console = Console(width=120)
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -144,10 +137,6 @@ TTA_LOCAL_STEPS_LR = 0.001
 One run each, 40,000 records, fused inner AdamW: H=32 3.18 s to 70%, H=64 2.67 s (both lr 0.001); before
 the inner optimizer was fused, H=32 at lr 0.003 ended below 70% (0.665) and at lr 0.001 took 3.5 s."""
 
-_PHASES = re.compile(re.escape(PHASE_LOG) + r" (.*)$")
-_CONSUMING = re.compile(r"generation \d+: consuming ")
-
-
 def applied_entries(cluster: LocalCluster) -> list[AccountingRecord]:
     client = redis_lib.Redis.from_url(cluster.redis_url)
     try:
@@ -159,15 +148,13 @@ def applied_entries(cluster: LocalCluster) -> list[AccountingRecord]:
 
 
 def step_phases(cluster: LocalCluster) -> dict[str, float]:
-    """Mean ms per step of each phase over the trainers' step logs (every 50 steps)."""
+    """Mean ms per step of each phase over the trainers' ``step_phases`` records (one every 50 steps;
+    :mod:`trainers.events`)."""
     sums: dict[str, list[float]] = defaultdict(list)
     for trainer in cluster.trainers:
-        for line in trainer.log_path.read_text(errors="replace").splitlines():
-            found = _PHASES.search(line)
-            if found:
-                for part in found.group(1).split(", "):
-                    name, value = part.rsplit(" ", 1)
-                    sums[name].append(float(value))
+        for record in events.read(trainer.log_path, events.STEP_PHASES):
+            for name, ms in record["ms_per_step"].items():
+                sums[name].append(float(ms))
     return {name: statistics.fmean(values) for name, values in sorted(sums.items())}
 
 
@@ -204,8 +191,11 @@ def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Pat
         phases = step_phases(cluster)
         accuracy = score_job(cluster.redis_url, spec.job, model, one_pass(m["source"]), limit=2000).accuracy
     samples = sum(e.batch_size for e in entries)
-    span = (entries[-1].applied_ms - entries[0].applied_ms) / 1000
+    span = (entries[-1].applied_ms - entries[0].applied_ms) / 1000 if entries else 0.0
     assert samples == report.records, f"applied {samples} samples of {report.records} produced"
+    if span <= 0:
+        raise RuntimeError(f"{model}: {len(entries)} update(s) applied, no rate to measure: give it more records "
+                           f"(with local steps, several windows of {local_steps} steps of {m['batch']} records)")
     return {"samples": samples, "samples_per_s": samples / span, "span_s": span,
             "wall_with_startup_s": wall, "updates": len(entries), "step_ms": phases,
             "optimizer": spec.coordinator.optimizer, "lr": spec.coordinator.lr, "codec": spec.coordinator.codec,
@@ -215,8 +205,8 @@ def pipeline(model: str, trainers: int, threads: int, records: int, workdir: Pat
 def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float, workdir: Path, *,
                      trainers: int = 1) -> dict[str, Any]:
     """Train ``spec``'s job with ``trainers`` trainers on ``records`` pre-produced records of
-    ``source``: seconds from the moment the first trainer began consuming (its log's ``consuming``
-    line: its first pull, step and push count, and a window of local steps before its first push)
+    ``source``: seconds from the moment the first trainer began consuming (its first ``consuming``
+    record: its first pull, step and push count, and a window of local steps before its first push)
     until the stored parameters score ``target`` on ``source``'s held-out split, the final accuracy,
     and the gradient bytes the trainers pushed per update. The stored version is read every 20 ms
     and a snapshot pulled when it changed, at most every :data:`SNAPSHOT_EVERY_S`; snapshots are
@@ -274,12 +264,10 @@ def tta_ratio(loop: dict[str, Any], ours: dict[str, Any]) -> float:
 
 def started_consuming(log_path: Path) -> float:
     """When a trainer first began consuming its partitions (seconds since the epoch): the time of the
-    first ``consuming`` line in its log (``streamtrain.cli``'s format starts each line with
-    ``%(asctime)s``, local time to the millisecond)."""
-    for line in log_path.read_text(errors="replace").splitlines():
-        if _CONSUMING.search(line):
-            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    raise RuntimeError(f"{log_path} has no 'consuming' line: the trainer never took its partitions")
+    first ``consuming`` record in its log (:mod:`trainers.events`)."""
+    for record in events.read(log_path, events.CONSUMING):
+        return float(record["time"])
+    raise RuntimeError(f"{log_path} has no 'consuming' record: the trainer never took its partitions")
 
 
 def recovery_and_freshness(threads: int, workdir: Path, rate: float, kills: int = 5) -> dict[str, Any]:
@@ -393,16 +381,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads of the ceilings and of one trainer with local steps on mlp-2m")
     parser.add_argument("--rate", type=float, default=2000.0, help="records/s of the recovery/freshness stream")
-    parser.add_argument("--workdir", type=Path, default=_HERE / "results" / "pipeline-run")
+    parser.add_argument("--kills", type=int, default=5, help="trainers killed (one at a time) in the recovery run")
+    parser.add_argument("--freshness-s", type=float, default=30.0,
+                        help="seconds the freshness at half capacity is measured")
+    parser.add_argument("--workdir", type=Path, default=harness.RESULTS_DIR / "pipeline-run")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    if args.kills < 1 or args.freshness_s <= 0:
+        parser.error("--kills must be >= 1 and --freshness-s > 0")
+    harness.start()
     shutil.rmtree(args.workdir, ignore_errors=True)  # logs of the previous run; data starts empty
-    results: dict[str, Any] = {"machine": platform.processor() or platform.machine(),
-                                  "threads": args.threads}
+    results: dict[str, Any] = {"threads": args.threads}
     table = Table(title="pipeline vs a plain local PyTorch loop and DDP (samples/s)")
     for col in ("model", "batch", "ceiling", "1 trainer", "ratio", "DDP 2x1", "2 trainers", "ratio to DDP"):
         table.add_column(col, justify="right")
-    phases = Table(title="where a trainer's step goes (ms per step, from the trainers' step logs)")
+    phases = Table(title="where a trainer's step goes (ms per step, from the trainers' step_phases records)")
     for col in ("model", "trainers", "phases"):
         phases.add_column(col)
     for model, records in (("digits-mlp", args.records_small), ("mlp-2m", args.records_large)):
@@ -476,10 +468,10 @@ def main() -> None:
     results["time_to_accuracy"] = {"target": TARGET, "local": local, "local_fused": local_fused, "pipeline": ours,
                                    "pipeline_local_steps": ours_h,
                                    "local_steps": TTA_LOCAL_STEPS, "local_steps_lr": TTA_LOCAL_STEPS_LR}
-    rf = recovery_and_freshness(1, args.workdir / "recovery", args.rate)
+    rf = recovery_and_freshness(1, args.workdir / "recovery", args.rate, kills=args.kills)
     results["recovery_freshness"] = rf
     capacity = results["digits-mlp"]["two_trainers"]["samples_per_s"]
-    half = freshness_at(capacity / 2, 1, args.workdir / "freshness-half")
+    half = freshness_at(capacity / 2, 1, args.workdir / "freshness-half", seconds=args.freshness_s)
     half["capacity_samples_per_s"] = capacity
     results["freshness_half_capacity"] = half
     console.print(table)
@@ -502,26 +494,25 @@ def main() -> None:
                   f"digits {capacity:,.0f} samples/s; applied {half['applied_records_per_s']:,.0f} records/s): "
                   f"p50 {half['freshness_p50_s']:.3f} s, p99 {half['freshness_p99_s']:.3f} s over "
                   f"{half['freshness_batches']} batches (target p99 <= 0.25 s)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    console.print(f"wrote {RESULTS}")
-    print(f"recovery after kill -9, median of {len(rf['recovery_s'])}: {rf['recovery_median_s']:.2f} s")
-    print(f"freshness p99 at half capacity: {half['freshness_p99_s']:.3f} s")
-    print(f"ratio time to accuracy, mlp-2m, pipeline / local loop: {tta_ratio(local, ours):.2f}")
-    print(f"ratio time to accuracy, mlp-2m, pipeline(H={TTA_LOCAL_STEPS}) / local loop: {tta_ratio(local, ours_h):.2f}")
-    print(f"ratio time to accuracy, mlp-2m, pipeline(H={TTA_LOCAL_STEPS}) / local loop with fused Adam: "
-          f"{tta_ratio(local_fused, ours_h):.2f}")
-    print(f"ratio pipeline(1 trainer, H={LOCAL_STEPS})/ceiling, mlp-2m: {big['local_steps']['ratio']:.2f} "
-          f"(against the ceiling with fused Adam: {big['local_steps']['ratio_fused']:.2f})")
-    print(f"ratio 2 trainers / ddp, mlp-2m: {results['mlp-2m']['ratio_two_ddp']:.2f}")
-    print(f"held-out accuracy after {args.records_small:,} digits records: local loop {loop_accuracy:.3f}, "
-          f"pipeline(1 trainer) {digits['one_trainer']['accuracy']:.3f}, "
-          f"pipeline(1 trainer, H={LOCAL_STEPS}) {diloco['accuracy']:.3f}")
-    print(f"ratio overlapped pulls on / off, digits-mlp, 1 trainer: "
-          f"{overlapped['samples_per_s'] / digits['one_trainer']['samples_per_s']:.2f}")
-    print(f"ratio pipeline(1 trainer)/ceiling, digits-mlp: {results['digits-mlp']['ratio_one']:.2f}")
-    print(f"ratio pipeline(1 trainer, H={LOCAL_STEPS})/ceiling, digits-mlp: {digits['local_steps']['ratio']:.2f}")
-    print(f"ratio pipeline(1 trainer)/ceiling, mlp-2m: {results['mlp-2m']['ratio_one']:.2f}")
+    harness.finish("pipeline", results, [
+        f"recovery after kill -9, median of {len(rf['recovery_s'])}: {rf['recovery_median_s']:.2f} s",
+        f"freshness p99 at half capacity: {half['freshness_p99_s']:.3f} s",
+        f"ratio time to accuracy, mlp-2m, pipeline / local loop: {tta_ratio(local, ours):.2f}",
+        f"ratio time to accuracy, mlp-2m, pipeline(H={TTA_LOCAL_STEPS}) / local loop: {tta_ratio(local, ours_h):.2f}",
+        (f"ratio time to accuracy, mlp-2m, pipeline(H={TTA_LOCAL_STEPS}) / local loop with fused Adam: "
+         f"{tta_ratio(local_fused, ours_h):.2f}"),
+        (f"ratio pipeline(1 trainer, H={LOCAL_STEPS})/ceiling, mlp-2m: {big['local_steps']['ratio']:.2f} "
+         f"(against the ceiling with fused Adam: {big['local_steps']['ratio_fused']:.2f})"),
+        f"ratio 2 trainers / ddp, mlp-2m: {results['mlp-2m']['ratio_two_ddp']:.2f}",
+        (f"held-out accuracy after {args.records_small:,} digits records: local loop {loop_accuracy:.3f}, "
+         f"pipeline(1 trainer) {digits['one_trainer']['accuracy']:.3f}, "
+         f"pipeline(1 trainer, H={LOCAL_STEPS}) {diloco['accuracy']:.3f}"),
+        (f"ratio overlapped pulls on / off, digits-mlp, 1 trainer: "
+         f"{overlapped['samples_per_s'] / digits['one_trainer']['samples_per_s']:.2f}"),
+        f"ratio pipeline(1 trainer)/ceiling, digits-mlp: {results['digits-mlp']['ratio_one']:.2f}",
+        f"ratio pipeline(1 trainer, H={LOCAL_STEPS})/ceiling, digits-mlp: {digits['local_steps']['ratio']:.2f}",
+        f"ratio pipeline(1 trainer)/ceiling, mlp-2m: {results['mlp-2m']['ratio_one']:.2f}",
+    ])
 
 
 if __name__ == "__main__":

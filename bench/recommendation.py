@@ -34,8 +34,6 @@ Writes ``bench/results/recommendation.json``; prints the AUC gap last.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shutil
 import sys
 import threading
@@ -44,9 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-# Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import numpy as np
 import redis as redis_lib
@@ -55,6 +51,7 @@ from rich.console import Console
 from rich.table import Table
 from sklearn.metrics import log_loss, roc_auc_score
 
+from bench import harness
 from common.keys import JobKeys
 from coordinator.feed_copy import fetch_changes, measure_feed_lag
 from coordinator.progressive import mean_auc
@@ -67,7 +64,6 @@ from streamtrain.examples import EXAMPLES
 from streamtrain.scoring import score_job
 from trainers.models import build_model
 
-RESULTS = _HERE / "results" / "recommendation.json"
 console = Console(width=120)
 
 EXAMPLE = EXAMPLES["movielens"]
@@ -227,6 +223,7 @@ def main() -> None:
     ap.add_argument("--lag-s", type=float, default=40.0, help="seconds the feed's lag is measured")
     ap.add_argument("--workdir", default="/tmp/streamtrain-bench-recommendation")
     args = ap.parse_args()
+    harness.start()
     workdir = Path(args.workdir)
     shutil.rmtree(workdir, ignore_errors=True)
 
@@ -250,10 +247,6 @@ def main() -> None:
     ratios = {"one_over_local": runs[1]["records_per_s"] / local["records_per_s"],
               "two_over_local": two["records_per_s"] / local["records_per_s"],
               "auc_gap": local["auc"] - two["auc"]}
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": platform.platform(), "local_runs": local_runs, "local": local,
-                                   "runs": runs, "repeats": repeats, "feed_lag": lag, "ratios": ratios},
-                                  indent=2, default=str))
     table = Table(title="MovieLens-100K: the pipeline against a plain local loop (one run)")
     for col in ("", "records/s", "held-out AUC", "log loss", "progressive AUC first/last tenth"):
         table.add_column(col)
@@ -276,9 +269,11 @@ def main() -> None:
     print(f"held-out AUC: local loop {local['auc']:.4f} (log loss {local['log_loss']:.4f}), "
           f"pipeline 1 trainer {runs[1]['auc']:.4f} ({runs[1]['log_loss']:.4f}), "
           f"2 trainers {two['auc']:.4f} ({two['log_loss']:.4f})")
-    print(f"ratio pipeline(1 trainer)/local loop, movielens: {ratios['one_over_local']:.3f}")
-    print(f"ratio pipeline(2 trainers)/local loop, movielens: {ratios['two_over_local']:.3f}")
-    print(f"auc gap, local loop - pipeline, movielens: {ratios['auc_gap']:.4f}")
+    harness.finish("recommendation", {"local_runs": local_runs, "local": local, "runs": runs, "repeats": repeats,
+                                      "feed_lag": lag, "ratios": ratios}, [
+        f"ratio pipeline(1 trainer)/local loop, movielens: {ratios['one_over_local']:.3f}",
+        f"ratio pipeline(2 trainers)/local loop, movielens: {ratios['two_over_local']:.3f}",
+        f"auc gap, local loop - pipeline, movielens: {ratios['auc_gap']:.4f}"])
     shutil.rmtree(workdir, ignore_errors=True)
 
 

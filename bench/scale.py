@@ -44,10 +44,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -58,13 +56,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import numpy as np
 import redis
 import torch
 
+from bench import harness
 from common.keys import JobKeys
 from coordinator.settings import CoordinatorSettings
 from datastream import ShardConsumer, decode_record, encode_shard, iter_shards, load_source, produce
@@ -85,7 +83,6 @@ from trainers.settings import TrainerSettings
 
 T = TypeVar("T")
 
-RESULTS = _HERE / "results" / "scale.json"
 MODEL = "mlp-2m"
 SOURCE = "synthetic?features=784&classes=10&seed=1"  # the mlp-2m's stream in bench/pipeline.py
 SHARD_RECORDS = 256  # `streamtrain produce --shard-size` default
@@ -564,10 +561,9 @@ def show(result: dict) -> None:
         best = max(cfg["rounds"], key=lambda x: x["updates_per_s"])
         print(f"apply throughput, {cfg['groups']} group(s) ({cfg['groups']} ps processes): "
               f"{cfg['updates_per_s']:.0f} updates/s applied and accounted (rounds: {rounds}; Redis and ps busy "
-              f"{best['cores_busy']:.2f} of {result['cpus']} cores in the best)")
-    print(f"machine: {result['cpus']} cores shared by 3 Redis masters, the ps processes and this script: "
+              f"{best['cores_busy']:.2f} of {os.cpu_count()} cores in the best)")
+    print(f"machine: {os.cpu_count()} cores shared by 3 Redis masters, the ps processes and this script: "
           "what counts is that nothing serialises on one node, not the absolute figures")
-    print(f"wrote {RESULTS}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -584,13 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     group_counts = [int(g) for g in args.groups.split(",")]
     if min(group_counts) < 1 or args.updates < 1 or args.rounds < 1:
         parser.error("--groups, --updates and --rounds must be >= 1")
-    logging.basicConfig(level=logging.WARNING)
+    harness.start()
     logging.getLogger("kafka").setLevel(logging.ERROR)  # kafka-python warns of its own slow event loop here
     torch.set_num_threads(1)  # a trainer's encode, single-threaded: CPU time per update, not spinning threads
     tensors = {n: p.detach().clone() for n, p in build_model(MODEL).model.named_parameters()}
-    result: dict = {"benchmark": "scale", "host": platform.node(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__, "redis_py": redis.__version__,
-                    "model": MODEL, "params": sum(t.numel() for t in tensors.values()),
+    result: dict = {"model": MODEL, "params": sum(t.numel() for t in tensors.values()),
                     "codec": CoordinatorSettings().codec, "density": TrainerSettings().topk_density,
                     "optimizer": CoordinatorSettings().optimizer, "lr": CoordinatorSettings().lr,
                     "servers": "one `streamtrain ps --groups G --group g` process per group",
@@ -610,10 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     rates = {c["groups"]: c["updates_per_s"] for c in result["configs"]}
     lo, hi = min(rates), max(rates)
     result["ratio"] = {"groups": [hi, lo], "value": rates[hi] / rates[lo]}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     show(result)
-    print(f"ratio apply {hi} groups / {lo} group{'s' if lo > 1 else ''}: {rates[hi] / rates[lo]:.2f}")
+    harness.finish("scale", result,
+                   [f"ratio apply {hi} groups / {lo} group{'s' if lo > 1 else ''}: {rates[hi] / rates[lo]:.2f}"])
     return 0
 
 

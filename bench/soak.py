@@ -25,10 +25,7 @@ Writes ``bench/results/soak.json``; prints the largest growth last (target <= 5 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
-import platform
 import shutil
 import sys
 import time
@@ -36,20 +33,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this folder is first on sys.path and bench/datastream.py would hide the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import redis as redis_lib
 from rich.console import Console
 from rich.table import Table
 
+from bench import harness
 from common.keys import JobKeys
 from services import ParameterStore
 from streamtrain.cluster import LOCAL_STREAM, ClusterSpec, LocalCluster
 from streamtrain.launcher import ManagedProcess, RedisCluster
 
-RESULTS = _HERE / "results" / "soak.json"
 TARGET_PCT_PER_HOUR = 5.0
 """Largest growth per hour after the warm-up that we accept, in percent of the series' mean."""
 console = Console(width=120)
@@ -164,8 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fits = {name: {"mean_bytes": sum(v for _, v in pts) / len(pts), "first_bytes": pts[0][1],
                    "last_bytes": pts[-1][1], "growth_pct_per_hour": growth_pct_per_hour(pts), "samples": len(pts)}
             for name, pts in series.items()}
-    return {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "minutes": args.minutes, "warmup_minutes": args.warmup_minutes, "every_s": args.every_s,
+    return {"minutes": args.minutes, "warmup_minutes": args.warmup_minutes, "every_s": args.every_s,
             "rate": args.rate, "audit_horizon_s": os.environ.get("STREAMTRAIN_PS_AUDIT_HORIZON_S", "600 (default)"),
             "fits": fits, "samples": samples}
 
@@ -177,7 +171,7 @@ def main() -> None:
                         help="samples left out of the fit (default: a quarter of the run)")
     parser.add_argument("--rate", type=float, default=1500.0, help="records/s the producer streams")
     parser.add_argument("--every-s", type=float, default=10.0, help="sampling period")
-    parser.add_argument("--workdir", type=Path, default=_HERE / "results" / "soak-run")
+    parser.add_argument("--workdir", type=Path, default=harness.RESULTS_DIR / "soak-run")
     args = parser.parse_args()
     if args.minutes <= 0 or args.every_s <= 0:
         parser.error("--minutes and --every-s must be > 0")
@@ -185,7 +179,7 @@ def main() -> None:
         args.warmup_minutes = args.minutes / 4
     if not 0 <= args.warmup_minutes < args.minutes:
         parser.error("--warmup-minutes must be in [0, --minutes)")
-    logging.basicConfig(level=logging.WARNING)
+    harness.start()
     shutil.rmtree(args.workdir, ignore_errors=True)  # logs of the previous run; data starts empty
     results = run(args)
     table = Table(title=f"growth after a {args.warmup_minutes:g}-minute warm-up, {args.rate:,.0f} records/s")
@@ -199,10 +193,8 @@ def main() -> None:
     rates = [f["growth_pct_per_hour"] for f in fits.values()]
     worst = max((r for r in rates if r == r), default=float("nan"))  # r == r: not NaN
     results["max_growth_pct_per_hour"] = worst
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    console.print(f"wrote {RESULTS}")
-    print(f"growth per hour after warm-up: max {worst:.2f}% (target <= {TARGET_PCT_PER_HOUR:g}%)")
+    harness.finish("soak", results,
+                   [f"growth per hour after warm-up: max {worst:.2f}% (target <= {TARGET_PCT_PER_HOUR:g}%)"])
 
 
 if __name__ == "__main__":

@@ -18,10 +18,8 @@ from .progressive import WindowScore
 LOSS_EMA_WEIGHT = 0.1
 """Weight of the newest step in the training-loss moving average."""
 PHASE_REPORT_STEPS = 50
-"""Steps between two log lines of where a step's time went."""
-PHASE_LOG = "ms per step"
-"""What the trainer's phase log line says before its ``phase value, ...`` list (``bench/pipeline.py``
-reads the lines back)."""
+"""Steps between two reports of where a step's time went (a log line, and a ``step_phases`` record of
+:mod:`trainers.events` for programs to read)."""
 MAX_FRESHNESS_SAMPLES = 1000
 """Most freshness samples one heartbeat carries (the coordinator keeps percentiles)."""
 MAX_PROGRESSIVE_WINDOWS = 64
