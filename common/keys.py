@@ -282,6 +282,22 @@ class GroupKeys:
         return self.key("grad", token, "rows")
 
     @property
+    def blobs_pattern(self) -> str:
+        """SCAN pattern of every gradient blob of the group (:meth:`update_blob` and :meth:`rows_blob`
+        of any token): what the group's sweeper looks at."""
+        return self.key("grad", "*")
+
+    def blob_token(self, key: bytes | str) -> str | None:
+        """The push token a gradient blob key of this group names (:meth:`update_blob`,
+        :meth:`rows_blob`), or None for any other key."""
+        text = key.decode() if isinstance(key, bytes) else key
+        prefix = self.key("grad", "")
+        if not text.startswith(prefix):
+            return None
+        token, sep, rest = text[len(prefix):].partition(":")
+        return token if sep and token and rest and ":" not in rest else None
+
+    @property
     def table_cut(self) -> str:
         """String ``"<version> <owner> <blobs>"``: a checkpoint is saving this group's tables as of
         group version ``<version>`` (``services.snapshot.checkpoint``). While it is set, the applies and the

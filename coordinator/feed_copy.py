@@ -1,17 +1,9 @@
 """A serving system's side of the feed: a copy of the tables kept in sync over HTTP, and the feed's lag.
 
-:class:`FeedCopy` holds, per table, ID -> values in memory, and applies the answers of
-``GET /v1/model/updates`` (``services.tables.feed``) to it: upserts replace a row, tombstones
-remove it. :func:`follow` polls the coordinator until the copy has caught up; :func:`measure_feed_lag`
-measures, for every entry a polling consumer sees, the time from its apply (Redis's clock) to then.
-
-Example::
-
-    copy = FeedCopy(groups=1)                          # empty: follow from position 0
-    while serving:
-        follow(url, token, copy)                       # every answer applied, up to the head
-        serve(copy.tables["user"].get(user_id))        # None: the row's initial value (not stored)
-        time.sleep(0.1)
+:class:`FeedCopy` holds, per table, ID -> values and applies the answers of ``GET /v1/model/updates``
+(upserts replace a row, tombstones remove it); :func:`follow` polls until the copy has caught up, and
+:func:`measure_feed_lag` measures each entry's time from its apply to its arrival.
+See docs/serving.md, *Following the tables row by row*.
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.slot_types import VersionVector
 from services.snapshot.pieces import read_manifest, read_piece
 from services.tables.feed import DecodedChanges, changes_from_safetensors
 
@@ -61,7 +54,7 @@ class FeedCopy:
 
     def __post_init__(self) -> None:
         if not self.position:
-            self.position = ".".join(["0"] * self.groups)
+            self.position = VersionVector([0] * self.groups).name()
 
     @classmethod
     def load_export(cls, folder: str) -> FeedCopy:
@@ -168,7 +161,7 @@ def measure_feed_lag(url: str, token: str, *, seconds: float, poll_interval_s: f
     from its apply to the answer that carried it. The first answer only finds the head (the
     coordinator imports the parameter plane on its first request: seconds of a cold start, no lag of
     the feed); the entries after it are measured."""
-    position = ".".join(["0"] * groups)
+    position = VersionVector([0] * groups).name()
     start_ms: float | None = None
     seen: list[np.ndarray] = []
     applied: list[np.ndarray] = []

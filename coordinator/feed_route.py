@@ -22,21 +22,20 @@ parameter plane on the first request only.
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 from aiohttp import web
 
-from .model_route import ModelExport, authorise_model_reader, reader_context
+from services.slot_types import VersionVector
+
+from .model_route import ModelExport, authorise_model_reader, plane_refusals, reader_context
 from .routes import ApiError
 from .runtime import SETTINGS
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 __all__ = ["setup_feed_routes", "get_updates", "get_rows", "FEED_READER", "MOST_LIMIT", "MOST_IDS"]
 
@@ -47,7 +46,6 @@ MOST_LIMIT = 10000
 MOST_IDS = 4000
 """Most IDs one lookup asks (8000 characters of ``?ids=``, the OpenAPI file's ``maxLength``)."""
 _MAX_QUERY_CHARS = 8000
-_POSITION = re.compile(r"[0-9]{1,18}(?:\.[0-9]{1,18})*")
 _ID = re.compile(r"-?[0-9]{1,18}|[0-9]{19}")
 
 
@@ -71,51 +69,22 @@ def _query(request: web.Request, allowed: frozenset[str], where: str) -> dict[st
     return out
 
 
-def _translate(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn`` with the parameter plane's refusals turned into API errors (on the reader's thread)."""
-    @functools.wraps(fn)
-    def call(*args: Any) -> T:
-        from services.snapshot.export import NoModelError
-        from services.tables.feed import FeedAheadError, FeedGoneError, position_name
-        try:
-            return fn(*args)
-        except NoModelError as exc:
-            raise ApiError(404, "no_model", str(exc)) from None
-        except FeedGoneError as exc:
-            raise ApiError(410, "feed_gone", str(exc), oldest=position_name(exc.oldest),
-                             current=position_name(exc.head)) from None
-        except FeedAheadError as exc:
-            raise ApiError(404, "position_not_found", str(exc), current=position_name(exc.head)) from None
-    return call
-
-
-def _meta(client: redis.Redis, job: str) -> Any:
-    from common.keys import JobKeys
-    from services.snapshot.export import NoModelError
-    from services.store import ModelMeta
-    raw = client.get(JobKeys(job).meta)
-    if raw is None:
-        raise NoModelError(f"job {job} has no model in this Redis (unknown job, or no trainer has initialised it yet)")
-    return ModelMeta.from_json(raw)
-
-
-@_translate
+@plane_refusals
 def _updates(client: redis.Redis, job: str, since_text: str, limit: int, with_dense: bool
              ) -> tuple[bytes, str, str, str, int, bool]:
     """(body, position reached, heads, versions, entries, dense changed) of the changes since ``since_text``
     (the dense tensors in the body when they changed and ``with_dense``)."""
+    from services.slots import read_meta
     from services.snapshot.export import snapshot
     from services.tables.feed import (
         FeedAheadError,
         changes_to_safetensors,
         feed_heads,
-        parse_position,
-        position_name,
         read_changes,
     )
-    meta = _meta(client, job)
+    meta = read_meta(client, job)
     try:
-        since = parse_position(since_text, meta.groups)
+        since = VersionVector.parse(since_text, meta.groups, kind="position")
     except ValueError as exc:  # a position's form, of a job with another number of groups
         heads = feed_heads(client, job, meta.groups)
         raise FeedAheadError(f"job {job} has no feed position {since_text!r}: {exc}", head=heads) from None
@@ -125,8 +94,8 @@ def _updates(client: redis.Redis, job: str, since_text: str, limit: int, with_de
         dense_version, tensors = snapshot(client, job)
         dense = {name: t.numpy() for name, t in tensors.items()}
     body = changes_to_safetensors(changes, job=job, dense=dense, dense_version=dense_version)
-    return (body, position_name(changes.position), position_name(changes.head), position_name(changes.version),
-            int(changes.applied_ms.size), changes.dense)
+    position, head, version = (VersionVector(v).name() for v in (changes.position, changes.head, changes.version))
+    return body, position, head, version, int(changes.applied_ms.size), changes.dense
 
 
 async def get_updates(request: web.Request) -> web.Response:
@@ -138,7 +107,7 @@ async def get_updates(request: web.Request) -> web.Response:
     if since is None:
         raise ApiError(400, "invalid_query", "since is required: the feed position the copy holds ('0' per shard "
                                              "group, joined by '.': from the start)")
-    if not _POSITION.fullmatch(since):
+    if not VersionVector.is_name(since):
         raise ApiError(400, "invalid_query", f"since must be a feed position (non-negative integers of at most 18 "
                                              f"digits joined by '.', one per shard group), got {since[:100]!r}")
     from services.tables.feed import FEED_LIMIT
@@ -162,12 +131,13 @@ async def get_updates(request: web.Request) -> web.Response:
         "X-Dense-Changed": "1" if dense else "0", "Cache-Control": "no-store"})
 
 
-@_translate
+@plane_refusals
 def _rows(client: redis.Redis, job: str, table: str, ids: list[int]) -> dict[str, Any]:
     import numpy as np
 
+    from services.slots import read_meta
     from services.tables.store import pull_rows
-    meta = _meta(client, job)
+    meta = read_meta(client, job)
     specs = {t.name: t for t in meta.tables}
     if table not in specs:
         raise ApiError(404, "unknown_table", f"job {job} has no embedding table {table!r} "

@@ -5,7 +5,7 @@ export``): each shard group is read in one MULTI/EXEC, its shards rebuilt at
 the group's version, and the tensors named by parameter, so
 ``module.load_state_dict(safetensors.torch.load_file(path))`` loads them.
 
-- A version is named as :func:`services.snapshot.export.version_name` writes it: the
+- A version is named as :class:`services.slot_types.VersionVector` writes it: the
   plain integer with one shard group (``1200``), each group's version joined
   by '.' with several (``12.7``, group 0's first).
 - ``X-Model-Version`` names the version, ``ETag`` is ``"<job>-v<version>"``;
@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ import redis
 from aiohttp import web
 
 from common.redis_client import connect
+from services.slot_types import VersionVector
 
 from .routes import ApiError, authenticate
 from .runtime import SETTINGS
@@ -53,15 +53,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = ["setup_model_route", "get_model", "etag", "MODEL_EXPORT", "ModelExport", "authorise_model_reader",
-           "reader_context"]
+           "reader_context", "plane_refusals"]
 
 _PARAMS = frozenset({"version"})
 _MAX_VERSION_CHARS = 8000
 """Longest ``?version=`` looked at (the OpenAPI file's ``maxLength``): it fits the HTTP server's
 8190-byte request line, which refuses a longer one before any handler (400, text/plain). 421 groups
 of 18-digit versions, 800 of 9 digits."""
-_VERSION_NAME = re.compile(r"[0-9]{1,18}(?:\.[0-9]{1,18})*")
-"""A version name of a job with any number of groups (the OpenAPI file's ``pattern``)."""
 
 
 @dataclass
@@ -119,16 +117,27 @@ def _requested_version(request: web.Request) -> str | None:
 
 def _json_version(version: tuple[int, ...]) -> int | str:
     """A version in an error's JSON: the integer with one group (as before groups), else its name."""
-    from services.snapshot.export import version_name
-    return version[0] if len(version) == 1 else version_name(version)
+    return VersionVector(version).json()
 
 
-def _translate(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn`` with the export's refusals turned into API errors (in the export thread, where
-    :mod:`services.snapshot.export` is imported)."""
+def plane_refusals(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` with the parameter plane's refusals turned into API errors: the one translation of the
+    routes that read the plane (``/v1/model`` here; the feed and the rows, :mod:`coordinator.feed_route`),
+    applied on their reader threads, where the plane is imported.
+
+    =========================  ===  =====================================
+    ``NoModelError``           404  ``no_model``
+    ``BadVersionError``        400  ``invalid_query``
+    ``VersionNotFoundError``   404  ``version_not_found`` (``current``)
+    ``VersionGoneError``       410  ``version_gone`` (``oldest``, ``current``)
+    ``FeedAheadError``         404  ``position_not_found`` (``current``)
+    ``FeedGoneError``          410  ``feed_gone`` (``oldest``, ``current``)
+    =========================  ===  =====================================
+    """
     @functools.wraps(fn)
     def call(*args: Any) -> T:
         from services.snapshot.export import BadVersionError, NoModelError, VersionGoneError, VersionNotFoundError
+        from services.tables.feed import FeedAheadError, FeedGoneError
         try:
             return fn(*args)
         except NoModelError as exc:
@@ -140,30 +149,35 @@ def _translate(fn: Callable[..., T]) -> Callable[..., T]:
         except VersionGoneError as exc:
             raise ApiError(410, "version_gone", str(exc), oldest=_json_version(exc.oldest),
                                 current=_json_version(exc.current)) from None
+        except FeedAheadError as exc:
+            raise ApiError(404, "position_not_found", str(exc), current=VersionVector(exc.head).name()) from None
+        except FeedGoneError as exc:
+            raise ApiError(410, "feed_gone", str(exc), oldest=VersionVector(exc.oldest).name(),
+                                current=VersionVector(exc.head).name()) from None
     return call
 
 
-@_translate
+@plane_refusals
 def _resolve(client: redis.Redis, job: str, requested: str | None) -> tuple[tuple[int, ...] | None, str]:
     """The version ``requested`` names, parsed (None: the current one), and the name of the version
     it resolves to now; cheap: no shards."""
-    from services.snapshot.export import BadVersionError, parse_version, resolve_version, retained, version_name
+    from services.snapshot.export import BadVersionError, resolve_version, retained
     kept = retained(client, job)
     try:
-        want = None if requested is None else parse_version(requested, len(kept.current), job=job)
+        want = None if requested is None else VersionVector.parse(requested, len(kept.current), job=job)
     except BadVersionError as exc:
-        if _VERSION_NAME.fullmatch(requested or ""):  # a version name, of a job with another number of groups
+        if VersionVector.is_name(requested):  # a version name, of a job with another number of groups
             raise ApiError(404, "version_not_found", f"job {job} has no version {requested!r}: {exc}",
                                 current=_json_version(kept.current)) from None
         raise
-    return want, version_name(resolve_version(job, want, kept))
+    return want, VersionVector(resolve_version(job, want, kept)).name()
 
 
-@_translate
+@plane_refusals
 def _export(client: redis.Redis, job: str, requested: tuple[int, ...] | None) -> tuple[str, bytes]:
-    from services.snapshot.export import snapshot, to_safetensors_bytes, version_name
+    from services.snapshot.export import snapshot, to_safetensors_bytes
     version, tensors = snapshot(client, job, requested)
-    return version_name(version), to_safetensors_bytes(tensors, job=job, version=version)
+    return VersionVector(version).name(), to_safetensors_bytes(tensors, job=job, version=version)
 
 
 async def get_model(request: web.Request) -> web.Response:

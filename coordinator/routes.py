@@ -26,7 +26,7 @@ from .errors import ConflictError, MemberGoneError, UnknownMemberError
 from .membership import Drain, Event, Heartbeat, Leave, Membership, Register
 from .runtime import RUNTIME, SAMPLER, Runtime, apply_event, now_ms
 from .state import FIXED_CONFIG, JobConfig
-from .status import members_view, model_version, partitions_view, queue_group_versions, summary
+from .status import members_view, model_version, partitions_view, read_plane, summary
 from .tables import tables_view
 from .validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field, InvalidBody, parse_json
 
@@ -315,12 +315,10 @@ async def status(request: web.Request) -> web.Response:
     config = await rt.store.config()
     state = await rt.store.load()
     parts = await _partitions(rt, state, config)
-    pipe = rt.redis.pipeline(transaction=False)  # the groups' versions are in their own slots
-    queue_group_versions(pipe, keys, config.ps_groups)
-    pipe.hgetall(keys.clocks)
-    pipe.hgetall(keys.applied_clocks)
-    *versions, clocks, applied = await pipe.execute()
-    tables = await request.app[SAMPLER].tables.read(rt.redis, config.ps_groups,
+    groups = await rt.store.groups(config)
+    plane = await read_plane(rt.redis, keys, groups, "clocks", "applied_clocks")
+    versions, clocks, applied = plane.versions, plane.hashes["clocks"], plane.hashes["applied_clocks"]
+    tables = await request.app[SAMPLER].tables.read(rt.redis, groups,
                                                     model_exists=model_version(versions) is not None)
     body = {"job": rt.settings.job, "generation": state.generation, "config": config.as_json(),
             "members": members_view(state, now_ms()), "partitions": parts,

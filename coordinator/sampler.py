@@ -1,26 +1,10 @@
 """The coordinator's sampler: once a second, read the job and add a sample to its history.
 
-The thin I/O shell around :mod:`coordinator.history`. Each tick reads the
-membership (members' last heartbeat stats), the model version (the sum of
-the shard groups' versions), the ``staleness`` hash and the committed offsets
-from Redis (one round trip), the embedding tables of a model that has some
-(:class:`coordinator.tables.TableReader`: one more pipelined round trip over the
-groups), the topic's end offsets from Kafka, and drains the freshness samples that heartbeats brought
-since the previous tick (:meth:`Sampler.observe_heartbeat`), and pools the progressive-validation
-windows they brought (:class:`coordinator.progressive.ProgressiveHistory`).
-
-Kafka is probed with the sampler's own consumer on its own thread, so a slow
-or absent broker never queues ahead of ``/readyz`` or ``/v1/status``; after a
-failed probe the lag is ``None`` for :data:`KAFKA_RETRY_S` before the next try.
-A tick that fails (Redis away: the lease checker reports the outage) is
-skipped, leaving a gap in the time axis.
-
-The sampler owns its task: :meth:`Sampler.start` and :meth:`Sampler.close`.
-It waits with ``asyncio.timeout``, never ``asyncio.wait_for``, and is stopped with
-:func:`common.tasks.cancel_and_wait`: on Python 3.11 ``wait_for`` swallows a
-cancellation that arrives as its inner future completes (redis-py sends every
-command through it), which left the loop running and the coordinator's shutdown
-waiting on it for ever.
+The I/O shell around the pure :mod:`coordinator.history` and :mod:`coordinator.progressive`: a tick
+reads Redis in one round trip (plus one over the groups for the tables), Kafka's end offsets with its
+own consumer on its own thread (so a slow broker never delays ``/readyz`` or ``/v1/status``), and what
+the heartbeats brought; a tick that fails is skipped. It waits with ``asyncio.timeout`` and is stopped
+with :func:`common.tasks.cancel_and_wait` (why: :mod:`common.tasks`). See docs/dashboard.md.
 """
 
 from __future__ import annotations
@@ -41,7 +25,7 @@ from .kafka_probe import KafkaProbe
 from .progressive import ProgressiveHistory
 from .settings import CoordinatorSettings
 from .state import JobConfig, Store
-from .status import model_version, partitions_view, queue_group_versions
+from .status import model_version, partitions_view, read_plane
 from .tables import TableReader
 
 if TYPE_CHECKING:
@@ -121,13 +105,11 @@ class Sampler:
         keys = store.keys
         config = await store.config()
         state = await store.load()
-        pipe = store.redis.pipeline(transaction=False)  # the groups' versions are in their own slots
-        queue_group_versions(pipe, keys, config.ps_groups)
-        pipe.hgetall(keys.staleness)
-        pipe.hgetall(keys.offsets)
-        *versions, staleness, committed = await pipe.execute()
-        version = model_version(versions)
-        tables = await self.tables.read(store.redis, config.ps_groups, model_exists=version is not None)
+        groups = await store.groups(config)
+        plane = await read_plane(store.redis, keys, groups, "staleness", "offsets")
+        staleness, committed = plane.hashes["staleness"], plane.hashes["offsets"]
+        version = model_version(plane.versions)
+        tables = await self.tables.read(store.redis, groups, model_exists=version is not None)
         lag = await self._lag(state, config, _ints(committed))
         freshness, self._freshness = self._freshness, []
         if self._dropped:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from common.keys import JobKeys
@@ -12,6 +13,7 @@ from .membership import Member, Membership
 from .state import JobConfig, parse_assignment
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
     from redis.asyncio.client import Pipeline
 
 logger = logging.getLogger(__name__)
@@ -65,12 +67,33 @@ def partitions_view(state: Membership, raw_assignment: Mapping[bytes | str, byte
 
 
 def queue_group_versions(pipe: Pipeline, keys: JobKeys, groups: int) -> None:
-    """Queue on ``pipe`` a read of the version of each of the job's ``groups`` shard groups (the job
-    config's ``ps_groups``, which is its model's); :func:`model_version` and :func:`versions_view`
+    """Queue on ``pipe`` a read of the version of each of the job's ``groups`` shard groups (its
+    model's count, ``coordinator.state.Store.groups``); :func:`model_version` and :func:`versions_view`
     read the replies. Each group's version lives in its own hash slot, so ``pipe`` must be a
     non-transactional pipeline (one round trip; under Redis Cluster, one per node)."""
     for g in range(groups):
         pipe.get(keys.group(g).version)
+
+
+@dataclass(frozen=True)
+class PlaneRead:
+    """What :func:`read_plane` read, by name."""
+
+    versions: list[bytes | None]
+    """Each group's version as stored (the replies :func:`model_version` and :func:`versions_view` read)."""
+    hashes: dict[str, dict[bytes, bytes]]
+    """The job's hashes asked for, by their name in ``JobKeys``."""
+
+
+async def read_plane(redis: aioredis.Redis, keys: JobKeys, groups: int, *hashes: str) -> PlaneRead:
+    """Each of the ``groups`` groups' versions and the job's ``hashes`` (names in ``JobKeys``), in one
+    non-transactional round trip (the groups' versions are in their own slots), returned by name."""
+    pipe = redis.pipeline(transaction=False)
+    queue_group_versions(pipe, keys, groups)
+    for name in hashes:
+        pipe.hgetall(getattr(keys, name))
+    replies = await pipe.execute()
+    return PlaneRead(list(replies[:groups]), dict(zip(hashes, replies[groups:], strict=True)))
 
 
 def _group_versions(raw: Sequence[bytes | None]) -> list[int] | None:

@@ -14,9 +14,8 @@ the sums over the groups:
 - **admitted**, **dropped**, **expired**, **evicted**: the counters.
 
 The table names come from the model's meta (``JobKeys.meta``, JSON written by
-``services.store.ParameterStore.init_model``) read as plain JSON here: the
-coordinator does not import the parameter plane (whose tables module imports
-numpy and torch).
+``services.store.ParameterStore.init_model``) read by ``services.slot_types.MetaHead``,
+which imports neither numpy nor torch (the parameter plane's tables module does).
 
 :func:`table_names`, :func:`table_totals`, :func:`tables_view` and
 :func:`mean_hit_rate` are pure; :class:`TableReader` is the thin I/O shell the
@@ -28,7 +27,6 @@ whatever the number of tables and groups.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -36,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from common.keys import JobKeys
+from services.slot_types import MetaHead
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -78,10 +77,8 @@ def table_names(raw_meta: bytes | str | None) -> tuple[str, ...]:
     if raw_meta is None:
         return ()
     try:
-        meta = json.loads(raw_meta)
-        tables = meta.get("tables", []) if isinstance(meta, dict) else []
-        return tuple(str(t["name"]) for t in tables)
-    except (ValueError, TypeError, KeyError) as exc:
+        return MetaHead.parse(raw_meta).tables
+    except ValueError as exc:
         logger.warning("model meta unreadable, no tables shown: %r", exc)
         return ()
 
@@ -173,8 +170,8 @@ class TableReader:
                 pipe.memory_usage(gk.table_rows(name), samples=BYTES_SAMPLES)
 
     async def read(self, redis: aioredis.Redis, groups: int, *, model_exists: bool) -> dict[str, TableTotals]:
-        """Each table's :class:`TableTotals` over ``groups`` shard groups (the job config's
-        ``ps_groups``, which is its model's), in one pipelined round trip; empty for a dense model
+        """Each table's :class:`TableTotals` over ``groups`` shard groups (its model's count,
+        ``coordinator.state.Store.groups``), in one pipelined round trip; empty for a dense model
         or before the model exists."""
         names = await self.names(redis, model_exists=model_exists)
         if not names:

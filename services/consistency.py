@@ -5,7 +5,8 @@ live member's applied clock is at least ``c - s - 1`` (BSP: ``s = 0``; ASP: no
 wait). Live members are the keys of ``members``; a member takes part from its
 first push (it has an entry in ``clocks``), so one that has not pushed yet, or
 has left the membership, holds nobody back. A participating member whose
-updates are not applied yet counts as applied clock 0.
+updates are not applied yet counts as applied clock 0. The rules and why:
+``docs/parameter-plane.md``, *Consistency models (invariant 2)*.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from common.keys import JobKeys
 
 from .clocks import ClockView, ClockWait, JobClocks
 from .errors import ParameterPlaneError
+from .slots import JobSlot
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +74,9 @@ def required_clock(cons: Consistency, clock: int) -> int | None:
 
 def read_job_clocks(client: redis.Redis, job: str) -> JobClocks:
     """The live members and their pushed and applied clocks, in one MULTI."""
-    keys = JobKeys(job)
-    pipe = client.pipeline(transaction=True)
-    pipe.hkeys(keys.members)
-    pipe.hgetall(keys.clocks)
-    pipe.hgetall(keys.applied_clocks)
-    members, clocks, applied = pipe.execute()
-    return JobClocks(frozenset(m.decode() for m in members),
-                     {k.decode(): int(v) for k, v in clocks.items()},
-                     {k.decode(): int(v) for k, v in applied.items()})
+    read = JobSlot(client, job).read("members", "clocks", "applied_clocks")
+    return JobClocks(read.members, {k: int(v) for k, v in read.clocks.items()},
+                     {k: int(v) for k, v in read.applied_clocks.items()})
 
 
 def read_clocks(client: redis.Redis, job: str, member_id: str = "") -> ClockView:
@@ -107,7 +103,7 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     Under ASP nobody waits for others; with ``max_unapplied`` a member still waits
     until at most that many of its own pushed updates are unapplied, which bounds
     the update log and the staleness it causes. Polls with a backoff from
-    ``poll_s`` up to 50 ms; records the measured staleness in ``JobKeys.staleness``
+    ``poll_s`` up to ``max_poll_s``; records the measured staleness in ``JobKeys.staleness``
     and the Prometheus histograms.
 
     ``own_from``: the first clock this member pushes under its id. Under BSP and SSP the bound covers
@@ -118,12 +114,10 @@ def wait_for_clock(client: redis.Redis, job: str, member_id: str, clock: int, *,
     growing; it must not wait on it but go on to push, be refused and resynchronise.
 
     ``own_through``: this member's own updates up to this clock must be applied too, whatever the
-    mode (local steps: a window's pseudo-gradient is taken from its pull, so a window starts on its
-    own previous windows, or it would push their progress again; ``trainers.local``).
+    mode (local steps: a window starts on its own previous windows, :func:`services.local_steps.own_through`).
 
-    ``max_poll_s``: the longest pause between two reads (the backoff's cap). A trainer with local
-    steps waits once a window, for its own previous window to be applied (tens of ms for a dense push
-    of the 1.86M MLP): it reads every few ms, where a cap of 50 ms would add up to 50 ms to each wait.
+    ``max_poll_s``: the longest pause between two reads (the backoff's cap; :data:`MAX_POLL_S` by
+    default). A window of local steps waits with :data:`services.local_steps.WINDOW_POLL_S`.
 
     ``known`` is what this member's previous wait read. Applied clocks only grow
     and a member that leaves only lowers the bar. When every live member took part

@@ -15,6 +15,7 @@ __all__ = [
     "UnknownCodecError",
     "PayloadError",
     "LayoutError",
+    "NoModelError",
     "BackpressureError",
     "CheckpointError",
 ]
@@ -56,8 +57,26 @@ class PayloadError(ParameterPlaneError):
 
 
 class LayoutError(ParameterPlaneError):
-    """A model's tensors do not match the layout already stored for the job,
-    or the job has no model yet."""
+    """A model's tensors do not match the layout already stored for the job, or a stored shard does
+    not fit it; :class:`NoModelError`, its subclass, when the job has no model yet."""
+
+
+class NoModelError(LayoutError):
+    """The job has no model in this Redis (an unknown job, or one whose model is not created yet):
+    the one error every reader of the model's meta raises (``services.slots.read_meta``), so a
+    caller that waits for the model catches this type.
+
+    Args:
+        job: the job.
+        detail: what happened instead of the usual message (e.g. the model was removed meanwhile).
+    """
+
+    def __init__(self, job: str, detail: str | None = None) -> None:
+        super().__init__(f"job {job}: {detail}" if detail else
+                         f"job {job} has no model in this Redis (unknown job, or no model yet: no trainer has "
+                         "initialised it)")
+        self.job = job
+        """The job without a model."""
 
 
 class BackpressureError(ParameterPlaneError):

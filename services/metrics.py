@@ -1,13 +1,9 @@
 """Prometheus metrics of one parameter server, in its own registry, and the HTTP endpoint that
 serves a registry (``--metrics-port``), shared with the trainers.
 
-A server exports what only it sees: the versions of its shard group it publishes (the model
-version is the sum of every group's version: ``sum(max by (group) (streamtrain_group_version))``
-in PromQL), the updates each of its writes applied or refused, how long one write batch takes
-from its read to its commit, and freshness measured at the moment the group version holding a
-record's gradient became visible in Redis (sharper than the trainers' heartbeat view of it in
-the coordinator, which lags by up to a heartbeat and a clock wait). Per-group series carry the
-server's shard ``group``; the Prometheus target adds ``instance``. See ``docs/metrics.md``.
+A server exports what only it sees: its group's versions, the updates it applied or refused, the time
+of a write batch, freshness at the commit, and its embedding tables. See docs/metrics.md,
+*Parameter server* and *Who exports what, and why*.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ from common.keys import JobKeys
 from common.redis_client import connect
 
 from .push.updates import unapplied_updates
+from .slots import GroupSlot
 
 if TYPE_CHECKING:
     from .server.apply import Outcome
@@ -154,18 +151,14 @@ class _Tables(Collector):
                 if self._client is None:
                     self._client = connect(settings.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
                 gk = JobKeys(settings.job).group(settings.group)
-                pipe = self._client.pipeline(transaction=False)
-                for name in names:
-                    pipe.hlen(gk.table_rows(name))
-                    pipe.memory_usage(gk.table_rows(name), samples=64)
-                got = pipe.execute()
+                sizes = GroupSlot(self._client, gk, (), 0, names).table_sizes(samples=64)
             except Exception as exc:  # noqa: BLE001 - a scrape reports what it can
                 logger.debug("table sizes unavailable: %s", exc)
             else:
-                for j, name in enumerate(names):
+                for name, (n, nbytes) in sizes.items():
                     labels = [str(settings.group), name]
-                    rows.add_metric(labels, got[2 * j])
-                    size.add_metric(labels, got[2 * j + 1] or 0)
+                    rows.add_metric(labels, n)
+                    size.add_metric(labels, nbytes)
         yield rows
         yield size
 

@@ -4,18 +4,16 @@ environment (:mod:`common.settings`)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from common.keys import validate_job
 from common.settings import setting
 
 from .scripts import DEFAULT_FEED_ENTRIES
+from .slot_types import VersionVector
 from .wire import DEFAULT_MAX_BYTES
 
 __all__ = ["ServerSettings", "ExportSettings"]
-
-_VERSION_RE = re.compile(r"[0-9]{1,18}(?:\.[0-9]{1,18})*")
 
 
 @dataclass(frozen=True)
@@ -116,6 +114,6 @@ class ExportSettings:
         validate_job(self.job)
         if not self.out:
             raise ValueError("--out FILE is required (where to write the .safetensors file)")
-        if self.version is not None and not _VERSION_RE.fullmatch(self.version):
+        if self.version is not None and not VersionVector.is_name(self.version):
             raise ValueError(f"--version must be a model version: a non-negative integer, or with several "
                              f"shard groups one per group joined by '.' (e.g. 12.7), got {self.version!r}")

@@ -1,42 +1,16 @@
 """The parameter store: a model's shards in Redis, initialised once, pulled as consistent snapshots.
 
-Data model. The job's slot (:class:`common.keys.JobKeys`) holds ``meta``, JSON
-``{"layout": ..., "optimizer": ..., "groups": G}``, written once. Shard ``i``
-belongs to group ``g = i % G``, whose slot (:class:`common.keys.GroupKeys`)
-holds:
-
-* ``shard:<i>`` — full float32 little-endian bytes of shard ``i`` as of its base version.
-* ``bases`` — hash ``i -> the group version shard:<i> is as of`` (moved by compaction only).
-* ``deltas:<i>`` — stream of shard ``i``'s deltas, entry ``<version>-0`` (``services.deltas``).
-* ``delta_floors`` — hash ``i -> every delta above this version is kept`` (<= the base).
-* ``versions`` — hash ``i -> group version that last changed shard i``.
-* ``version`` — the group's version, bumped by every atomic apply that changes its shards.
-
-**Versions.** Each group has its own version; a model version is the vector
-of them (:attr:`Snapshot.group_versions`, named ``12.7`` by
-:func:`services.snapshot.export.version_name`). Their sum (:attr:`Snapshot.version`)
-grows with every apply of any group, so it orders a reader's successive
-snapshots, but it names no model: ``12.7`` and ``11.8`` have the same sum
-(``docs/serving.md``). Shard ``i`` at group
-version V is ``shard:<i>`` plus its deltas in (base, V]. Invariant 3 holds per
-group: every shard of group g in a snapshot is at the snapshot's version of g,
-because each group's apply bumps its version in the same atomic step that
-publishes its deltas, and a pull reads each group in one MULTI/EXEC. Groups
-are read one after another (under Redis Cluster they live on different nodes),
-so two groups of a snapshot may be a few applies apart, the same as two
-trainers' pushes are: the SSP bound (invariant 2) is checked on the applied
-clocks, which an update reaches only once every group has applied it.
-
-A pull that already holds a snapshot reads, per group that moved, the versions
-and the deltas after the group's version it holds (one MULTI/EXEC), and moves
-only the changed coordinates; a shard whose deltas since then were compacted
-away is read in full (a second MULTI/EXEC, which the deltas' versions let it
-align on the group's version).
+What the job's and each group's slots hold, and how a group is read in one MULTI/EXEC, is
+:mod:`services.slots`; this module creates the model (:meth:`ParameterStore.init_model`) and rebuilds
+its tensors from what a pull reads. A model version is the vector of the groups' versions
+(:attr:`Snapshot.group_versions`, ``services.slot_types.VersionVector``); their sum orders one reader's
+snapshots but names no model. Why a pull is consistent per group (invariant 3), and how a pull since a
+snapshot moves only the changed coordinates: ``docs/parameter-plane.md`` (*Redis data model*, *Pulls and
+snapshots*).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -54,9 +28,9 @@ from common.keys import JobKeys
 from .deltas import apply_deltas
 from .errors import LayoutError
 from .layout import DEFAULT_SHARD_ELEMS, Layout, ShardSpec, make_layout
-from .optim import OptimizerConfig, slots
-from .protocol import own_shards
-from .tables.spec import TableSpec, tables_from_json, tables_to_json, validate_tables
+from .optim import OptimizerConfig
+from .slots import GroupRead, GroupSlot, ModelMeta, read_meta
+from .tables.spec import TableSpec, validate_tables
 
 logger = logging.getLogger(__name__)
 
@@ -94,48 +68,6 @@ def connect(url: str, **kwargs: object) -> redis.Redis:
     if isinstance(kwargs["command_packer"], Packer):
         mark_bulk(client)
     return client
-
-
-@dataclass(frozen=True)
-class ModelMeta:
-    """What ``meta`` holds: the layout, the optimizer and the number of server shard groups."""
-
-    layout: Layout
-    """Tensors and shards."""
-    optimizer: OptimizerConfig
-    """Server-side optimizer."""
-    groups: int
-    """Number of parameter-server shard groups (shard i belongs to group
-    ``services.protocol.group_of(i, groups)``)."""
-    tables: tuple[TableSpec, ...] = ()
-    """The model's embedding tables (rows live only in Redis; row ``id`` of a table belongs to group
-    ``services.tables.group_of_ids([id], groups)``)."""
-
-    def to_json(self) -> str:
-        """Stored form (``tables`` only when the model has some: a dense model's meta is as before)."""
-        raw = {"layout": json.loads(self.layout.to_json()), "optimizer": json.loads(self.optimizer.to_json()),
-               "groups": self.groups}
-        if self.tables:
-            raw["tables"] = tables_to_json(self.tables)
-        return json.dumps(raw, sort_keys=True, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> ModelMeta:
-        """Inverse of :meth:`to_json`."""
-        raw = json.loads(text)
-        return cls(Layout.from_json(json.dumps(raw["layout"])),
-                   OptimizerConfig(**raw["optimizer"]), int(raw["groups"]), tables_from_json(raw.get("tables", [])))
-
-    def table(self, name: str) -> TableSpec:
-        """The spec of embedding table ``name``.
-
-        Raises:
-            LayoutError: the model has no such table (names the ones it has).
-        """
-        for t in self.tables:
-            if t.name == name:
-                return t
-        raise LayoutError(f"no embedding table {name!r} in the model (tables: {[t.name for t in self.tables]})")
 
 
 @dataclass(frozen=True)
@@ -181,7 +113,8 @@ class ParameterStore:
         Idempotent: the first writer wins; a later caller gets the stored meta
         back after checking its tensors have the stored layout. ``groups`` (the
         number of parameter-server shard groups) defaults to the job config's
-        ``ps_groups`` field, else 1. ``tables``: the model's embedding tables (they start
+        ``ps_groups`` field, else 1: the config only seeds the count, which from then on is the
+        stored meta's (``services.slots``). ``tables``: the model's embedding tables (they start
         empty: a row is born when its ID is admitted).
 
         Raises:
@@ -238,19 +171,14 @@ class ParameterStore:
     def _create_group(self, meta: ModelMeta, group: int, blobs: list[bytes]) -> None:
         """Group ``group``'s shards at version 0 and nothing else (a writer that died before writing
         ``meta`` may have left a partial group: it is replaced), in one MULTI/EXEC."""
-        gk = self.keys.group(group)
-        own = own_shards(meta.layout, meta.groups, group)
-        stale = [gk.version, gk.versions, gk.bases, gk.delta_floors, gk.cursor, gk.persisted, gk.unaccounted,
-                 gk.optimizer_steps, gk.table_stats, gk.feed, gk.feed_head,
-                 *(k for t in meta.tables for k in (gk.table_rows(t.name), gk.table_seen(t.name))),
-                 *(gk.deltas(i) for i in own),
-                 *(gk.optimizer_state(i, k) for i in own for k in range(slots(meta.optimizer)))]
+        slot = GroupSlot.of(self.client, self.keys.job, meta, group)
+        gk = slot.keys
         pipe = self.client.pipeline(transaction=True)
-        pipe.delete(*stale)
-        for i in own:
+        slot.clear(pipe, restored=False)
+        for i in slot.own:
             pipe.set(gk.shard(i), blobs[i])
-        if own:
-            zeros: dict[FieldT, int] = {str(i): 0 for i in own}
+        if slot.own:
+            zeros: dict[FieldT, int] = {str(i): 0 for i in slot.own}
             pipe.hset(gk.versions, mapping=zeros)
             pipe.hset(gk.bases, mapping=zeros)
             pipe.hset(gk.delta_floors, mapping=zeros)
@@ -261,13 +189,10 @@ class ParameterStore:
         """The job's stored model meta (cached).
 
         Raises:
-            LayoutError: the job has no model yet.
+            NoModelError: the job has no model yet (a LayoutError).
         """
         if self._meta is None or refresh:
-            raw = self.client.get(self.keys.meta)
-            if raw is None:
-                raise LayoutError(f"job {self.keys.job} has no model yet (init_model first)")
-            self._meta = ModelMeta.from_json(raw)
+            self._meta = read_meta(self.client, self.keys.job)
         return self._meta
 
     @property
@@ -321,22 +246,14 @@ class ParameterStore:
         group_versions = []
         moved = 0
         for g in range(meta.groups):
-            gk, own = self.keys.group(g), own_shards(meta.layout, meta.groups, g)
-            pipe = self.client.pipeline(transaction=True)
-            pipe.get(gk.version)
-            pipe.hgetall(gk.versions)
-            pipe.hgetall(gk.bases)
-            pipe.mget([gk.shard(i) for i in own] or [gk.version])
-            for i in own:
-                pipe.xrange(gk.deltas(i))
-            raw_version, raw_versions, raw_bases, blobs, *streams = pipe.execute()
-            version = int(raw_version or 0)
-            group_versions.append(version)
-            shard_versions, bases = self._versions(raw_versions, own), self._versions(raw_bases, own)
-            for j, i in enumerate(own):
+            slot = GroupSlot.of(self.client, self.keys.job, meta, g)
+            read = slot.read("version", "versions", "bases", "shards", "deltas")
+            group_versions.append(read.version)
+            shard_versions, bases = self._versions(read.versions, slot.own), self._versions(read.bases, slot.own)
+            for i in slot.own:
                 s = shards[i]
                 versions[i] = shard_versions[i]
-                moved += self._rebuild(flats[s.name], s, blobs[j], bases[i], streams[j], version)
+                moved += self._rebuild(flats[s.name], s, read.shards[i], bases[i], read.deltas[i], read.version)
         return Snapshot(sum(group_versions), tuple(versions), tensors, tuple(range(len(shards))), moved,
                         tuple(group_versions))
 
@@ -348,53 +265,41 @@ class ParameterStore:
         shards = meta.layout.shards
         versions = list(since.versions)
         group_versions = list(since.group_versions)
-        reads: list[tuple[int, list[int], dict[int, list], dict[int, tuple[bytes | None, int, list]]]] = []
+        reads: list[tuple[int, list[int], GroupRead, GroupRead | None]] = []
         for g in range(meta.groups):
-            gk, own, held = self.keys.group(g), own_shards(meta.layout, meta.groups, g), since.group_versions[g]
-            pipe = self.client.pipeline(transaction=True)
-            pipe.get(gk.version)
-            pipe.hgetall(gk.versions)
-            pipe.hgetall(gk.delta_floors)
-            for i in own:
-                pipe.xrange(gk.deltas(i), min=str(held + 1))
-            raw_version, raw_versions, raw_floors, *streams = pipe.execute()
-            version = int(raw_version or 0)
-            if version == held:
+            slot, held = GroupSlot.of(self.client, self.keys.job, meta, g), since.group_versions[g]
+            read = slot.read("version", "versions", "delta_floors", "deltas", after=held)
+            if read.version == held:
                 continue
-            shard_versions, floors = self._versions(raw_versions, own), self._versions(raw_floors, own)
-            changed = [i for i in own if shard_versions[i] != since.versions[i]]
+            shard_versions = self._versions(read.versions, slot.own)
+            floors = self._versions(read.delta_floors, slot.own)
+            changed = [i for i in slot.own if shard_versions[i] != since.versions[i]]
             full = [i for i in changed if floors[i] > held]
-            blobs: dict[int, tuple[bytes | None, int, list]] = {}
+            whole = None
             if full:
-                pipe = self.client.pipeline(transaction=True)
-                pipe.hgetall(gk.bases)
-                pipe.mget([gk.shard(i) for i in full])
-                for i in full:
-                    pipe.xrange(gk.deltas(i))
-                raw_bases, full_blobs, *full_streams = pipe.execute()
-                bases = self._versions(raw_bases, own)
-                if any(bases[i] > version for i in full):
+                whole = slot.read("bases", shards=full, deltas=full)
+                bases = self._versions(whole.bases, slot.own)
+                if any(bases[i] > read.version for i in full):
                     return None  # compacted after the first read: its deltas up to `version` may be gone
-                blobs = {i: (b, bases[i], st) for i, b, st in zip(full, full_blobs, full_streams, strict=True)}
-            group_versions[g] = version
-            for i in own:
+            group_versions[g] = read.version
+            for i in slot.own:
                 versions[i] = shard_versions[i]
-            reads.append((version, changed, dict(zip(own, streams, strict=True)), blobs))
+            reads.append((held, changed, read, whole))
         changed_all = [i for _, changed, _, _ in reads for i in changed]
         if not changed_all:
             return Snapshot(sum(group_versions), tuple(versions), since.tensors, (), 0, tuple(group_versions))
         tensors, flats = self._targets(since, out, changed_all)
         moved = 0
-        for version, changed, streams, blobs in reads:  # type: ignore[assignment]  # streams: a list above, by shard here
+        for held, changed, read, whole in reads:
             for i in changed:
                 s = shards[i]
-                if i in blobs:
-                    blob, base, entries = blobs[i]
-                    moved += self._rebuild(flats[s.name], s, blob, base, entries, version)
+                if whole is not None and i in whole.shards:
+                    moved += self._rebuild(flats[s.name], s, whole.shards[i], whole.bases[i], whole.deltas[i],
+                                           read.version)
                 else:
                     seg = flats[s.name][s.start:s.start + s.numel]
-                    moved += apply_deltas(seg, streams[i], after=since.group_versions[s.index % len(group_versions)],
-                                          upto=version, what=f"delta of shard {i} ({s.name})")
+                    moved += apply_deltas(seg, read.deltas[i], after=held, upto=read.version,
+                                          what=f"delta of shard {i} ({s.name})")
         return Snapshot(sum(group_versions), tuple(versions), tensors, tuple(sorted(changed_all)), moved,
                         tuple(group_versions))
 
@@ -435,10 +340,10 @@ class ParameterStore:
         return len(blob) + apply_deltas(seg, entries, after=base, upto=version,
                                         what=f"delta of shard {s.index} ({s.name})")
 
-    def _versions(self, raw: Mapping[bytes, bytes], own: list[int]) -> dict[int, int]:
-        """Shard -> version from a group's hash, which must name exactly the group's shards ``own``."""
-        out = {int(k): int(v) for k, v in raw.items()}
-        if sorted(out) != own:
+    def _versions(self, out: Mapping[int, int], own: Sequence[int]) -> Mapping[int, int]:
+        """Shard -> version of a group's hash (:class:`services.slots.GroupRead`), which must name
+        exactly the group's shards ``own``."""
+        if sorted(out) != list(own):
             raise LayoutError(f"job {self.keys.job}: {len(out)} shard versions stored in a group, its layout "
                               f"has {len(own)}")
         return out

@@ -365,7 +365,7 @@ def test_a_servers_automatic_checkpoint_saves_the_tables(redis: redis_lib.Redis,
                                             checkpoint_dir=str(tmp_path)), client=redis)
     server.load()
     while server.step():
-        pass
+        assert server.wait_checkpoint(timeout_s=60)  # on its own thread: let it cut before the next apply
     name = f"{JOB}-v000000000002.pt"
     assert sorted(p.name for p in tmp_path.iterdir()) == [name, f"{name}.tables"]
     restore_checkpoint(fresh_client, str(tmp_path / name))

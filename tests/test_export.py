@@ -26,18 +26,17 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
 from datastream import load_source
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings
+from services.slot_types import VersionVector
 from services.snapshot.export import (
     BadVersionError,
     NoModelError,
     Retained,
     VersionGoneError,
     VersionNotFoundError,
-    parse_version,
     resolve_version,
     retained,
     snapshot,
     to_safetensors_bytes,
-    version_name,
 )
 from streamtrain import cli
 from streamtrain.scoring import score_job
@@ -70,16 +69,16 @@ def test_resolve_version_names_the_versions_available() -> None:
 
 
 def test_a_version_of_several_groups_is_each_groups_version_joined_by_dots() -> None:
-    assert version_name((1200,)) == "1200" and version_name((12, 7)) == "12.7"
-    assert parse_version("1200", 1) == (1200,) and parse_version("12.7", 2) == (12, 7)
-    assert parse_version("0.0.3", 3) == (0, 0, 3)
+    assert VersionVector((1200,)).name() == "1200" and VersionVector((12, 7)).name() == "12.7"
+    assert VersionVector.parse("1200", 1) == (1200,) and VersionVector.parse("12.7", 2) == (12, 7)
+    assert VersionVector.parse("0.0.3", 3) == (0, 0, 3)
     for text in ("12", "12.7.1", "12.", ".7", "12.-7", "12.x", "1" * 19 + ".7", "12,7"):
         with pytest.raises(BadVersionError, match=f"job {JOB} has 2 shard groups: version must be 2 non-negative "
                                                   f"integers joined by '.'.* e.g. '12.7'.*got '{re.escape(text)}'"):
-            parse_version(text, 2, job=JOB)
+            VersionVector.parse(text, 2, job=JOB)
     with pytest.raises(BadVersionError, match=r"version must be one non-negative integer \(a model version\), "
                                               "got '12.7'"):
-        parse_version("12.7", 1, job=JOB)
+        VersionVector.parse("12.7", 1, job=JOB)
     kept = Retained(current=(12, 7), oldest=(10, 0))
     assert resolve_version(JOB, None, kept) == (12, 7)
     assert resolve_version(JOB, (10, 0), kept) == (10, 0) and resolve_version(JOB, (11, 7), kept) == (11, 7)
@@ -87,7 +86,8 @@ def test_a_version_of_several_groups_is_each_groups_version_joined_by_dots() -> 
         resolve_version(JOB, (12, 8), kept)
     # a version some group can no longer rebuild is gone, even when another group has not reached its own
     for gone_version in ((9, 7), (9, 8)):
-        with pytest.raises(VersionGoneError, match=f"version {version_name(gone_version)} is no longer retained .* "
+        gone = VersionVector(gone_version).name()
+        with pytest.raises(VersionGoneError, match=f"version {gone} is no longer retained .* "
                                                    "oldest version available is 10.0, the current 12.7"):
             resolve_version(JOB, gone_version, kept)
 
@@ -393,7 +393,7 @@ def trained_two(redis: redis_lib.Redis, redis_url: str) -> Iterator[TrainedTwo]:
 def test_two_groups_export_each_group_at_its_version(trained_two: TrainedTwo, redis: redis_lib.Redis,
                                                      tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     current = trained_two.current
-    name = version_name(current)
+    name = VersionVector(current).name()
     assert name == f"{UPDATES}.{UPDATES // 2}"
     # group 0 compacted at version 5; group 1 (at 4) never did
     assert retained(redis, TWO_JOB) == Retained(current=current, oldest=(COMPACT_EVERY, 0))
@@ -413,7 +413,7 @@ def test_two_groups_export_each_group_at_its_version(trained_two: TrainedTwo, re
     seen = [v for v in trained_two.history if v[0] >= COMPACT_EVERY]
     assert len(seen) >= 3
     for version in seen:
-        got, tensors = snapshot(redis, TWO_JOB, version_name(version))
+        got, tensors = snapshot(redis, TWO_JOB, VersionVector(version).name())
         assert got == version
         assert_same(tensors, trained_two.history[version])
 
@@ -432,7 +432,7 @@ def test_two_groups_export_each_group_at_its_version(trained_two: TrainedTwo, re
 
 async def test_the_route_names_a_two_group_version_by_its_vector(
         trained_two: TrainedTwo, redis: redis_lib.Redis, settings: CoordinatorSettings) -> None:
-    name = version_name(trained_two.current)
+    name = VersionVector(trained_two.current).name()
     tag = f'"{TWO_JOB}-v{name}"'
     async with running_coordinator(replace(settings, job=TWO_JOB, ps_groups=2)) as client:
         resp = await client.get("/v1/model", headers=JOB_AUTH)
@@ -442,8 +442,8 @@ async def test_the_route_names_a_two_group_version_by_its_vector(
         resp = await client.get("/v1/model", headers={**JOB_AUTH, "If-None-Match": tag})
         assert resp.status == 304 and resp.headers["X-Model-Version"] == name
         older = next(v for v in sorted(trained_two.history) if v[0] >= COMPACT_EVERY)
-        resp = await client.get(f"/v1/model?version={version_name(older)}", headers=JOB_AUTH)
-        assert resp.status == 200 and resp.headers["ETag"] == f'"{TWO_JOB}-v{version_name(older)}"'
+        resp = await client.get(f"/v1/model?version={VersionVector(older).name()}", headers=JOB_AUTH)
+        assert resp.status == 200 and resp.headers["ETag"] == f'"{TWO_JOB}-v{VersionVector(older).name()}"'
         assert_same(safetensors.torch.load(await resp.read()), trained_two.history[older])
 
         async def error(query: str, status: int) -> dict:

@@ -20,6 +20,7 @@ from coordinator.feed_copy import FeedCopy, lag_of
 from coordinator.settings import CoordinatorSettings
 from coordinator.testing import running_coordinator
 from services import ParameterServer, Pusher, ServerSettings, ServerStatus
+from services.slot_types import VersionVector
 from services.snapshot.export import snapshot
 from services.snapshot.table_export import export_tables
 from services.tables import TableSpec, initial_rows
@@ -29,7 +30,6 @@ from services.tables.feed import (
     changes_from_safetensors,
     changes_to_safetensors,
     feed_heads,
-    parse_position,
     read_changes,
     read_group,
 )
@@ -66,7 +66,7 @@ def catch_up(redis: redis_lib.Redis, job: str, copy: FeedCopy, tables: tuple[Tab
     entries = 0
     while True:
         groups = copy.position.count(".") + 1
-        changes = read_changes(redis, job, tables, parse_position(copy.position, groups), **kw)
+        changes = read_changes(redis, job, tables, VersionVector.parse(copy.position, groups, kind="position"), **kw)
         copy.apply(changes_from_safetensors(changes_to_safetensors(changes, job=job)))
         entries += changes.applied_ms.size
         if not changes.more:

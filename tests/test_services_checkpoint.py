@@ -141,6 +141,7 @@ def test_server_saves_a_checkpoint_every_n_versions(redis: redis_lib.Redis, redi
     server.load()
     for eid, fields in redis.xrange(JobKeys(JOB).update_log):
         assert server.apply_entries([(eid, fields)]) == 1
+        assert server.wait_checkpoint(timeout_s=60)  # on its own thread: let it cut before the next apply
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{JOB}-v000000000002.pt", f"{JOB}-v000000000004.pt"]
     fresh_job = "restored"
     assert restore_checkpoint(redis, str(tmp_path / f"{JOB}-v000000000004.pt"), job=fresh_job) == (4,)
@@ -150,6 +151,55 @@ def test_server_saves_a_checkpoint_every_n_versions(redis: redis_lib.Redis, redi
     assert restored.step() == 1  # its re-keyed gradient blobs are there
     assert torch.equal(ParameterStore(redis, fresh_job).pull().tensors["w"],
                        ParameterStore(redis, JOB).pull().tensors["w"])
+
+
+def test_the_automatic_checkpoint_runs_beside_the_apply_loop(redis: redis_lib.Redis, redis_url: str,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The automatic checkpoint runs on a thread of its own: applying goes on while it saves, one
+    runs at a time (a multiple of checkpoint_every crossed meanwhile starts the next when it ends,
+    at the version then), and close() waits for the one running."""
+    import services.snapshot.checkpoint as checkpoint_module
+
+    ParameterStore(redis, JOB).init_model(small_model(), shard_elems=64)
+    set_membership(redis, JOB, {"a": [0]}, generation=1)
+    pusher = Pusher(redis, JOB, "a")
+    for c in range(1, 8):
+        pusher.push(grads(c), generation=1, clock=c)
+    release, started = threading.Event(), threading.Semaphore(0)
+    saves: list[tuple[str, str]] = []
+
+    def blocked_save(client: redis_lib.Redis, job: str, path: str) -> tuple[int, ...]:
+        saves.append((Path(path).name, threading.current_thread().name))
+        started.release()
+        assert release.wait(60)
+        return (0,)
+
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", blocked_save)
+    server = ParameterServer(ServerSettings(redis_url=redis_url, job=JOB, checkpoint_every=2,
+                                            checkpoint_dir=str(tmp_path)), client=redis)
+    server.load()
+    entries = redis.xrange(JobKeys(JOB).update_log)
+    for entry in entries[:2]:
+        assert server.apply_entries([entry]) == 1
+    assert started.acquire(timeout=30) and saves == [(f"{JOB}-v000000000002.pt", f"ps-{JOB}-checkpoint")]
+    for entry in entries[2:5]:  # the save at version 2 blocks: applying goes on, no second save starts
+        assert server.apply_entries([entry]) == 1
+    assert server.version == 5 and len(saves) == 1 and not server.wait_checkpoint(timeout_s=0.1)
+    release.set()
+    assert server.wait_checkpoint(timeout_s=30)
+    release.clear()
+    assert server.apply_entries([entries[5]]) == 1  # the end is seen: versions 4 and 6 were crossed
+    assert started.acquire(timeout=30) and [name for name, _ in saves] == [f"{JOB}-v000000000002.pt",
+                                                                          f"{JOB}-v000000000006.pt"]
+    assert server.apply_entries([entries[6]]) == 1 and len(saves) == 2
+    closing = threading.Thread(target=server.close)
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive()  # close() waits for the save running
+    release.set()
+    closing.join(30)
+    assert not closing.is_alive() and server.wait_checkpoint(timeout_s=0) and len(saves) == 2
+    assert ParameterStore(redis, JOB).version() == 7
 
 
 # -- two shard groups ------------------------------------------------------------------------------
@@ -360,8 +410,8 @@ def test_a_cut_that_cannot_be_restored_is_read_again_or_refused() -> None:
         return checkpoint_cut.GroupCut(version=1, cursor=cursor, persisted=persisted, plan=None, hashes={}, shards={},
                                     optimizer={}, deltas={}, blobs={})
 
-    def job(log: list[str], accounted: dict[int, str], persisted: dict[int, str]) -> checkpoint_cut._JobCut:
-        return checkpoint_cut._JobCut(meta=b"{}", log=[(eid, {}) for eid in log],
+    def job(log: list[str], accounted: dict[int, str], persisted: dict[int, str]) -> checkpoint_cut.JobCut:
+        return checkpoint_cut.JobCut(meta=b"{}", log=[(eid, {}) for eid in log],
                                   hashes={"offsets": {}, "clocks": {}, "applied_clocks": {}, "audit_floor": {}},
                                   unapplied=0, accounted=accounted, persisted=persisted, applied_samples=[],
                                   applied_by={})

@@ -22,7 +22,6 @@ reads one back), and the script's KEYS and ARGV are :class:`services.scripts.Pus
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 import time
@@ -40,7 +39,6 @@ from ..errors import (
     BackpressureError,
     BadGradientError,
     FencedError,
-    LayoutError,
     OffsetConflictError,
     ParameterPlaneError,
     PayloadError,
@@ -48,6 +46,7 @@ from ..errors import (
 from ..layout import Layout
 from ..protocol import Update, group_of
 from ..scripts import PushCall, execute_with_script
+from ..slots import read_meta
 from ..wire import DEFAULT_MAX_BYTES
 
 logger = logging.getLogger(__name__)
@@ -120,6 +119,7 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
             offset, or the clock does not advance.
         BackpressureError: the log stayed full until the timeout.
         BadGradientError, UnknownCodecError, PayloadError: a refused gradient or header.
+        NoModelError: ``groups`` is None and the job has no model.
         redis.ConnectionError and the other ``common.outage.REDIS_DOWN`` errors (a Redis Cluster's
             CLUSTERDOWN too): the reply may be lost, the push may have been committed
             (:func:`was_committed` says); its blobs are left in place.
@@ -132,7 +132,7 @@ def push_update(client: redis.Redis, job: str, update: Update, *, layout: Layout
         raise PayloadError(f"update from {update.member_id}: oversized, {total} bytes > limit {max_bytes}")
     keys = JobKeys(job)
     if groups is None:
-        groups = _stored_groups(client, job)
+        groups = read_meta(client, job).groups
     bad = [g for g in update.rows if g >= groups]
     if bad:
         raise PayloadError(f"update from {update.member_id}: gradient rows for group(s) {bad} of a model with "
@@ -187,18 +187,6 @@ def _drop_blobs(client: redis.Redis, blobs: Mapping[int, Sequence[tuple[str, byt
             client.delete(*(key for key, _ in group_blobs))
         except redis.RedisError as exc:
             logger.warning("could not delete the blobs of a refused push (%s); the sweeper will", exc)
-
-
-def _stored_groups(client: redis.Redis, job: str) -> int:
-    """The job's number of shard groups, from its model's meta.
-
-    Raises:
-        LayoutError: the job has no model.
-    """
-    raw = client.get(JobKeys(job).meta)
-    if raw is None:
-        raise LayoutError(f"job {job} has no model yet (init_model first)")
-    return int(json.loads(raw)["groups"])
 
 
 _REFUSAL = re.compile(r"\b(FENCED|OFFSET|CLOCK|BACKPRESSURE) (.*)", re.S)

@@ -1,31 +1,12 @@
 """Checkpoints: a consistent cut of a job's parameter plane to one file (and its embedding tables to a
 folder beside it), and back.
 
-What is saved, and why it is a cut that restores exactly (invariant 1: no record applied twice, none
-lost), is :mod:`services.snapshot.cut`: each of the job's ``1 + G`` hash slots read in its own
-MULTI/EXEC, the job's accounting rolled back in the file to each group's cut, and each group's
-embedding tables saved as of the group's cut, with copy-on-write shadows while the servers go on
-applying (``services.snapshot.table_cut``, ``services.snapshot.checkpoint_tables``).
-
-**Restore** (:func:`restore_checkpoint`), into a Redis without the job's
-model, under the init lock that ``ParameterStore.init_model`` takes (renewed
-while tables are written): the tables folder is checked whole first (every
-piece there, with its counts); then each group's slot in one MULTI/EXEC and its
-tables piece by piece, then the job's slot with the meta last, so a reader that
-sees the model finds everything in place. Trainers resume at the
-committed offsets; each server finishes its plan, replays ``(P_g, C_g]`` and
-applies the pending updates. The ``applied_samples`` history (bounded by the
-servers' audit horizon) and ``audit_floor`` are part of a checkpoint, so the
-restored job's audit goes on; the coordinator's keys (membership, config) and
-``staleness`` are not.
-
-Format ``streamtrain-checkpoint-4``: ``torch.save`` of a dict of tensors,
-strings, bytes and numbers, loaded with ``weights_only=True`` (no pickled
-code), and, for a model with tables, the folder ``<file>.tables`` of their
-pieces (``services.snapshot.checkpoint_tables``), which the file names: both are written
-under temporary names, the folder renamed into place, the file last.
-``streamtrain-checkpoint-3`` files (no tables) are restored too; files of older
-formats (one MULTI/EXEC of a one-slot job) are refused.
+The cut is :mod:`services.snapshot.cut` (each of the job's ``1 + G`` slots read in its own MULTI/EXEC,
+the accounting rolled back in the file to each group's cut; the tables saved as of each group's cut by
+``services.snapshot.checkpoint_tables``). A restore empties each group with ``services.slots.GroupSlot``
+(the same list of keys as creating the model) and writes the job's slot with the meta last, so a reader
+that sees the model finds everything in place. The format (``streamtrain-checkpoint-4``; ``-3`` files
+still restore), what is saved and why it restores exactly: ``docs/parameter-plane.md`` (*Checkpoints*).
 """
 
 from __future__ import annotations
@@ -43,13 +24,11 @@ import torch
 
 from common.keys import JobKeys
 
-from ..errors import CheckpointError, LayoutError
-from ..optim import slots
-from ..protocol import own_shards
-from ..store import ModelMeta
+from ..errors import CheckpointError
+from ..slot_types import VersionVector
+from ..slots import JOB_HASHES, SHARD_HASHES, GroupSlot, JobSlot, ModelMeta
 from .checkpoint_tables import TABLES_FORMAT, SavedPiece, check_tables, restore_tables, save_tables, tables_folder
-from .cut import GROUP_HASHES, JOB_HASHES, let_go, read_cut
-from .export import version_name
+from .cut import let_go, read_cut
 from .pieces import install_folder, new_folder, read_manifest, remove_folder
 
 logger = logging.getLogger(__name__)
@@ -82,11 +61,10 @@ def save_checkpoint(client: redis.Redis, job: str, path: str, *, rows_per_piece:
     once). ``progress`` is called after each piece of a table is written.
 
     Returns:
-        The model version it holds: each group's version (``services.snapshot.export.version_name``
-        writes it).
+        The model version it holds: each group's version (a ``VersionVector``).
 
     Raises:
-        LayoutError: the job has no model.
+        NoModelError: the job has no model (a LayoutError).
         CheckpointError: no consistent cut in ``_ATTEMPTS`` attempts, the slots contradict each
             other, another save holds a cut longer than ``wait_s``, a cut was lost while the
             tables were read, or ``<path>.tables`` is something else than a checkpoint's tables.
@@ -94,10 +72,8 @@ def save_checkpoint(client: redis.Redis, job: str, path: str, *, rows_per_piece:
     """
     if rows_per_piece < 1:
         raise ValueError(f"rows_per_piece must be >= 1, got {rows_per_piece!r}")
-    raw_meta = cast("bytes | None", client.get(JobKeys(job).meta))
-    if raw_meta is None:
-        raise LayoutError(f"job {job} has no model to checkpoint")
-    meta = ModelMeta.from_json(raw_meta)
+    stored = JobSlot(client, job).read("meta")
+    meta, raw_meta = stored.model(), cast(bytes, stored.meta)
     if meta.tables and os.path.lexists(tables_folder(path)) and not _ours(tables_folder(path)):
         raise CheckpointError(f"{tables_folder(path)} exists and is not a checkpoint's tables folder (no "
                               f"{TABLES_FORMAT} manifest): the tables of {path} go there; move it or save elsewhere")
@@ -106,7 +82,7 @@ def save_checkpoint(client: redis.Redis, job: str, path: str, *, rows_per_piece:
     try:
         cut = read_cut(client, job, raw_meta, meta, owner, wait_s)
         groups, state = cut.groups, cut.state
-        version = tuple(group.version for group in groups)
+        version = VersionVector(group.version for group in groups)
         data: dict[str, Any] = {
             "format": FORMAT, "job": job, "meta": raw_meta.decode(), "version": list(version),
             "groups": [{
@@ -141,7 +117,7 @@ def save_checkpoint(client: redis.Redis, job: str, path: str, *, rows_per_piece:
         let_go(client, job, meta, owner)
     _write(path, data, tmp_tables)
     logger.info("job %s: checkpoint of version %s (%d logged updates, %d un-completed to fit the groups' cut, "
-                "%d attempt(s); %d table record(s)) saved to %s", job, version_name(version), len(state.log),
+                "%d attempt(s); %d table record(s)) saved to %s", job, version.name(), len(state.log),
                 state.uncompleted, cut.attempts, records, path)
     return version
 
@@ -208,23 +184,17 @@ def _bytes(t: torch.Tensor) -> bytes:
 def _restore_group(client: redis.Redis, job: str, meta: ModelMeta, group: int, saved: Mapping[str, Any]) -> None:
     """One MULTI/EXEC writing the group's slot (replacing what a failed restore may have left) but its
     tables' rows and sighting records, which it empties (:func:`restore_tables` writes them)."""
-    gk, own, k = JobKeys(job).group(group), own_shards(meta.layout, meta.groups, group), slots(meta.optimizer)
+    slot = GroupSlot.of(client, job, meta, group)
+    gk = slot.keys
     pipe = client.pipeline(transaction=True)
-    pipe.delete(gk.version, gk.cursor, gk.persisted, gk.unaccounted, *(getattr(gk, h) for h in GROUP_HASHES),
-                *(gk.shard(i) for i in own), *(gk.deltas(i) for i in own),
-                *(gk.optimizer_state(i, s) for i in own for s in range(k)), gk.table_stats, gk.table_cut)
     # the feed starts over past every position before the restore (its rows were not recorded in it):
     # a consumer that follows it from before reads `gone` and reloads the tables
-    pipe.xtrim(gk.feed, maxlen=0, approximate=False)
-    pipe.incr(gk.feed_head)
-    if meta.tables:  # possibly large: freed off Redis's main thread
-        pipe.unlink(gk.rows_blob_shadow, *(key for t in meta.tables for key in (
-            gk.table_rows(t.name), gk.table_seen(t.name), gk.table_shadow(t.name), gk.seen_shadow(t.name))))
-    for i in own:
+    slot.clear(pipe, restored=True)
+    for i in slot.own:
         pipe.set(gk.shard(i), _bytes(saved["shards"][str(i)]))
         for eid, blob in saved["deltas"][str(i)]:
             pipe.xadd(gk.deltas(i), {"d": blob}, id=eid)
-    for name in GROUP_HASHES:
+    for name in SHARD_HASHES:
         if saved["hashes"][name]:
             pipe.hset(getattr(gk, name), mapping=saved["hashes"][name])
     for slot, t in saved["optimizer"].items():
@@ -326,7 +296,7 @@ def restore_checkpoint(client: redis.Redis, path: str, *, job: str | None = None
     finally:
         if client.get(keys.init_lock) == token.encode():
             client.delete(keys.init_lock)
-    version = tuple(int(v) for v in data["version"])
+    version = VersionVector(int(v) for v in data["version"])
     logger.info("job %s: restored version %s from %s (%d logged updates, %d unapplied, %d table record(s))", job,
-                version_name(version), path, len(data["log"]), data["unapplied"], records)
+                version.name(), path, len(data["log"]), data["unapplied"], records)
     return version

@@ -7,9 +7,9 @@ import argparse
 import sys
 
 from ..errors import ParameterPlaneError
+from ..slot_types import VersionVector
 from ..store import connect
 from .checkpoint import ROWS_PER_PIECE, restore_checkpoint, save_checkpoint
-from .export import version_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "save":
             version = save_checkpoint(client, args.job, args.path, rows_per_piece=args.rows_per_piece,
                                       wait_s=args.wait_s)
-            print(f"saved version {version_name(version)} of job {args.job} to {args.path}")
+            print(f"saved version {VersionVector(version).name()} of job {args.job} to {args.path}")
         else:
             version = restore_checkpoint(client, args.path, job=args.job)
-            print(f"restored version {version_name(version)} from {args.path}")
+            print(f"restored version {VersionVector(version).name()} from {args.path}")
     except ParameterPlaneError as exc:
         print(f"streamtrain checkpoint {args.action}: {exc}", file=sys.stderr)
         return 1

@@ -14,8 +14,9 @@ from common.settings import from_args
 
 from ..errors import ParameterPlaneError
 from ..settings import ExportSettings
+from ..slot_types import VersionVector
 from ..store import connect
-from .export import export_model, version_name
+from .export import export_model
 from .table_export import export_tables
 
 
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         client.close()
-    print(f"exported version {version_name(version)} of job {settings.job} to {settings.out}")
+    print(f"exported version {VersionVector(version).name()} of job {settings.job} to {settings.out}")
     if tables is not None:
         print(f"exported {tables.rows} row(s) of {tables.tables} embedding table(s) of job {settings.job} to "
               f"{settings.tables_dir} in {tables.pieces} piece(s)")

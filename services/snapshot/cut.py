@@ -1,81 +1,11 @@
 """The consistent cut a checkpoint saves: each slot read in its own MULTI/EXEC, made to fit.
 
-A job's keys live in ``1 + G`` hash slots (``common.keys``): the job's slot
-(the log, offsets, clocks and accounting) and one per shard group (its
-shards, deltas, version, cursors, optimizer state and gradient blobs). A
-MULTI/EXEC reads one slot, so a checkpoint reads each slot in its own
-MULTI/EXEC and then makes the pieces fit: restored into an empty Redis, the
-state must keep invariant 1 (no record applied twice, none lost).
-
-**What a restore must find.** For each group g, its shards at its cursor
-``C_g``, its optimizer state at its persisted cursor ``P_g``, its gradient
-blobs of every logged update after ``P_g`` (to replay ``(P_g, C_g]`` and
-apply the rest), and its plan in ``unaccounted``. In the job's slot: every
-update after the lowest ``P_g`` with its committed offsets, and the
-accounting of exactly the updates each group has applied: group g's
-accounted cursor ``T_g`` is ``C_g``, or the start of its plan when the plan
-is not recorded yet (the restored server records it on load,
-``services.server.apply.finish_accounting``).
-
-**Save.** Each attempt:
-
-1. reads the log (the job's slot), to learn the updates' blob tokens;
-2. reads each group in one MULTI/EXEC of its slot: version, cursor,
-   persisted cursor, plan, shards, bases, delta floors, deltas, optimizer
-   state and steps, and its blobs of the updates read in 1 (atomically with
-   ``P_g``: those after it are all there, or were missing when it read them);
-   with embedding tables, it takes the cut of the group's tables (below);
-3. reads the job's slot in one MULTI/EXEC: meta, log, offsets, clocks,
-   applied clocks, ``applied_samples``, ``audit_floor``, ``unapplied``, the
-   groups' accounted and persisted cursors, and the ``applied_by`` hash of
-   every update pushed before 3 began (a log read just before names them);
-4. reads, from each group's slot, its blobs of the updates pushed after 1
-   (with its persisted cursor, in one MULTI/EXEC);
-5. writes each group's tables as of its cut, in pieces.
-
-Everything a group applied by its read in 2 was pushed before 3, so the job's
-slot holds it, its offsets and its log entry (the log keeps every update
-after the lowest persisted cursor that the groups reported). Pushes after 2
-are updates no group of the cut applied: they stay pending, as pushes during
-an ordinary stop would. But groups go on applying between 2 and 3, so the
-job's slot may account updates after a group's cut (``group_accounted`` past
-``C_g``). The save rolls that back in what it writes (never in Redis): for
-every logged update, the groups that report it are those whose ``T_g`` is at
-or after it; an update every group had reported by 3 but not every group by
-its cut is *un-completed*: its ``applied_samples`` entry is dropped,
-``unapplied`` counts it again, its ``applied_by`` hash names the groups of the
-cut with their verdicts (from the group's plan when it is there, else from the
-entry: ``applied``, or the reason it was rejected), and its member's applied
-clock goes back below its clock. ``group_persisted[g]`` goes back to ``P_g``
-(the log must keep what g replays). A restored group then applies those
-updates again (it is at ``C_g``) and accounts them once. The attempt is retried (up to ``_ATTEMPTS`` times, then
-``CheckpointError``) when what that needs is gone: the log was trimmed
-past a group's ``P_g``, a blob read in 4 is missing because the group
-persisted past its update meanwhile, or an un-completed update's
-``applied_samples`` entry was already trimmed (an audit horizon shorter than
-the save). Approximations, on these rolled-back updates only: the reason
-recorded for one whose groups disagreed may name another group's verdict, and
-a departed member's clocks removed on its completion stay removed (the
-consistency rules read live members' clocks only).
-
-**Embedding tables.** A group's rows are written with its version by its
-applies, but a table can be far larger than a MULTI/EXEC may read, and a scan
-while the servers apply is no cut. So step 2 also *takes the cut* of the
-group's tables in its MULTI/EXEC (``GroupKeys.table_cut``: the version V it
-reads, the save's token, an expiry the save renews; one save at a time, another
-waits up to ``wait_s``), reads the tables' counters (``table_stats``) and the
-group's row-gradient blobs of the updates read in 1, and deletes the shadows a
-save that died left. While the cut is held, the applies and the sweeps copy
-every row record of version at most V and every sighting record into the
-tables' shadows before they overwrite or delete it, and the row-gradient blobs
-they delete into ``rows_blob_shadow`` (an apply deletes the blob of each update
-it applies, so step 4 finds there those of updates pushed after 1 and applied
-after the cut; the save then stops that copying). After the cut is settled, each
-table of each group is read as of its cut, HSCAN step by step, and written piece
-by piece (``services.snapshot.checkpoint_tables``, ``services.snapshot.table_cut``); the
-group's cut is dropped, with its shadows, once its tables are written. A row
-gradient is applied with its row's optimizer state and never replayed, so the
-blobs kept are those of the updates after ``C_g`` (not ``P_g``).
+A job's keys live in ``1 + G`` hash slots, and a MULTI/EXEC reads one (:mod:`services.slots`), so a save
+reads the log, then each group (:func:`_read_group`, taking the cut of its embedding tables in the same
+MULTI/EXEC), then the job's slot (:func:`_read_job`), then the blobs pushed meanwhile; :func:`_settle`
+(pure) rolls the job's accounting back, in the file only, to each group's cut, so that a restore keeps
+invariant 1 (no record applied twice, none lost). A cut that something it needs moved under is read
+again. Why this restores exactly, step by step: ``docs/parameter-plane.md`` (*Checkpoints*, *The cut*).
 """
 
 from __future__ import annotations
@@ -92,22 +22,15 @@ from common.keys import JobKeys
 from common.outage import REDIS_DOWN
 
 from ..errors import CheckpointError, ParameterPlaneError, PayloadError
-from ..optim import slots
-from ..protocol import AccountingRecord, AccountPlan, StreamId, Update, after, group_of, own_shards
-from ..scripts import execute_with_script
-from ..store import ModelMeta
+from ..protocol import AccountingRecord, AccountPlan, StreamId, Update, after, group_of
+from ..slots import JOB_HASHES, SHARD_HASHES, GroupSlot, JobSlot, ModelMeta
 from .table_cut import CUT_TTL_MS, CutBusy, drop_cut, keep_cut, take_call, took
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GroupCut", "JobState", "Cut", "read_cut", "let_go", "GROUP_HASHES", "JOB_HASHES"]
+__all__ = ["GroupCut", "JobCut", "Cut", "read_cut", "let_go"]
 
 _ATTEMPTS = 20
-
-GROUP_HASHES = ("versions", "bases", "delta_floors", "optimizer_steps")
-"""The group's hashes a cut holds (by their name in ``GroupKeys``)."""
-JOB_HASHES = ("offsets", "clocks", "applied_clocks", "audit_floor")
-"""The job's hashes a cut holds (by their name in ``JobKeys``)."""
 
 
 class _Moved(Exception):
@@ -116,10 +39,6 @@ class _Moved(Exception):
 
 def _text(value: bytes | str | None) -> str:
     return "" if value is None else value.decode() if isinstance(value, bytes) else value
-
-
-def _b2s(d: Mapping[bytes, bytes]) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in d.items()}
 
 
 def _parse(entry_id: str, fields: Mapping[bytes, bytes]) -> Update | None:
@@ -142,6 +61,7 @@ class GroupCut:
     plan: bytes | None
     """Its ``unaccounted`` plan as stored."""
     hashes: dict[str, dict[str, str]]
+    """Its hashes by shard (``services.slots.SHARD_HASHES``), as stored."""
     shards: dict[int, bytes | None]
     optimizer: dict[tuple[int, int], bytes | None]
     deltas: dict[int, list[tuple[str, bytes]]]
@@ -172,36 +92,28 @@ class GroupCut:
 
 
 @dataclass
-class _JobCut:
-    """What the MULTI/EXEC of the job's slot read (step 3)."""
+class JobCut:
+    """The job's slot in a cut: as the MULTI/EXEC of step 3 read it (:func:`_read_job`), and, once
+    :func:`_settle` has rolled its accounting back to the groups' cut, as the checkpoint restores it."""
 
     meta: bytes | None
+    """The model's meta as stored."""
     log: list[tuple[str, dict[bytes, bytes]]]
     hashes: dict[str, dict[str, str]]
+    """Its hashes a checkpoint saves (``services.slots.JOB_HASHES``), by name."""
     unapplied: int
     accounted: dict[int, str]
+    """Group -> its accounted cursor (``group_accounted``)."""
     persisted: dict[int, str]
+    """Group -> its reported persisted cursor (``group_persisted``)."""
     applied_samples: list[tuple[str, dict[str, str]]]
     applied_by: dict[str, dict[str, str]]
-    """Update -> its ``applied_by`` hash, of the updates named before the read."""
+    """Update -> its ``applied_by`` hash (as read: of the updates named before the read)."""
+    uncompleted: int = 0
+    """Updates the rollback un-completed (for the log line; 0 as read)."""
 
 
-@dataclass
-class JobState:
-    """The job's slot as the checkpoint restores it (the cut's accounting)."""
-
-    log: list[tuple[str, dict[bytes, bytes]]]
-    hashes: dict[str, dict[str, str]]
-    unapplied: int
-    accounted: dict[int, str]
-    persisted: dict[int, str]
-    applied_samples: list[tuple[str, dict[str, str]]]
-    applied_by: dict[str, dict[str, str]]
-    uncompleted: int
-    """Updates the rollback un-completed (for the log line)."""
-
-
-def _settle(groups: Sequence[GroupCut], job: _JobCut) -> JobState:
+def _settle(groups: Sequence[GroupCut], job: JobCut) -> JobCut:
     """The job's state that fits the groups' cut: the accounting of what each group had applied
     by its read, and nothing after (see the module docstring). Pure.
 
@@ -273,7 +185,7 @@ def _settle(groups: Sequence[GroupCut], job: _JobCut) -> JobState:
         reported = group.persisted if cut[g] == group.cursor else job.persisted.get(g, "")
         if reported:
             persisted[g] = reported
-    return JobState(log=job.log, hashes=hashes, unapplied=job.unapplied + len(dropped),
+    return JobCut(meta=job.meta, log=job.log, hashes=hashes, unapplied=job.unapplied + len(dropped),
                      accounted={g: c for g, c in enumerate(cut) if c}, persisted=persisted,
                      applied_samples=[s for k, s in enumerate(samples) if k not in dropped],
                      applied_by=applied_by, uncompleted=len(dropped))
@@ -288,74 +200,34 @@ def _read_group(client: redis.Redis, job: str, meta: ModelMeta, group: int,
     Raises:
         CutBusy: another save holds the cut of the group's tables.
     """
-    gk, own, k = JobKeys(job).group(group), own_shards(meta.layout, meta.groups, group), slots(meta.optimizer)
+    slot = GroupSlot.of(client, job, meta, group)
     wanted = [(u.token, i) for u in known.values() if u is not None for i in u.shards
               if group_of(i, meta.groups) == group]
-    row_tokens = [u.token for u in known.values() if u is not None and group in u.row_groups]
-    take = take_call(job, group, meta.tables, owner) if meta.tables else None
-
-    def build(pipe: redis.client.Pipeline, sha: str | None = None) -> None:
-        for key in (gk.version, gk.cursor, gk.persisted, gk.unaccounted):
-            pipe.get(key)
-        for name in GROUP_HASHES:
-            pipe.hgetall(getattr(gk, name))
-        pipe.mget([gk.shard(i) for i in own] or [gk.version])
-        pipe.mget([gk.optimizer_state(i, s) for i in own for s in range(k)] or [gk.version])
-        pipe.mget([gk.update_blob(t, i) for t, i in wanted] or [gk.version])
-        for i in own:
-            pipe.xrange(gk.deltas(i))
-        if take is not None:
-            pipe.hgetall(gk.table_stats)
-            pipe.mget([gk.rows_blob(t) for t in row_tokens] or [gk.version])
-            assert sha is not None, "the cut's script is queued with its sha"
-            take.queue(pipe, sha)
-
-    if take is None:
-        pipe = client.pipeline(transaction=True)
-        build(pipe)
-        replies = pipe.execute()
-        stats, row_blobs = {}, {}
+    fields = ("version", "cursor", "persisted", "plan", *SHARD_HASHES, "shards", "optimizer", "deltas")
+    if not meta.tables:
+        read = slot.read(*fields, blobs=wanted)
     else:
-        replies = execute_with_script(client, take.SCRIPT, build)
-        *replies, raw_stats, rblobs, cut = replies
-        if took(cut, job, group) != int(replies[0] or 0):
+        row_tokens = [u.token for u in known.values() if u is not None and group in u.row_groups]
+        read = slot.read(*fields, "table_stats", blobs=wanted, row_blobs=row_tokens,
+                         call=take_call(job, group, meta.tables, owner))
+        if took(read.reply, job, group) != read.version:
             raise CheckpointError(f"job {job} group {group}: the cut of its tables is not at the version read "
                                   "with it")
-        stats, row_blobs = _b2s(raw_stats), dict(zip(row_tokens, rblobs, strict=False))
-    version, cursor, persisted, plan, *rest = replies
-    hashes = {name: _b2s(h) for name, h in zip(GROUP_HASHES, rest, strict=False)}
-    shards, opt, blobs, *streams = rest[len(GROUP_HASHES):]
     return GroupCut(
-        version=int(version or 0), cursor=_text(cursor), persisted=_text(persisted), plan=plan, hashes=hashes,
-        shards=dict(zip(own, shards, strict=False)),
-        optimizer={(i, s): opt[j * k + s] for j, i in enumerate(own) for s in range(k)},
-        deltas={i: [(_text(eid), f[b"d"]) for eid, f in stream] for i, stream in zip(own, streams, strict=True)},
-        blobs=dict(zip(wanted, blobs, strict=False)), table_stats=stats, row_blobs=row_blobs)
+        version=read.version, cursor=read.cursor, persisted=read.persisted, plan=read.plan,
+        hashes={name: {str(i): str(v) for i, v in getattr(read, name).items()} for name in SHARD_HASHES},
+        shards=read.shards, optimizer=read.optimizer,
+        deltas={i: [(_text(eid), f[b"d"]) for eid, f in stream] for i, stream in read.deltas.items()},
+        blobs=read.blobs, table_stats=read.table_stats, row_blobs=read.row_blobs)
 
 
-def _read_job(client: redis.Redis, job: str, named: Sequence[str]) -> _JobCut:
+def _read_job(client: redis.Redis, job: str, named: Sequence[str]) -> JobCut:
     """Step 3: the job's slot in one MULTI/EXEC, with the ``applied_by`` hashes of ``named``."""
-    keys = JobKeys(job)
-    pipe = client.pipeline(transaction=True)
-    pipe.get(keys.meta)
-    pipe.xrange(keys.update_log)
-    for name in JOB_HASHES:
-        pipe.hgetall(getattr(keys, name))
-    pipe.get(keys.unapplied)
-    pipe.hgetall(keys.group_accounted)
-    pipe.hgetall(keys.group_persisted)
-    pipe.xrange(keys.applied_samples)
-    for eid in named:
-        pipe.hgetall(keys.applied_by(eid))
-    meta, log, *rest = pipe.execute()
-    hashes = {name: _b2s(h) for name, h in zip(JOB_HASHES, rest, strict=False)}
-    unapplied, accounted, persisted, samples, *by = rest[len(JOB_HASHES):]
-    return _JobCut(
-        meta=meta, log=[(_text(eid), fields) for eid, fields in log], hashes=hashes, unapplied=int(unapplied or 0),
-        accounted={int(g): v for g, v in _b2s(accounted).items()},
-        persisted={int(g): v for g, v in _b2s(persisted).items()},
-        applied_samples=[(_text(eid), _b2s(fields)) for eid, fields in samples],
-        applied_by={eid: _b2s(h) for eid, h in zip(named, by, strict=True) if h})
+    read = JobSlot(client, job).read("meta", "log", *JOB_HASHES, "unapplied", "group_accounted", "group_persisted",
+                                     "applied_samples", applied_by=named)
+    return JobCut(meta=read.meta, log=read.log, hashes={name: getattr(read, name) for name in JOB_HASHES},
+                  unapplied=read.unapplied, accounted=read.group_accounted, persisted=read.group_persisted,
+                  applied_samples=read.applied_samples, applied_by=read.applied_by)
 
 
 def _group_blobs(client: redis.Redis, job: str, meta: ModelMeta, group: int, cut: GroupCut,
@@ -369,7 +241,6 @@ def _group_blobs(client: redis.Redis, job: str, meta: ModelMeta, group: int, cut
     Raises:
         _Moved: a blob of the former is gone because the group persisted past it meanwhile.
     """
-    gk = JobKeys(job).group(group)
     out: dict[tuple[str, int], bytes] = {}
     rows: dict[str, bytes] = {}
     late: list[tuple[str, int]] = []
@@ -394,24 +265,22 @@ def _group_blobs(client: redis.Redis, job: str, meta: ModelMeta, group: int, cut
             else:
                 late_rows.append(update.token)
     if late or late_rows:
-        pipe = client.pipeline(transaction=True)
-        pipe.get(gk.persisted)
-        pipe.mget([gk.update_blob(t, i) for t, i in late] or [gk.version])
-        pipe.mget([gk.rows_blob(t) for t in late_rows] or [gk.version])
-        pipe.hmget(gk.rows_blob_shadow, [gk.rows_blob(t) for t in late_rows] or [gk.version])
-        persisted, blobs, live_rows, shadowed_rows = pipe.execute()
-        blobs = blobs[:len(late)]
-        if _text(persisted) != cut.persisted and None in blobs:
+        read = GroupSlot.of(client, job, meta, group).read("persisted", blobs=late, row_blobs=late_rows,
+                                                           shadowed_row_blobs=late_rows)
+        if read.persisted != cut.persisted and None in read.blobs.values():
             raise _Moved(f"group {group} persisted past an update pushed during the save")
-        out.update({key: blob for key, blob in zip(late, blobs, strict=True) if blob is not None})
-        for token, live, shadowed in zip(late_rows, live_rows, shadowed_rows, strict=False):
-            if live is not None or shadowed is not None:  # neither: missing at the cut, refused anyway
-                rows[token] = live if live is not None else shadowed
+        out.update({key: blob for key, blob in read.blobs.items() if blob is not None})
+        for token in late_rows:
+            blob = read.row_blobs[token]
+            if blob is None:
+                blob = read.shadowed_row_blobs[token]
+            if blob is not None:  # neither: missing at the cut, refused anyway
+                rows[token] = blob
     return out, rows
 
 
 def _read_cut(client: redis.Redis, job: str, raw_meta: bytes, meta: ModelMeta, owner: str
-              ) -> tuple[list[GroupCut], JobState, list[dict[tuple[str, int], bytes]], list[dict[str, bytes]]]:
+              ) -> tuple[list[GroupCut], JobCut, list[dict[tuple[str, int], bytes]], list[dict[str, bytes]]]:
     """One attempt: steps 1-4 and the rollback.
 
     Raises:
@@ -454,8 +323,8 @@ class Cut:
 
     groups: list[GroupCut]
     """Each group's slot at its cut."""
-    state: JobState
-    """The job's slot as the checkpoint restores it."""
+    state: JobCut
+    """The job's slot as the checkpoint restores it (settled)."""
     blobs: list[dict[tuple[str, int], bytes]]
     """Each group's gradient blobs of the updates after its persisted cursor."""
     row_blobs: list[dict[str, bytes]]

@@ -36,11 +36,10 @@ from typing import Any
 import numpy as np
 import redis
 
-from common.keys import JobKeys
-
-from ..errors import LayoutError, ParameterPlaneError
-from ..store import ModelMeta
-from ..tables.feed import feed_heads, position_name
+from ..errors import ParameterPlaneError
+from ..slot_types import VersionVector
+from ..slots import read_meta
+from ..tables.feed import feed_heads
 from ..tables.rows import pull_dtype
 from .pieces import (
     MANIFEST,
@@ -91,16 +90,13 @@ def export_tables(client: redis.Redis, job: str, folder: str, *, rows_per_piece:
     """Write every embedding table of ``job`` to ``folder`` in pieces (see the module docstring).
 
     Raises:
-        LayoutError: the job has no model.
+        NoModelError: the job has no model (a LayoutError).
         ParameterPlaneError: ``folder`` holds something other than an earlier export.
         OSError: it cannot be written.
     """
     if rows_per_piece < 1:
         raise ValueError(f"rows_per_piece must be >= 1, got {rows_per_piece!r}")
-    raw = client.get(JobKeys(job).meta)
-    if raw is None:
-        raise LayoutError(f"job {job} has no model in this Redis (unknown job, or no trainer has initialised it yet)")
-    meta = ModelMeta.from_json(raw)
+    meta = read_meta(client, job)
     if not _replaceable(folder):
         raise ParameterPlaneError(f"{folder} exists and is not an earlier export of tables (no {MANIFEST} of "
                                   f"{TABLES_EXPORT_FORMAT}): choose another --tables-dir")
@@ -125,7 +121,7 @@ def export_tables(client: redis.Redis, job: str, folder: str, *, rows_per_piece:
             tables.append({"table": spec.name, "dim": spec.dim, "rows": count, "pieces": listed})
             rows, pieces = rows + count, pieces + len(listed)
         write_manifest(tmp, {"format": TABLES_EXPORT_FORMAT, "job": job, "groups": meta.groups,
-                             "feed_position": position_name(feed), "tables": tables})
+                             "feed_position": VersionVector(feed).name(), "tables": tables})
         old = install_folder(tmp, folder)
     except BaseException:
         remove_folder(tmp)

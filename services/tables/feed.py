@@ -1,26 +1,10 @@
 """The feed of row changes: what a serving system that keeps a copy of the tables follows.
 
-**The changelog.** Each shard group has a Redis stream in its own slot (``GroupKeys.feed``), written
-by the scripts that change rows, in the same atomic step: ``lua/apply.lua`` appends one entry per
-apply that bumps the group version (the IDs of the rows it wrote, and whether dense shards changed),
-``lua/rows_sweep.lua`` one per sweep step that removed rows (their IDs: tombstones, expired and
-evicted alike). Entry ``<n>-0`` is the group's **feed position** n = 1, 2, 3, ...; position 0 is
-"nothing applied yet". The stream keeps about the servers' ``feed_entries`` newest entries.
-
-**Reading** (:func:`read_group`, ``lua/feed_read.lua``, one call in the group's slot): the entries
-after a position, and for the union of the IDs they name, each row **as it is now** (an upsert) or
-its absence (a tombstone). A reader that applies every answer up to the head holds exactly the
-group's rows at its last read: a row changed after a read is named by an entry after the position
-that read reached, and a row no entry names since has not changed. (Values are not kept in the
-entries: the rows are read where they are, so the feed costs the apply 8 bytes per row written.)
-
-**Positions of a job** are named like its versions (``services.snapshot.export.version_name``): one integer
-per group joined by '.', group 0's first (``"812.640"``); :func:`read_changes` reads every group.
-
-**On the wire** (``GET /v1/model/updates``, :func:`changes_to_safetensors`,
-:func:`changes_from_safetensors`): a safetensors file with, per table, ``<table>.ids`` (int64),
-``<table>.values`` (float32 ``[n, dim]``) and ``<table>.removed`` (int64), and the dense tensors by
-parameter name when a shard changed in the range; its metadata names the positions and versions.
+Each group's changelog (``GroupKeys.feed``) is appended by ``lua/apply.lua`` and ``lua/rows_sweep.lua``
+in the step that changes the rows; :func:`read_group` and :func:`read_changes` answer the entries after
+a feed position with each row they name as it is now (upsert or tombstone), and
+:func:`changes_to_safetensors` / :func:`changes_from_safetensors` carry the answer on the wire.
+See docs/serving.md, *Following the tables row by row*.
 """
 
 from __future__ import annotations
@@ -39,11 +23,12 @@ from common.keys import JobKeys
 
 from ..errors import LayoutError, ParameterPlaneError
 from ..scripts import FeedReadCall, execute_with_script
+from ..slot_types import VersionVector
 from .rows import ids_from_bytes, pull_dtype
 from .spec import TableSpec
 
 __all__ = ["TableChanges", "GroupChanges", "Changes", "FeedError", "FeedGoneError", "FeedAheadError",
-           "read_group", "read_changes", "feed_heads", "feed_oldest", "position_name", "parse_position",
+           "read_group", "read_changes", "feed_heads", "feed_oldest",
            "changes_to_safetensors", "changes_from_safetensors", "FEED_LIMIT", "FEED_MOST_ROWS"]
 
 FEED_LIMIT = 256
@@ -144,25 +129,6 @@ class Changes:
         return self.position == self.since
 
 
-def position_name(position: Sequence[int]) -> str:
-    """How a feed position is written: ``"812"`` with one shard group, ``"812.640"`` with several."""
-    return ".".join(str(p) for p in position)
-
-
-def parse_position(text: str, groups: int) -> tuple[int, ...]:
-    """The position named ``text`` (:func:`position_name`'s form) of a job with ``groups`` groups.
-
-    Raises:
-        ValueError: it is not ``groups`` non-negative integers of at most 18 digits joined by '.'.
-    """
-    parts = text.split(".")
-    if len(parts) != groups or not all(p.isascii() and p.isdigit() and len(p) <= 18 for p in parts):
-        form = "one non-negative integer" if groups == 1 else \
-            f"{groups} non-negative integers joined by '.', one per shard group, group 0's first"
-        raise ValueError(f"a feed position of this job is {form}, got {text!r}")
-    return tuple(int(p) for p in parts)
-
-
 def _text(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
@@ -234,13 +200,14 @@ def read_changes(client: redis.Redis, job: str, tables: Sequence[TableSpec], sin
             reads.append(read_group(client, job, g, tables, p, limit=limit, most_rows=most_rows))
         except FeedAheadError:
             heads = feed_heads(client, job, len(since))
-            raise FeedAheadError(f"job {job}: feed position {position_name(since)} is past the newest, "
-                                 f"{position_name(heads)}", head=heads) from None
+            raise FeedAheadError(f"job {job}: feed position {VersionVector(since).name()} is past the newest, "
+                                 f"{VersionVector(heads).name()}", head=heads) from None
         except FeedGoneError:
             oldest, heads = feed_oldest(client, job, len(since)), feed_heads(client, job, len(since))
             raise FeedGoneError(f"job {job}: the feed no longer holds every change after position "
-                                f"{position_name(since)}; the oldest position it answers is "
-                                f"{position_name(oldest)} (newest {position_name(heads)}): load the tables "
+                                f"{VersionVector(since).name()}; the oldest position it answers is "
+                                f"{VersionVector(oldest).name()} (newest {VersionVector(heads).name()}): "
+                                f"load the tables "
                                 f"(an export names its position) and follow from there", oldest=oldest,
                                 head=heads) from None
     merged = {}
@@ -278,17 +245,17 @@ def changes_to_safetensors(changes: Changes, *, job: str, dense: Mapping[str, np
         tensors[f"{name}.ids"] = np.ascontiguousarray(t.ids, dtype=np.int64)
         tensors[f"{name}.values"] = np.ascontiguousarray(t.values, dtype=np.float32)
         tensors[f"{name}.removed"] = np.ascontiguousarray(t.removed, dtype=np.int64)
-    metadata = {"format": "pt", "streamtrain.job": job, "streamtrain.feed.since": position_name(changes.since),
-                "streamtrain.feed.position": position_name(changes.position),
-                "streamtrain.feed.head": position_name(changes.head),
-                "streamtrain.version": position_name(changes.version),
+    metadata = {"format": "pt", "streamtrain.job": job, "streamtrain.feed.since": VersionVector(changes.since).name(),
+                "streamtrain.feed.position": VersionVector(changes.position).name(),
+                "streamtrain.feed.head": VersionVector(changes.head).name(),
+                "streamtrain.version": VersionVector(changes.version).name(),
                 "streamtrain.feed.applied_ms": ",".join(str(int(x)) for x in changes.applied_ms)}
     if dense is not None:
         for name, values in dense.items():
             if name in tensors:
                 raise ValueError(f"dense parameter {name!r} has the name of a table's tensor")
             tensors[name] = np.ascontiguousarray(values, dtype=np.float32)
-        metadata["streamtrain.dense_version"] = position_name(dense_version or ())
+        metadata["streamtrain.dense_version"] = VersionVector(dense_version or ()).name()
     return _save_safetensors(tensors, metadata=metadata)
 
 
