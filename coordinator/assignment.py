@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .settings import CONSISTENCY_MODELS, check_local_steps
+from services.local_steps import check_local_steps
+
+from .settings import CONSISTENCY_MODELS
 
 __all__ = ["FOLLOW_DENSE", "LOCAL_STEPS", "Assignment", "JobConfig", "Registration"]
 

@@ -1,22 +1,9 @@
 """A bounded history of job samples: what ``GET /v1/history`` serves and the dashboard plots.
 
-Pure, like :mod:`coordinator.membership`: :func:`take_sample` turns what the
-coordinator read at one instant (members' last heartbeat stats, total lag,
-the ``staleness`` and ``versions`` hashes, freshness samples of the heartbeats
-since the previous sample, the embedding tables' totals) into a :class:`Sample`;
-:class:`History` keeps the newest ``capacity`` of them and answers them as columns. No clock, no I/O:
-the coordinator's sampler (:mod:`coordinator.sampler`) does the reading, once
-every :data:`SAMPLE_INTERVAL_S`.
-
-A value nobody reported is ``None`` (JSON ``null``), never 0: a regression
-job reports no accuracy, only a binary model an AUC and a log loss, a job without Kafka has no lag, a second without a
-heartbeat carrying freshness has no freshness quantiles, a dense model has no
-table series.
-
-The embedding tables' counters (admitted, dropped, expired, evicted rows) only
-grow; a sample turns them into rates per second against the previous sample, per
-table and summed over the tables. A counter that went back (a checkpoint restored,
-the model made anew) gives no rate at that sample, as versions/s does.
+Pure, like :mod:`coordinator.membership`: :func:`take_sample` turns what the sampler
+(:mod:`coordinator.sampler`) read at one instant into a :class:`Sample`, and :class:`History` keeps the
+newest ``capacity`` of them and answers them as columns. A value nobody reported is ``None``, never 0;
+counters become rates against the previous sample. See docs/dashboard.md, *What it shows*.
 """
 
 from __future__ import annotations
@@ -116,7 +103,8 @@ class Sample:
     freshness_p99_s: float | None = None
     """99th percentile of the same."""
     version: int | None = None
-    """Newest parameter version (max over shards)."""
+    """The model version: the sum of the shard groups' versions (``coordinator.status.model_version``;
+    it grows with every write of any group)."""
     versions_per_s: float | None = None
     """Versions published per second since the previous sample."""
     table_rows: int | None = None
@@ -211,7 +199,7 @@ def take_sample(t_ms: int, member_stats: Mapping[str, Mapping[str, Any]], *, lag
         staleness: member id -> staleness at its last clock wait (``JobKeys.staleness``);
             only live members count. When no live member has an entry, the members'
             reported ``staleness`` stats are used instead.
-        version: newest parameter version, None before the model exists.
+        version: the model version (the sum of the groups' versions), None before the model exists.
         freshness_s: freshness samples of the heartbeats since ``previous``.
         previous: the sample before, for versions/s and the tables' rates (None for the first).
         tables: each embedding table's totals over the groups, in the model's order (None or

@@ -1,56 +1,18 @@
-"""Settings of the coordinator service: one frozen dataclass, filled from flags and environment."""
+"""Settings of the coordinator service: one frozen dataclass, filled from flags and environment.
+
+The rules of local steps it checks, and the bounds of their flags, live in :mod:`services.local_steps`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from common.settings import setting
+from services.local_steps import MAX_LOCAL_STEPS, MAX_OUTER_LR, MAX_OUTER_MOMENTUM_FLAG, check_local_steps
+from services.names import OPTIMIZERS
 
 CONSISTENCY_MODELS = ("bsp", "ssp", "asp")
 """Consistency models a job may run under (bulk-synchronous, stale-synchronous, asynchronous)."""
-
-OPTIMIZERS = ("sgd", "adam", "lazyadam", "dgc")
-"""Optimizers a job may use: the names of ``services.optim.OPTIMIZERS`` (``tests/test_protocol.py``
-checks they agree), spelt out here because the coordinator imports the parameter plane (and torch)
-only once ``GET /v1/model`` is first asked for (:mod:`coordinator.model_route`), not to start."""
-
-INNER_OPTIMIZERS = ("sgd", "adam", "lazyadam")
-"""Optimizers a job with local steps may name: the trainers' inner optimizer is SGD with momentum for
-``sgd`` and AdamW for ``adam`` and ``lazyadam`` (a replica is dense: "lazy" means nothing there);
-``trainers.local.inner_optimizer`` builds it."""
-
-SPARSIFIERS = ("topk",)
-"""Codecs that keep only some coordinates (``services.codecs``, ``CodecInfo.sparsifier``;
-``tests/test_protocol.py`` checks they agree): refused with local steps."""
-
-
-
-def check_local_steps(local_steps: int, *, outer_lr: float, outer_momentum: float, optimizer: str, codec: str) -> None:
-    """Refuse what a job with ``local_steps`` cannot run with (the message names the value and the way
-    out); a job of one step per push runs with any optimizer and codec.
-
-    Raises:
-        ValueError: ``local_steps`` < 1, an outer lr or momentum out of bounds, or with ``local_steps`` > 1
-            an optimizer outside :data:`INNER_OPTIMIZERS` or a codec with a sparsifier (:data:`SPARSIFIERS`).
-    """
-    if not isinstance(local_steps, int) or local_steps < 1:
-        raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
-    if not 0.0 <= outer_lr <= 10.0:
-        raise ValueError(f"outer_lr must be in [0, 10], got {outer_lr!r}")
-    if not 0.0 <= outer_momentum < 1.0:
-        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
-    if local_steps == 1:
-        return
-    if optimizer not in INNER_OPTIMIZERS:
-        raise ValueError(f"local_steps {local_steps} needs an optimizer the trainers can run as their inner "
-                         f"optimizer ({', '.join(INNER_OPTIMIZERS)}), got {optimizer!r}: dgc's momentum "
-                         "correction belongs to top-k gradients, not to local steps")
-    sparsifier = next((part for part in codec.split("+") if part in SPARSIFIERS), None)
-    if sparsifier is not None:
-        raise ValueError(f"local_steps {local_steps} cannot run with codec {codec!r}: the outer Nesterov "
-                         f"optimizer is dense (every push moves every coordinate through its momentum), and "
-                         f"{sparsifier}'s bursts of accumulated pseudo-gradients make it overshoot; use a dense "
-                         "codec (none, fp16, bf16, int8)")
 
 
 @dataclass(frozen=True)
@@ -91,15 +53,15 @@ class CoordinatorSettings:
                                   "gradient changes only its coordinates)")
     lr: float = setting(0.005, env="STREAMTRAIN_LR", min=0.0, max=10.0,
                         help="learning rate of a new job")
-    local_steps: int = setting(1, env="STREAMTRAIN_LOCAL_STEPS", min=1, max=10_000,
+    local_steps: int = setting(1, env="STREAMTRAIN_LOCAL_STEPS", min=1, max=MAX_LOCAL_STEPS,
                                help="local steps H of a new job (DiLoCo): each trainer takes H steps of its inner "
                                     "optimizer (AdamW for adam/lazyadam, SGD for sgd) on its own replica between a "
                                     "pull and a push, and pushes the difference of its parameters since the pull, "
                                     "which the parameter servers apply with Nesterov momentum (--outer-lr, "
                                     "--outer-momentum); 1: push every step's gradient, the optimizer on the servers")
-    outer_lr: float = setting(0.7, env="STREAMTRAIN_OUTER_LR", min=0.0, max=10.0,
+    outer_lr: float = setting(0.7, env="STREAMTRAIN_OUTER_LR", min=0.0, max=MAX_OUTER_LR,
                               help="with --local-steps > 1: learning rate of the servers' outer Nesterov optimizer")
-    outer_momentum: float = setting(0.9, env="STREAMTRAIN_OUTER_MOMENTUM", min=0.0, max=0.999,
+    outer_momentum: float = setting(0.9, env="STREAMTRAIN_OUTER_MOMENTUM", min=0.0, max=MAX_OUTER_MOMENTUM_FLAG,
                                     help="with --local-steps > 1: momentum of the servers' outer Nesterov optimizer")
     ps_groups: int = setting(1, env="STREAMTRAIN_PS_GROUPS", min=1, max=1024,
                              help="parameter-server shard groups of a new job (shard i belongs to group "

@@ -64,8 +64,8 @@ from rich.text import Text
 from common import settings as cfg
 from common.outage import REDIS_DOWN, Outage
 from coordinator.progressive import mean_auc
-from coordinator.settings import check_local_steps
 from datastream.sources import one_pass
+from services.local_steps import check_dense_model, check_local_steps
 
 from .cluster import ClusterSpec, LocalCluster
 from .credentials import CREDENTIALS_NAME, shell_exports, write_credentials
@@ -202,9 +202,10 @@ def task_of(model: str, local_steps: int = 1) -> Task:
         spec = build_model(model)
     except ValueError as exc:
         raise cfg.SettingsError(f"--model / STREAMTRAIN_MODEL: {exc}") from None
-    if local_steps > 1 and spec.tables:
-        raise cfg.SettingsError(f"--local-steps / STREAMTRAIN_LOCAL_STEPS: {local_steps} local steps need a dense "
-                                f"model; {model} has embedding tables ({', '.join(t.name for t in spec.tables)})")
+    try:
+        check_dense_model(local_steps, model, [t.name for t in spec.tables])
+    except ValueError as exc:
+        raise cfg.SettingsError(f"--local-steps / STREAMTRAIN_LOCAL_STEPS: {exc}") from None
     return Task(spec.classification, spec.binary)
 
 
@@ -273,11 +274,12 @@ def _write_model(cluster: LocalCluster, path: str) -> str:
     """Export the job's current model to ``path`` (safetensors, :func:`services.export_model`);
     returns its version's name."""
     from common.redis_client import connect
-    from services.snapshot.export import export_model, version_name
+    from services.slot_types import VersionVector
+    from services.snapshot.export import export_model
 
     client = connect(cluster.redis_url)
     try:
-        return version_name(export_model(client, cluster.spec.job, path))
+        return VersionVector(export_model(client, cluster.spec.job, path)).name()
     finally:
         client.close()
 

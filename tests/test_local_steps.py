@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from coordinator.assignment import JobConfig
-from coordinator.settings import SPARSIFIERS
 from datastream import Batch
 from services.codecs import Sent
 from services.optim import OptimizerConfig, slots, step
@@ -205,7 +204,15 @@ def test_a_model_with_embedding_tables_is_refused_with_local_steps() -> None:
         check_model(_config(local_steps=4), spec)
 
 
-def test_the_coordinator_names_the_sparsifying_codecs_the_parameter_plane_has() -> None:
-    from services.codecs.registry import CODECS
+def test_every_optimizer_the_rules_allow_with_local_steps_has_an_inner_optimizer_and_the_others_are_refused() -> None:
+    from services.local_steps import INNER_OPTIMIZERS
+    from services.names import OPTIMIZERS
 
-    assert tuple(name for name, cls in CODECS.items() if cls.info.sparsifier) == SPARSIFIERS
+    params = list(build_model("digits-mlp").model.parameters())
+    assert set(INNER_OPTIMIZERS) < set(OPTIMIZERS)
+    for name in OPTIMIZERS:
+        if name in INNER_OPTIMIZERS:
+            assert isinstance(inner_optimizer(_config(local_steps=4, optimizer=name), params), torch.optim.Optimizer)
+        else:
+            with pytest.raises(ValueError, match=f"needs an optimizer the trainers can run.*got '{name}'"):
+                _config(local_steps=4, optimizer=name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -256,3 +257,82 @@ def test_a_refused_push_is_filed_as_refused_and_its_feedback_dropped(redis) -> N
     assert report.outcome is Outcome.REFUSED and isinstance(report.error, FencedError)
     assert state.push_ended(report.outcome, report.feedback) == [Resync(1)]
     assert pusher.residuals == {} and state.last_pushed == 0
+
+
+async def test_an_idle_tick_under_local_steps_waits_and_pushes_but_neither_pulls_nor_begins_a_window(
+        kafka, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With local steps, a tick (the empty push that advances an idle member's clock while others wait
+    on it) waits for the clock bound and pushes, but pulls nothing and begins no window: no local step
+    follows it. (It used to pull the whole model and clone it as a window's anchor, for nothing.)"""
+    from common.tasks import cancel_and_wait
+    from coordinator.settings import CoordinatorSettings
+    from coordinator.testing import running_coordinator
+    from trainers.service import Trainer
+
+    job, topic = "idletick", kafka.create_topic()
+    settings = CoordinatorSettings(job=job, redis_url=redis_url, kafka_bootstrap=kafka.bootstrap, topic=topic,
+                                   partitions=1, admin_token="a", job_token="j", kafka_timeout_ms=5000,
+                                   lease_ms=60_000, local_steps=4, codec="fp16", optimizer="adam")
+    async with running_coordinator(settings) as coordinator:
+        trainer = Trainer(TrainerSettings(
+            job=job, coordinator_url=str(coordinator.make_url("")).rstrip("/"), job_token="j", redis_url=redis_url,
+            kafka_bootstrap=kafka.bootstrap, model="digits-mlp", commit_to_kafka=False))
+        pulls: list[object] = []
+        pull = trainer.store.pull
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            pulls.append(args)
+            return pull(*args, **kwargs)
+
+        monkeypatch.setattr(trainer.store, "pull", counted)
+        try:
+            await trainer._join()
+            trainer.state.follow()
+            await trainer._assign_from_committed()
+            clock = trainer.state.clock
+            await trainer._step([Batch(torch.empty(0, 0), torch.empty(0), {}, [], 0, 0)], tick=True)
+            await trainer._settle_push()
+            assert trainer.state.last_pushed == clock and trainer.state.last_wait is not None  # waited, pushed
+            assert pulls == [] and trainer.snapshot is None
+            window = trainer.local
+            assert window is not None and not window.open and window._anchor is None
+        finally:
+            await cancel_and_wait(trainer._heartbeat_task)
+            await trainer._leave()
+            for task in trainer._background:
+                await cancel_and_wait(task)
+            await trainer._close()
+
+
+def test_the_step_is_chosen_once_a_window_waits_and_pulls_on_its_first_step_only(redis) -> None:
+    """``choose_steps``: one push per step (each step waits and pulls what the bound asks for), or a
+    window of local steps (only its first step waits and pulls; a tick waits, pulls nothing, opens
+    nothing)."""
+    from services.consistency import Consistency
+    from trainers.steps import PlainSteps, StepInputs, WindowSteps, choose_steps
+
+    job = "steps"
+    replica = Replica(build_model("digits-mlp", seed=1), plan_device("cpu"))
+    store = ParameterStore(redis, job)
+    store.init_model(replica.initial_tensors())
+    given = StepInputs(member_id="m1", clock=1, own_from=1, known=None, covers=None, base=None,
+                       dense=Consistency("ssp", 2), bound=None)
+    batches = [Batch(torch.randn(8, 64), torch.randint(0, 10, (8,)), {0: (k, k + 1)}, [], 0, 0) for k in range(3)]
+    config = JobConfig(consistency="ssp", staleness=2, codec="fp16", optimizer="adam", lr=0.01, topic="t",
+                       partitions=1)
+
+    plain = choose_steps(config, redis, TrainerSettings(job=job), store, replica, rows=None, progressive=None)
+    assert isinstance(plain, PlainSteps) and plain.window is None and plain.room() == 0
+    [done] = plain.compute(batches[:1], given)
+    assert done.wait is not None and done.snapshot is not None and not done.in_window  # not trusted: pulled
+    assert done.result is not None and done.result.grads
+
+    local = choose_steps(JobConfig(**{**config.__dict__, "local_steps": 3}), redis, TrainerSettings(job=job),
+                         store, replica, rows=None, progressive=None)
+    assert isinstance(local, WindowSteps) and local.room() == 2
+    tick = local.tick(Batch(torch.empty(0, 0), torch.empty(0), {}, [], 0, 0), given)
+    assert tick.wait is not None and tick.snapshot is None and not tick.in_window and not local.window.open
+    done_all = local.compute(batches, given)
+    assert [d.wait is not None for d in done_all] == [True, False, False]
+    assert done_all[0].snapshot is not None and [d.snapshot for d in done_all[1:]] == [None, None]
+    assert all(d.in_window and d.result is not None and d.result.grads == {} for d in done_all)

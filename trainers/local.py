@@ -1,34 +1,12 @@
 """Local steps (DiLoCo, Douillard et al. 2023): H inner-optimizer steps on the replica between a pull
 and a push, and the push of the parameters' difference since the pull.
 
-With ``local_steps`` H > 1 a trainer does not push every step's gradient. It pulls (after the clock
-wait), takes H steps of its *inner optimizer* on its own replica (:func:`inner_optimizer`: AdamW for
-``adam``/``lazyadam``, SGD with momentum for ``sgd``, the job's ``lr``), and pushes the
-*pseudo-gradient* ``theta_pulled - theta_now`` with the offsets of every batch the H steps consumed,
-as one update at one clock (:func:`window_batch`). The parameter servers apply it with the *outer
-optimizer*, SGD with Nesterov momentum at ``outer_lr`` and ``outer_momentum``
-(:func:`server_optimizer`; DiLoCo's defaults 0.7 and 0.9). Then the replica goes back to the
-parameters of its pull, so the next pull (of the deltas since that version) lands on what the
-parameter plane holds. The inner optimizer's state lives on across windows, as each DiLoCo worker
-keeps its own.
-
-The arithmetic, for one window of one trainer (``g_k`` the gradient of local step k)::
-
-    theta_0 = pulled;  theta_k = inner(theta_{k-1}, g_k)          k = 1..H
-    delta   = theta_0 - theta_H                                  (pushed)
-    buf     = outer_momentum * buf + delta                       (on the server)
-    theta   = theta - outer_lr * (delta + outer_momentum * buf)
-
-With H = 1, ``outer_lr`` 1, ``outer_momentum`` 0 and inner SGD without momentum, ``delta`` is
-``lr * g`` and the server's step is ``theta - lr * g``: one step of today's ``sgd`` with momentum 0
-(``tests/test_local_steps.py`` checks it). ``local_steps`` 1, the default, runs none of this: every
-step pushes its gradient and the servers apply ``optimizer``.
-
-What a window is to the rest of the system: one push, so one clock (the clock bound counts windows,
-and the wait and the pull happen once per window, before its first step), and one update whose
-offsets cover every batch of the window, committed atomically with it. Records of a window never
-pushed (the trainer killed, its push refused, its partitions reassigned) are not committed: the next
-owner reads them again from the committed offsets, as it does a batch whose push never landed.
+With ``local_steps`` H > 1 a trainer pushes, once a window of H steps, the *pseudo-gradient*
+``theta_pulled - theta_now`` with the offsets of every batch the window consumed, at one clock
+(:class:`LocalSteps`, :func:`window_batch`); the parameter servers apply it with the outer optimizer
+(:func:`server_optimizer`). The rules (which optimizers and codecs, the bounds) live in
+:mod:`services.local_steps`; how a window steps and waits in :mod:`trainers.steps`. The arithmetic
+and why: ``docs/parameter-plane.md``, *Local steps: an outer optimizer on pseudo-gradients (DiLoCo)*.
 """
 
 from __future__ import annotations
@@ -40,6 +18,7 @@ import torch
 from coordinator.assignment import JobConfig
 from datastream import Batch
 from services import OptimizerConfig
+from services.local_steps import INNER_OPTIMIZERS, OUTER_OPTIMIZER, check_dense_model
 
 from .models import ModelSpec
 
@@ -52,13 +31,14 @@ def server_optimizer(config: JobConfig) -> OptimizerConfig:
     ``outer_lr`` and ``outer_momentum``) to pseudo-gradients."""
     if config.local_steps == 1:
         return OptimizerConfig(name=config.optimizer, lr=config.lr)
-    return OptimizerConfig(name="sgd", lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True)
+    return OptimizerConfig(name=OUTER_OPTIMIZER, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True)
 
 
 def inner_optimizer(config: JobConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The trainer's inner optimizer of ``config``'s job (local steps): SGD with momentum for ``sgd``,
-    AdamW for ``adam`` and ``lazyadam``, with the job's ``lr`` and the hyperparameters the servers'
-    optimizer of that name has (``services.OptimizerConfig``'s defaults).
+    """The trainer's inner optimizer of ``config``'s job (local steps), the one
+    ``services.local_steps.INNER_OPTIMIZERS`` names (SGD with momentum for ``sgd``, AdamW for ``adam``
+    and ``lazyadam``), with the job's ``lr`` and the hyperparameters the servers' optimizer of that name
+    has (``services.OptimizerConfig``'s defaults).
 
     Raises:
         ValueError: an optimizer that cannot be an inner one (``dgc``; ``JobConfig`` refuses it first).
@@ -66,10 +46,11 @@ def inner_optimizer(config: JobConfig, params: Iterable[torch.nn.Parameter]) -> 
     hyper = OptimizerConfig(name=config.optimizer, lr=config.lr)
     params = list(params)
     fused = fused_supported(params)
-    if hyper.name == "sgd":
+    inner = INNER_OPTIMIZERS.get(hyper.name)
+    if inner == "sgd":
         return torch.optim.SGD(params, lr=hyper.lr, momentum=hyper.momentum, weight_decay=hyper.weight_decay,
                                fused=fused)
-    if hyper.name in ("adam", "lazyadam"):
+    if inner == "adamw":
         return torch.optim.AdamW(params, lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
                                  weight_decay=hyper.weight_decay, fused=fused)
     raise ValueError(f"optimizer {hyper.name!r} cannot be the inner optimizer of local steps")
@@ -88,17 +69,12 @@ def fused_supported(params: Sequence[torch.Tensor]) -> bool | None:
 
 
 def check_model(config: JobConfig, spec: ModelSpec) -> None:
-    """Refuse a model local steps do not support.
+    """Refuse a model local steps do not support (``services.local_steps.check_dense_model``).
 
     Raises:
-        ValueError: ``config`` has local steps and the model has embedding tables (their rows live in
-            the parameter plane only and are applied sparsely per step: a window of local steps over
-            rows is not implemented).
+        ValueError: ``config`` has local steps and the model has embedding tables.
     """
-    if config.local_steps > 1 and spec.tables:
-        raise ValueError(f"local_steps {config.local_steps}: model {spec.name} has embedding tables "
-                         f"({', '.join(t.name for t in spec.tables)}), and local steps support dense models only "
-                         "(the tables' rows are pulled and applied step by step); use local_steps 1")
+    check_dense_model(config.local_steps, spec.name, [t.name for t in spec.tables])
 
 
 def window_batch(batches: Sequence[Batch]) -> Batch:

@@ -1,40 +1,10 @@
 """The trainer service: consume assigned partitions, compute gradients, push them.
 
-This module is the shell: it does the I/O and nothing else. What a trainer
-knows and the rules that change it (clocks, the push in flight, what the
-replica covers, assignments, resynchronising) live in :mod:`trainers.state`;
-what it reports (heartbeat stats, the loss average, freshness, phase timings)
-in :mod:`trainers.progress`; the arithmetic of a step in :mod:`trainers.step`.
-
-The loop in :meth:`Trainer._train` reads top to bottom as what a trainer
-does each step::
-
-    move   = state.follow()                       (train, idle, reassign or leave)
-    batch  = next batch from my partitions        (prefetched, decoded off-thread)
-    wait   until the consistency model allows this clock
-    params = pull the shards that changed         (skipped when the replica meets the bound)
-    grads  = forward + backward on the batch
-    push   grads + the batch's offsets, atomically (overlaps the next step)
-
-With local steps (``local_steps`` H > 1, :mod:`trainers.local`) the wait and the pull open a window,
-each step is a step of the inner optimizer on the replica, and the push comes after the window's H
-steps: the pseudo-gradient with the offsets of all H batches, at one clock. A window closes early
-when no batch comes within a poll (the stream ran dry) and before the trainer leaves; it is dropped
-(its records left to the committed offsets) on a reassignment, a resync or an outage.
-
-How a push ended goes to the state, which says what to do (adopt its
-error-feedback state, resynchronise) and keeps an unsettled push until the
-outage is over. A refused push or a clock-bound timeout resynchronises; a Redis
-outage is ridden out; both run at the top of the next turn of the loop, so a
-fault during a recovery is recovered from the same way.
-
-Around it: registration and heartbeats with the coordinator (a background
-task), the presence channel, evaluation on held-out data, progressive
-validation of a binary model (each step's logits, computed before its gradient
-is applied anywhere, collected into windows on the step's thread and scored on
-a thread of their own: :mod:`trainers.progressive`), and a drain (on
-SIGTERM, or when the coordinator drains this member) that settles the push in
-flight, mirrors the committed offsets to Kafka and leaves the membership.
+This module is the shell: it does the I/O (the coordinator, Kafka, the push thread, recovery) and
+nothing else. What a trainer knows and the rules that change it live in :mod:`trainers.state`;
+how it steps (a push per step, or windows of local steps; chosen once, on joining) in
+:mod:`trainers.steps`; what it reports in :mod:`trainers.progress`. The loop, the push outcomes,
+resynchronising and riding out an outage: ``docs/architecture.md``, *A trainer, step by step*.
 """
 
 from __future__ import annotations
@@ -50,7 +20,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -72,25 +42,25 @@ from services import (
     connect,
     read_job_clocks,
     starting_clock,
-    wait_for_clock,
     was_committed,
 )
-from services.consistency import MAX_POLL_S, ClockWait, Consistency, StalenessTimeout
+from services.consistency import Consistency, StalenessTimeout
 from services.tables import RowGrads
 
+from . import events
 from .device import plan_device
 from .evaluate import EvalResult, evaluate
-from .local import LocalSteps, check_model, inner_optimizer, server_optimizer
+from .local import LocalSteps, check_model, server_optimizer
 from .metrics import TrainerMetrics, TrainerReport
 from .models import build_model
-from .prefetch import PullAhead, overlaps
-from .progress import PHASE_LOG, Progress
+from .progress import PHASE_REPORT_STEPS, Progress
 from .progressive import ClosedWindow, ProgressiveWindow, WindowScore, score_window
 from .rowcache import RowCache, TableBound
 from .settings import TrainerSettings
-from .state import Adopt, Instruction, Move, Outcome, Resync, TrainerState, low_covered, needs_pull
-from .step import Replica, StepResult
-from .tables import RowFetcher, plan_lookups, table_inputs, table_required, wait_consistency
+from .state import Adopt, Instruction, Move, Outcome, Resync, TrainerState
+from .step import Replica
+from .steps import Computed, StepInputs, Steps, TableRows, choose_steps
+from .tables import RowFetcher, table_inputs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,10 +69,6 @@ IDLE_S = 0.1
 """Pause of a turn with nothing to consume."""
 POLL_S = 0.2
 """Longest wait for a batch before the loop turns again."""
-LOCAL_STEPS_POLL_S = 0.002
-"""Longest pause between two reads of the clocks while a window of local steps waits for its own
-previous window to be applied (once a window: a read every 2 ms costs the servers nothing that
-counts, where the default backoff to 50 ms added up to 50 ms to every window)."""
 MAX_UNSCORED = 64
 """Progressive-validation windows waiting for the scoring thread at most; a window closed beyond
 that is dropped (counted in the log): windows far smaller than the scoring thread keeps up with."""
@@ -123,24 +89,6 @@ async def next_batch(consumer: ShardConsumer, timeout_s: float = POLL_S) -> Batc
 
 class PushRefused(Exception):
     """The parameter plane refused a push (fenced, or offsets out of line): resynchronise."""
-
-
-@dataclass(frozen=True)
-class _Computed:
-    """What one hand-off to the worker thread did: the wait, the pull if any, the step."""
-
-    wait: ClockWait | None
-    """None for a local step inside a window (the window's first step waited)."""
-    snapshot: Snapshot | None
-    """The new snapshot when it pulled, else None."""
-    result: StepResult | None
-    """None for an empty batch (a clock tick)."""
-    seconds: dict[str, float]
-    """Seconds of each phase: wait, pull, compute."""
-    windows: list[ClosedWindow] = field(default_factory=list)
-    """Progressive-validation windows the step's logits closed (to be scored)."""
-    covers: int | None = None
-    """With :attr:`snapshot`: the clock it covers (``TrainerState.covers``)."""
 
 
 @dataclass(frozen=True)
@@ -234,18 +182,24 @@ class Trainer:
         """The model's embedding tables (their rows live in the parameter plane only)."""
         self.row_cache = RowCache(self.tables, settings.row_cache_rows)
         """The rows this trainer keeps between steps (at most ``row_cache_rows`` per table)."""
-        self.rows: RowFetcher | None = None
-        """Fetches a batch's rows (set once the model's meta is known)."""
-        self.ahead: PullAhead | None = None
-        """The pull for the next step while this one computes (``--overlap-pulls``; made on the first
-        step that can use one, :mod:`trainers.prefetch`)."""
-        self.local: LocalSteps | None = None
-        """The window of local steps with ``local_steps`` > 1 (set on joining); None: a push per step."""
+        self.steps: Steps | None = None
+        """How this trainer steps, chosen on joining the first time (:mod:`trainers.steps`): a push per
+        step, or windows of local steps; it holds the tables' rows and progressive validation."""
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._heartbeat_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
         self.metrics = TrainerMetrics(self.report)
         """This trainer's Prometheus metrics (served by ``streamtrain trainer --metrics-port``)."""
+
+    @property
+    def local(self) -> LocalSteps | None:
+        """The window of local steps (``local_steps`` > 1); None: a push per step, or not joined yet."""
+        return self.steps.window if self.steps is not None else None
+
+    @property
+    def rows(self) -> RowFetcher | None:
+        """Fetches the rows of the model's embedding tables (None: it has none, or not joined yet)."""
+        return self.steps.rows.fetcher if self.steps is not None and self.steps.rows is not None else None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -291,9 +245,8 @@ class Trainer:
         if self.consumer is not None:
             await asyncio.to_thread(self.consumer.close)
         self._push_pool.shutdown(wait=True)
-        if self.ahead is not None:
-            self.ahead.close()
-            logger.info("%d of %d pulls ahead were taken by the next step", self.ahead.taken, self.ahead.started)
+        if self.steps is not None:
+            self.steps.close()
         self._score_pool.shutdown(wait=False, cancel_futures=True)
         await self.coordinator.close()
         self.redis.close()
@@ -330,11 +283,11 @@ class Trainer:
         meta = await self._with_redis(
             self.store.init_model, self.replica.initial_tensors(),
             optimizer=server_optimizer(config), tables=self.replica.spec.tables)
-        if config.local_steps > 1 and self.local is None:  # its inner state lives on through a new member id
-            self.local = LocalSteps(self.replica.params, inner_optimizer(config, self.replica.params.values()),
-                                    config.local_steps)
-        if self.tables:
-            self.rows = RowFetcher(self.redis, self.settings.job, self.tables, meta.groups, self.row_cache)
+        if self.steps is None:  # chosen once: a window's inner optimizer state lives on through a new member id
+            rows = (TableRows(self.tables, RowFetcher(self.redis, self.settings.job, self.tables, meta.groups,
+                                                      self.row_cache)) if self.tables else None)
+            self.steps = choose_steps(config, self.redis, self.settings, self.store, self.replica, rows=rows,
+                                      progressive=self.progressive)
         options = {"density": self.settings.topk_density} if "topk" in config.codec else {}
         pusher = await self._with_redis(Pusher, self.redis, self.settings.job, reg.member_id, codec=config.codec,
                                         codec_options=options, momentum=meta.optimizer.trainer_momentum,
@@ -454,6 +407,7 @@ class Trainer:
         self.state.assigned(wanted)
         logger.info("member %s generation %d: consuming %s", wanted.member_id, wanted.generation,
                     positions or "nothing")
+        events.emit(events.CONSUMING, member=wanted.member_id, generation=wanted.generation, partitions=positions)
 
     async def _with_redis(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on a worker thread, retried through a Redis outage (up to the limit)."""
@@ -537,14 +491,14 @@ class Trainer:
             return
         assert self.consumer is not None
         batch = await next_batch(self.consumer)
-        if batch is None and self.local is not None and self.local.open:
+        window = self.local
+        if batch is None and window is not None and window.open:
             await self._push_window()  # the stream ran dry: push the steps in hand
         elif batch is None:
             await self._tick_if_others_wait()
-        elif self.local is not None:  # local steps: the window's batches decoded already, in one hand-off
-            await self._step([batch, *self._ready(self.local.steps - len(self.local.batches) - 1)])
-        else:
-            await self._step([batch])
+        else:  # with local steps, the window's batches decoded already come along, in one hand-off
+            assert self.steps is not None
+            await self._step([batch, *self._ready(self.steps.room())])
 
     def _ready(self, most: int) -> list[Batch]:
         """Up to ``most`` batches the consumer has decoded already (none waited for)."""
@@ -555,33 +509,33 @@ class Trainer:
         return ready
 
     async def _step(self, batches: Sequence[Batch], *, tick: bool = False) -> None:
-        """Wait for the clock bound, pull, compute, and hand the push to the push thread.
+        """Wait for the clock bound, pull, compute (:attr:`steps`, on a worker thread), then push.
 
         ``batches``: one batch; with local steps, consecutive batches of one window (its first may
         open it), computed one after another in one hand-off to the worker thread: a window's step
         then costs its compute and not a hand-off each (0.2-0.3 ms, a sixth of a digits step).
         ``tick``: an empty batch that only advances our clock (not counted as a step).
         """
-        state = self.state
+        state, steps = self.state, self.steps
         if not state.step_allowed():
             return
-        assert state.assignment is not None
+        assert state.assignment is not None and state.member_id is not None and steps is not None
         t0 = time.monotonic()
         generation, config = state.assignment.generation, state.assignment.config
-        dense = Consistency(config.consistency, config.staleness)
-        bound = TableBound(*config.table_bound()) if self.tables else None
-        local = self.local if not tick else None
-        assert local is not None or len(batches) == 1, "several batches in one step are local steps"
-        opens = local is None or not local.open  # with local steps, a window's first step waits and pulls
-        assert state.member_id is not None
-        computed = await asyncio.to_thread(self._compute_all, batches, state.member_id, state.clock, dense,
-                                           bound, state.last_wait, state.covers, state.first_clock, opens)
+        given = StepInputs(member_id=state.member_id, clock=state.clock, own_from=state.first_clock,
+                           known=state.last_wait, covers=state.covers,
+                           base=self.snapshot if state.covers is not None else None,
+                           dense=Consistency(config.consistency, config.staleness),
+                           bound=TableBound(*config.table_bound()) if self.tables else None)
+        if tick:
+            computed = [await asyncio.to_thread(steps.tick, batches[0], given)]
+        else:
+            computed = await asyncio.to_thread(steps.compute, batches, given)
         each = (time.monotonic() - t0) / len(batches)
         for batch, done in zip(batches, computed, strict=True):
-            await self._stepped(batch, done, generation, local, each, tick=tick)
+            await self._stepped(batch, done, generation, each, tick=tick)
 
-    async def _stepped(self, batch: Batch, done: _Computed, generation: int, local: LocalSteps | None,
-                       elapsed: float, *, tick: bool) -> None:
+    async def _stepped(self, batch: Batch, done: Computed, generation: int, elapsed: float, *, tick: bool) -> None:
         """What follows the computation of one step on the event loop: the state learns of its wait
         and pull, a local step joins its window (pushed when full), a step's gradient goes to the
         push thread; then progress (``elapsed``: the step's seconds), scoring and evaluation."""
@@ -594,107 +548,42 @@ class Trainer:
             self.snapshot = done.snapshot
             assert done.covers is not None
             state.pulled(done.covers)
-        if local is not None:  # a local step: the push waits for the window's last
-            local.stepped(batch)
-            for phase, seconds in done.seconds.items():
-                self.progress.phase(phase, seconds)
+        if done.in_window:
+            self._window_step(batch, done)
         else:
-            t1 = time.monotonic()
-            await self._settle_push()  # the previous push must have landed before this one
-            for phase, seconds in (*done.seconds.items(), ("push_wait", time.monotonic() - t1)):
-                self.progress.phase(phase, seconds)
-            grads = done.result.grads if done.result is not None else None
-            rows = done.result.row_grads if done.result is not None else []
-            self._send(grads, batch, generation, rows)
+            await self._push_step(batch, done, generation)
         if tick:
             return
         self.progress.stepped(len(batch), elapsed, done.result.loss if done.result is not None else None)
         self._score(done.windows)
-        if local is not None and local.full:
+        if done.in_window and self.local is not None and self.local.full:
             await self._push_window()
         if (report := self.progress.phase_report()) is not None:
-            logger.info("member %s: %s %s", self.coordinator.member_id, PHASE_LOG,
+            logger.info("member %s: ms per step %s", self.coordinator.member_id,
                         ", ".join(f"{k} {v:.1f}" for k, v in report.items()))
+            events.emit(events.STEP_PHASES, member=self.coordinator.member_id, steps=PHASE_REPORT_STEPS,
+                        ms_per_step=report)
         if self._eval_data is not None and self.progress.steps % self.settings.eval_every == 0:
             await self._evaluate()
 
-    def _compute_all(self, batches: Sequence[Batch], member_id: str, clock: int, dense: Consistency,
-                     bound: TableBound | None, known: ClockWait | None, covers: int | None, own_from: int,
-                     opens: bool) -> list[_Computed]:
-        """Runs on a worker thread: :meth:`_wait_pull_compute` of each of ``batches`` in order, the
-        first one opening a window of local steps when ``opens`` (the rest are its later steps)."""
-        return [self._wait_pull_compute(batch, member_id, clock, dense, bound, known, covers, own_from,
-                                        opens and j == 0) for j, batch in enumerate(batches)]
-
-    def _wait_pull_compute(self, batch: Batch, member_id: str, clock: int, dense: Consistency,
-                           bound: TableBound | None, known: ClockWait | None, covers: int | None,
-                           own_from: int, opens: bool = True) -> _Computed:
-        """Runs on a worker thread (one hand-off per step): wait for the clock bound, pull what the
-        bound needs into the model's parameters (and the batch's rows of the embedding tables: the
-        row cache's, or pulled), then forward and backward on the batch. It reads the state only
-        through its arguments and changes nothing but the replica's parameters, the row cache and the
-        progressive-validation window (only this thread touches it). ``member_id``, ``clock`` and
-        ``own_from`` are the state's, read together: a registration anew while a step waits must not
-        make it wait on the new id's clocks with the old id's clock.
-
-        With local steps, only the step that ``opens`` a window waits and pulls (an empty batch too:
-        the window's later steps compute on what it pulled), and begins the window; every step is a
-        step of the inner optimizer on the replica. That wait also needs this member's own windows
-        up to the previous clock applied, and the pull always follows it: the pseudo-gradient is taken
-        from the pull, and a window started on parameters lacking its own previous windows would push
-        their progress again (one trainer under SSP s = 2 with H = 16 on digits ended at chance)."""
-        local = self.local
-        t0 = time.monotonic()
-        snapshot, base = None, self.snapshot if covers is not None else None
-        pulling = self.ahead
-        ahead = pulling.take(base, member_id) if pulling is not None else None  # pulled while the last step computed
-        t_take = time.monotonic() - t0
-        wait = None
-        # a window starts on its own previous windows: its pseudo-gradient is taken from its pull
-        own_through = clock - 1 if local is not None and clock - 1 >= own_from else None
-        if opens:
-            wait = wait_for_clock(self.redis, self.settings.job, member_id, clock,
-                                  consistency=wait_consistency(dense, bound),
-                                  timeout_s=self.settings.staleness_timeout_s,
-                                  max_unapplied=self.settings.max_unapplied,
-                                  known=ahead.known(clock) if ahead is not None else known, own_from=own_from,
-                                  own_through=own_through, max_poll_s=LOCAL_STEPS_POLL_S if local else MAX_POLL_S)
+    async def _push_step(self, batch: Batch, done: Computed, generation: int) -> None:
+        """A plain step (or a tick): its gradient (a tick's none) and ``batch``'s offsets go to the push
+        thread, once the push before it has landed."""
         t1 = time.monotonic()
-        if pulling is not None and ahead is not None:
-            pulling.swap(self.replica.params, ahead)
-            snapshot, base, covers = ahead.snapshot, ahead.snapshot, low_covered(ahead.low)
-        newest = ahead is not None and wait is not None and wait.required is None  # ASP: take the newest ready
-        if wait is not None and (local is not None or (len(batch) and not newest and needs_pull(covers, wait))):
-            snapshot = self.store.pull(base, out=self.replica.tensors)
-            covers = low_covered(wait.min_applied)
-        if opens and local is not None:
-            local.begin()
-        if wait is not None and local is None and self.settings.overlap_pulls and overlaps(dense, 1):
-            held = snapshot if snapshot is not None else base
-            if held is not None:  # the pull for the next step, while this one computes
-                if self.ahead is None:
-                    self.ahead = PullAhead(self.redis, self.settings.job, self.replica.tensors)
-                self.ahead.start(held, member_id, self.replica.tensors)
-        t2 = time.monotonic()
-        phases = {"wait": t1 - t0 - t_take, "pull": t2 - t1 + t_take}  # waiting for the pull ahead is pulling
-        if not len(batch):
-            return _Computed(wait, snapshot, None, phases, covers=covers)
-        lookups = rows = None
-        if self.rows is not None and bound is not None:
-            lookups = plan_lookups(self.tables, batch.ids, len(batch), groups=self.rows.groups)
-            covered = wait.min_applied if wait is not None and wait.min_applied is not None else -1
-            fetched = self.rows.fetch(lookups, clock=clock, bound=bound, required=table_required(bound, clock),
-                                      covers=covered)
-            rows = fetched.rows
-        t3 = time.monotonic()
-        result = self.replica.step(batch.x, batch.y, lookups, rows, inner=local.inner if local is not None else None)
-        seconds = {**phases, "compute": time.monotonic() - t3}
-        if lookups is not None:
-            seconds["rows"] = t3 - t2
-        windows = []
-        if self.progressive is not None and result.logits is not None:  # scored on the scoring thread (_score)
-            windows = self.progressive.add(result.logits, batch.y.numpy())
-        return _Computed(wait, snapshot, result, seconds, windows, covers)
+        await self._settle_push()
+        for phase, seconds in (*done.seconds.items(), ("push_wait", time.monotonic() - t1)):
+            self.progress.phase(phase, seconds)
+        grads = done.result.grads if done.result is not None else None
+        rows = done.result.row_grads if done.result is not None else []
+        self._send(grads, batch, generation, rows)
+
+    def _window_step(self, batch: Batch, done: Computed) -> None:
+        """A local step: ``batch`` joins the window in hand, whose push waits for its last step."""
+        window = self.local
+        assert window is not None
+        window.stepped(batch)
+        for phase, seconds in done.seconds.items():
+            self.progress.phase(phase, seconds)
 
     def _send(self, grads: Mapping[str, torch.Tensor] | None, batch: Batch, generation: int,
               rows: Sequence[RowGrads] = ()) -> None:

@@ -1,56 +1,10 @@
 """What a trainer knows between steps, and the rules that change it: no I/O, no clock.
 
-The service shell (:mod:`trainers.service`) does the I/O: it registers, polls
-Kafka, waits for the clock bound, pulls, computes and pushes. Between those
-calls it tells a :class:`TrainerState` what happened, and asks it what to do
-next. Every rule that decides *which clock*, *whether to pull*, *what an
-assignment means* and *where to resume after a refusal or an outage* lives
-here, so it is read and tested on its own (``tests/test_trainer_state.py``),
-like the coordinator's :mod:`coordinator.membership`.
-
-**Clocks.** A trainer numbers its pushes with clocks 1, 2, 3, ... Each push
-carries its clock; the parameter plane records the last clock each member
-pushed (``clocks``) and the last it applied (``applied_clocks``). A (re)joining
-member starts one past the highest live clock (``services.starting_clock``).
-
-**The push in flight** is recorded here and nowhere else (:attr:`TrainerState.pending`:
-its clock and the member id it was made under); the shell holds only the future
-of the thread that sends it, and the ``Pusher`` only the error-feedback state of
-pushes known committed. At most one push is in flight: it overlaps the next
-step's compute, and the next push waits for it. The shell reports how it ended
-(:class:`Outcome`, with the error-feedback state the push leaves behind) and
-does what :meth:`TrainerState.push_ended` answers:
-
-- *committed*: ``last_pushed`` moves to its clock; the shell is told to :class:`Adopt`
-  its error-feedback state.
-- *refused* (fenced, or offsets out of line): nothing moves, its feedback is
-  dropped, and the shell is told to :class:`Resync`.
-- *unreachable* (Redis went away, the reply may be lost): the push is *unsettled*:
-  kept here with its feedback while the shell rides out the outage, then asks
-  ``services.was_committed`` about it and reports the answer
-  (:meth:`TrainerState.outage_settled`), which adopts its feedback if it went through.
-
-A push made under an earlier member id (the lease was lost and the trainer
-registered anew while it was in flight) is moot whatever its outcome: that id is
-gone and so are its clocks; nothing moves, its feedback is dropped (the new id
-starts with a fresh ``Pusher``), and nothing needs resynchronising.
-
-**Resynchronising** after a refusal: the steps after the refused push were
-never pushed, so the clock resumes one past ``last_pushed`` (otherwise the
-clock bound would wait for updates of ours that will never exist), and the
-consumer restarts from the committed offsets of the assignment now wanted.
-
-**The replica.** ``covers`` is the clock up to which the local replica holds
-every live member's updates (the lowest applied clock read before the pull
-that filled it). A step needs a pull when the clock bound asks for more than
-that, always under ASP, and after an outage (a Redis restarted on its AOF may
-be a little behind what this trainer saw: ``covers`` is None, pull in full).
-
-**Assignments** come from heartbeats and the presence channel (``wanted``) and
-are followed between steps (:meth:`TrainerState.follow`): the same partitions
-under a new generation only move the fencing token; other partitions mean
-settle the push, then restart the consumer from the committed offsets; a
-``draining`` state means finish, commit and leave.
+The service shell (:mod:`trainers.service`) does the I/O and tells a :class:`TrainerState` what
+happened; the state says what to do next. Every rule that decides *which clock*, *whether to pull*,
+*what an assignment means* and *where to resume after a refusal or an outage* lives here, so it is
+read and tested on its own (``tests/test_trainer_state.py``). The rules, explained:
+``docs/architecture.md``, *A trainer, step by step*.
 """
 
 from __future__ import annotations
@@ -271,7 +225,9 @@ class TrainerState:
 
     def push_ended(self, outcome: Outcome, feedback: object) -> list[Instruction]:
         """The push in flight ended with ``outcome``, leaving the error-feedback state ``feedback``
-        behind; returns what the shell must do (the rules are in the module docstring).
+        behind; returns what the shell must do: :class:`Adopt` when committed, :class:`Resync` when
+        refused; nothing yet when unreachable (it is kept, unsettled), nor for a push made under an
+        earlier member id (moot).
 
         Raises:
             StateError: no push is in flight.
