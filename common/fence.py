@@ -1,14 +1,9 @@
 """The fence token: which member owns a partition, at which membership generation.
 
-The coordinator writes one per partition into ``JobKeys.assignment`` on every
-generation bump; the parameter plane's push script (``services/lua/push.lua``)
-and the coordinator's own check (``coordinator.state.check_fence``) compare a
-writer's token with it, so a trainer that holds a stale generation, or a
-partition it no longer owns, cannot commit. Both are given the token built
-here as a script argument: Lua never spells it.
-
-It lives on the floor, not in ``services``: the coordinator writes it and must
-not import the parameter plane (which imports torch).
+The coordinator writes one per partition into ``JobKeys.assignment`` at every generation bump, and the
+push script (``services/lua/push.lua``) compares a writer's token with it, given the token built here.
+It lives on the floor because the coordinator must not import the parameter plane (which imports
+torch). See docs/parameter-plane.md, *The wire contract, in one place*.
 """
 
 from __future__ import annotations

@@ -9,59 +9,26 @@ from typing import TYPE_CHECKING
 
 from common.exports import lazy_exports
 
-__all__ = [
-    # assignment
-    "assign",
-    "capability_weight",
-    "quotas",
-    # client
-    "CoordinatorClient",
-    "Registration",
-    "Assignment",
-    # state
-    "CoordinatorSettings",
-    "JobConfig",
-    "Member",
-    "MemberState",
-    "Membership",
-    "Store",
-    "check_fence",
-    # errors
-    "CoordinatorError",
-    "AuthError",
-    "BadRequestError",
-    "ConflictError",
-    "CoordinatorUnavailableError",
-    "FencedError",
-    "MemberGoneError",
-    "UnknownMemberError",
-]
+lazy_exports(__name__)
 
-lazy_exports(__name__, __all__, {
-    ".assign": ("assign", "capability_weight", "quotas"),
-    ".assignment": ("Assignment", "JobConfig", "Registration"),
-    ".client": ("CoordinatorClient",),
-    ".errors": ("AuthError", "BadRequestError", "ConflictError", "CoordinatorError",
-                "CoordinatorUnavailableError", "FencedError", "MemberGoneError", "UnknownMemberError"),
-    ".membership": ("Member", "Membership", "MemberState"),
-    ".settings": ("CoordinatorSettings",),
-    ".state": ("Store", "check_fence"),
-})
-
-if TYPE_CHECKING:  # the same names, eagerly, for type checkers (tests/test_structure.py keeps the two alike)
-    from .assign import assign, capability_weight, quotas
-    from .assignment import Assignment, JobConfig, Registration
-    from .client import CoordinatorClient
-    from .errors import (
-        AuthError,
-        BadRequestError,
-        ConflictError,
-        CoordinatorError,
-        CoordinatorUnavailableError,
-        FencedError,
-        MemberGoneError,
-        UnknownMemberError,
-    )
-    from .membership import Member, Membership, MemberState
-    from .settings import CoordinatorSettings
-    from .state import Store, check_fence
+if TYPE_CHECKING:  # the public names, each from its module: lazy_exports reads them here (common.exports)
+    from .assign import assign as assign
+    from .assign import capability_weight as capability_weight
+    from .assign import quotas as quotas
+    from .assignment import Assignment as Assignment
+    from .assignment import JobConfig as JobConfig
+    from .assignment import Registration as Registration
+    from .client import CoordinatorClient as CoordinatorClient
+    from .errors import AuthError as AuthError
+    from .errors import BadRequestError as BadRequestError
+    from .errors import ConflictError as ConflictError
+    from .errors import CoordinatorError as CoordinatorError
+    from .errors import CoordinatorUnavailableError as CoordinatorUnavailableError
+    from .errors import FencedError as FencedError
+    from .errors import MemberGoneError as MemberGoneError
+    from .errors import UnknownMemberError as UnknownMemberError
+    from .membership import Member as Member
+    from .membership import Membership as Membership
+    from .membership import MemberState as MemberState
+    from .settings import CoordinatorSettings as CoordinatorSettings
+    from .state import Store as Store

@@ -23,8 +23,8 @@ writes the difference in one MULTI/EXEC that fails (and is retried on fresh
 state) if anyone changed those keys in between. Everything is JSON or plain
 strings; nothing is pickled.
 
-Fencing: :func:`check_fence` is the check the parameter plane performs inside
-its push Lua script (same logic, :data:`FENCE_LUA`): a write by ``member_id`` at
+Fencing: the parameter plane's push script (``services/lua/push.lua``, run through
+``services.scripts.PushCall``) reads these keys: a push by ``member_id`` at
 ``generation`` for ``partitions`` is allowed only if ``GET generation`` equals
 ``generation`` and ``HGET assignment p`` is the member's fence token at that
 generation for every partition.
@@ -39,16 +39,16 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-import redis as redis_sync
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 from redis.typing import FieldT
 
 from common.fence import fence_token, parse_fence_token
 from common.keys import JobKeys
+from services.slot_types import MetaHead
 
 from .assignment import FOLLOW_DENSE, LOCAL_STEPS, JobConfig
-from .errors import ConflictError, FencedError, MemberGoneError, UnknownMemberError
+from .errors import ConflictError, MemberGoneError, UnknownMemberError
 from .membership import Action, CheckLeases, Departure, Event, Member, Membership, departures, forgotten, handle
 from .settings import CoordinatorSettings
 
@@ -127,17 +127,22 @@ class Store:
         raise ConflictError(f"config of job {self.keys.job!r} changed concurrently {MAX_CAS_ATTEMPTS} times")
 
     async def model_groups(self) -> int | None:
-        """The shard-group count of the job's model (``groups`` of the JSON at ``JobKeys.meta``,
-        written by ``services.ParameterStore.init_model``), or None while there is no model
-        (or its meta is unreadable)."""
+        """The shard-group count of the job's model (``services.slot_types.MetaHead`` of its meta,
+        written by ``services.ParameterStore.init_model``): the job's one group count once the model
+        exists; None while there is no model (or its meta is unreadable)."""
         raw = await self.redis.get(self.keys.meta)
         if raw is None:
             return None
         try:
-            groups = json.loads(raw).get("groups", 1)
-        except (ValueError, AttributeError):
+            return MetaHead.parse(raw).groups
+        except ValueError:
             return None
-        return groups if isinstance(groups, int) and groups >= 1 else None
+
+    async def groups(self, config: JobConfig) -> int:
+        """The job's shard-group count: its model's (:meth:`model_groups`) once the model exists,
+        else ``config``'s ``ps_groups``, which seeds the model's creation (``services.slots``: one
+        source for the count)."""
+        return await self.model_groups() or config.ps_groups
 
     async def config(self) -> JobConfig:
         """The stored job configuration.
@@ -282,42 +287,4 @@ class Store:
         gone = departures(list(actions))
         if gone:
             pipe.hset(k.departed, mapping={m: d.to_json() for m, d in gone.items()})
-
-
-FENCE_LUA = """
--- KEYS[1] = generation, KEYS[2] = assignment; ARGV[1] = the writer's fence token, ARGV[2] =
--- generation, ARGV[3..] = partitions. Returns {1} if allowed, else {0, reason}.
-local gen = redis.call('GET', KEYS[1])
-if gen ~= ARGV[2] then
-  return {0, 'stale generation ' .. ARGV[2] .. ' (current ' .. tostring(gen) .. ')'}
-end
-local want = ARGV[1]
-for i = 3, #ARGV do
-  local owner = redis.call('HGET', KEYS[2], ARGV[i])
-  if owner ~= want then
-    return {0, 'partition ' .. ARGV[i] .. ' is owned by ' .. tostring(owner) .. ', not ' .. want}
-  end
-end
-return {1}
-"""
-"""The fencing check as a Lua script; the parameter plane's push script embeds the same logic."""
-
-
-def check_fence(redis: redis_sync.Redis, job: str, member_id: str, generation: int,
-                partitions: Iterable[int]) -> None:
-    """Raise :class:`FencedError` unless ``member_id`` at ``generation`` owns ``partitions``.
-
-    Atomic (one Lua script), and the same check the parameter plane performs
-    inside its push: ``GET generation == generation`` and, for each partition,
-    ``HGET assignment p == fence_token(member_id, generation)``.
-
-    Raises:
-        FencedError: the generation is stale or a partition has another owner;
-            the message names which.
-    """
-    keys = JobKeys(job)
-    result = redis.eval(FENCE_LUA, 2, keys.generation, keys.assignment, fence_token(member_id, int(generation)),
-                        str(int(generation)), *(str(int(p)) for p in partitions))
-    if int(result[0]) != 1:
-        raise FencedError(f"member {member_id!r} is fenced: {_s(result[1])}")
 

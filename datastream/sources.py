@@ -61,10 +61,11 @@ import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
-from urllib.parse import parse_qsl
+from typing import Any, TextIO
 
 import numpy as np
+
+from common.options import SpecOptions, split_spec
 
 from .clicks import ClickStream
 from .examples import Examples
@@ -83,9 +84,6 @@ TEST_EVERY = 5
 """Record *i* of a source is in the test split when ``i % TEST_EVERY == TEST_EVERY - 1``."""
 
 _BLOCK = 1024
-
-_Default = TypeVar("_Default", int, None)
-"""An integer option's default: a number, or None for none (then the option may be absent)."""
 
 Block = tuple[int, Examples]
 """(index of the first record in the source's numbering, its examples: x [n, d], y [n], ids)."""
@@ -177,21 +175,8 @@ class Source:
             raise SourceError(f"source {self.name}: blocks disagree ({exc})") from None
 
 
-def _int(opts: dict[str, str], key: str, default: _Default, lo: int = 0) -> int | _Default:
-    raw = opts.pop(key, None)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SourceError(f"option {key}={raw!r} is not an integer") from None
-    if value < lo:
-        raise SourceError(f"option {key}={value} must be >= {lo}")
-    return value
-
-
-def _digits(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
-    repeat = _int(opts, "repeat", 1)
+def _digits(opts: SpecOptions) -> Callable[[], Iterator[Block]]:
+    repeat = opts.integer("repeat", 1)
     from sklearn.datasets import load_digits
     data = load_digits()
     x = (data.data / 16.0).astype(np.float32)
@@ -203,18 +188,15 @@ def _digits(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
     return blocks
 
 
-def _synthetic(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
-    task = opts.pop("task", "classification")
+def _synthetic(opts: SpecOptions) -> Callable[[], Iterator[Block]]:
+    task = opts.text("task", "classification")
     if task not in ("classification", "regression"):
         raise SourceError(f"synthetic task must be classification or regression, got {task!r}")
-    d = _int(opts, "features", 16, lo=1)
-    k = _int(opts, "classes", 4, lo=2)
-    seed = _int(opts, "seed", 0)
-    limit = _int(opts, "limit", None)
-    try:
-        noise = float(opts.pop("noise", "0.1"))
-    except ValueError:
-        raise SourceError("option noise must be a number") from None
+    d = opts.integer("features", 16, lo=1)
+    k = opts.integer("classes", 4, lo=2)
+    seed = opts.integer("seed", 0)
+    limit = opts.integer("limit", None)
+    noise = opts.number("noise", 0.1)
 
     def blocks() -> Iterator[Block]:
         rng = np.random.default_rng(seed)
@@ -230,31 +212,23 @@ def _synthetic(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
     return blocks
 
 
-def _float(opts: dict[str, str], key: str, default: float) -> float:
-    raw = opts.pop(key, None)
-    try:
-        return default if raw is None else float(raw)
-    except ValueError:
-        raise SourceError(f"option {key}={raw!r} is not a number") from None
-
-
-def _clicks(opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
+def _clicks(opts: SpecOptions) -> Callable[[], Iterator[Block]]:
     defaults = ClickStream()
     try:
         stream = ClickStream(
-            features=_int(opts, "features", defaults.features), dense=_int(opts, "dense", defaults.dense),
-            vocab=_int(opts, "vocab", defaults.vocab, lo=1), zipf=_float(opts, "zipf", defaults.zipf),
-            multi=_int(opts, "multi", defaults.multi), drift=_float(opts, "drift", defaults.drift),
-            seed=_int(opts, "seed", defaults.seed))
+            features=opts.integer("features", defaults.features), dense=opts.integer("dense", defaults.dense),
+            vocab=opts.integer("vocab", defaults.vocab, lo=1), zipf=opts.number("zipf", defaults.zipf),
+            multi=opts.integer("multi", defaults.multi), drift=opts.number("drift", defaults.drift),
+            seed=opts.integer("seed", defaults.seed))
     except ValueError as exc:
         raise SourceError(f"clicks: {exc}") from None
-    limit = _int(opts, "limit", None)
+    limit = opts.integer("limit", None)
     return lambda: stream.blocks(limit)
 
 
-def _movielens(opts: dict[str, str]) -> tuple[Callable[[], Iterator[Block]], SplitRule]:
-    repeat = _int(opts, "repeat", 1)
-    limit = _int(opts, "limit", None, lo=1)
+def _movielens(opts: SpecOptions) -> tuple[Callable[[], Iterator[Block]], SplitRule]:
+    repeat = opts.integer("repeat", 1)
+    limit = opts.integer("limit", None, lo=1)
     try:
         data = load_movielens()
     except MovieLensMissing as exc:
@@ -289,8 +263,8 @@ def _table(rows: list[list[str]], label: str, where: str) -> tuple[np.ndarray, n
     return _features(x, where), _labels(y, where)
 
 
-def _csv_file(path: Path, opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
-    label = opts.pop("label", "last")
+def _csv_file(path: Path, opts: SpecOptions) -> Callable[[], Iterator[Block]]:
+    label = opts.text("label", "last")
 
     def blocks() -> Iterator[Block]:
         with path.open(newline="") as fh:
@@ -300,8 +274,8 @@ def _csv_file(path: Path, opts: dict[str, str]) -> Callable[[], Iterator[Block]]
     return blocks
 
 
-def _npz_file(path: Path, opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
-    xkey, ykey = opts.pop("x", "x"), opts.pop("y", "y")
+def _npz_file(path: Path, opts: SpecOptions) -> Callable[[], Iterator[Block]]:
+    xkey, ykey = opts.text("x", "x"), opts.text("y", "y")
 
     def blocks() -> Iterator[Block]:
         with np.load(path, allow_pickle=False) as data:
@@ -345,16 +319,16 @@ def _json_lines(lines: Iterable[str], where: str, block: int) -> Iterator[Block]
         yield start, _examples(xs, ys, ids, where)
 
 
-def _jsonl_file(path: Path, opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
+def _jsonl_file(path: Path, opts: SpecOptions) -> Callable[[], Iterator[Block]]:
     def blocks() -> Iterator[Block]:
         with path.open() as fh:
             yield from _json_lines(fh, str(path), _BLOCK)
     return blocks
 
 
-def _stdin(opts: dict[str, str], stream: TextIO | None = None) -> Callable[[], Iterator[Block]]:
-    fmt = opts.pop("format", "jsonl")
-    label = opts.pop("label", "last")
+def _stdin(opts: SpecOptions, stream: TextIO | None = None) -> Callable[[], Iterator[Block]]:
+    fmt = opts.text("format", "jsonl")
+    label = opts.text("label", "last")
     if fmt not in ("jsonl", "csv"):
         raise SourceError(f"stdin format must be jsonl or csv, got {fmt!r}")
 
@@ -379,14 +353,13 @@ def _stdin(opts: dict[str, str], stream: TextIO | None = None) -> Callable[[], I
     return blocks
 
 
-def _plugin(target: str, opts: dict[str, str]) -> Callable[[], Iterator[Block]]:
+def _plugin(target: str, opts: SpecOptions) -> Callable[[], Iterator[Block]]:
     module_name, _, attr = target.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise SourceError(f"source {target!r}: cannot load {attr!r} from {module_name!r} ({exc})") from None
-    kwargs = dict(opts)
-    opts.clear()
+    kwargs = opts.rest()
 
     def blocks() -> Iterator[Block]:
         made = fn(**kwargs)
@@ -452,8 +425,8 @@ def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -
     """
     if split not in SPLITS:
         raise SourceError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
-    base, _, query = spec.partition("?")
-    opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+    base, given = split_spec(spec)
+    opts = SpecOptions(given, SourceError)
     prefix, colon, arg = base.partition(":")
     rule: SplitRule = split_mask
     if base == "digits":
@@ -476,6 +449,5 @@ def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -
     else:
         raise SourceError(f"unknown source {spec!r}: use digits, synthetic, clicks, movielens, stdin, csv:PATH, "
                           "npz:PATH, jsonl:PATH or module:callable")
-    if opts:
-        raise SourceError(f"source {spec!r}: unknown option(s) {', '.join(sorted(opts))}")
+    opts.refuse_unread(f"source {spec!r}")
     return Source(spec, blocks, split, rule)

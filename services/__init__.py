@@ -15,98 +15,51 @@ from typing import TYPE_CHECKING
 
 from common.exports import lazy_exports
 
-__all__ = [
-    # store and snapshots
-    "ParameterStore",
-    "Snapshot",
-    "ModelMeta",
-    "Layout",
-    "TensorSpec",
-    "ShardSpec",
-    "OptimizerConfig",
-    "OPTIMIZERS",
-    "connect",
-    # pushing
-    "Update",
-    "push_update",
-    "was_committed",
-    "unapplied_updates",
-    "committed_offsets",
-    "Pusher",
-    "Prepared",
-    "Feedback",
-    "PushResult",
-    # consistency
-    "Consistency",
-    "ClockWait",
-    "wait_for_clock",
-    "starting_clock",
-    "JobClocks",
-    "read_job_clocks",
-    # codecs
-    "get_codec",
-    "decode_gradient",
-    "decode_sent",
-    "Sent",
-    "CodecChain",
-    # server
-    "ParameterServer",
-    "ServerSettings",
-    "ServerStatus",
-    # checkpoints
-    "save_checkpoint",
-    "restore_checkpoint",
-    # errors
-    "ParameterPlaneError",
-    "FencedError",
-    "OffsetConflictError",
-    "BadGradientError",
-    "UnknownCodecError",
-    "PayloadError",
-    "LayoutError",
-    "BackpressureError",
-    "StalenessTimeout",
-    "CheckpointError",
-]
+lazy_exports(__name__)
 
-lazy_exports(__name__, __all__, {
-    ".snapshot.checkpoint": ("restore_checkpoint", "save_checkpoint"),
-    ".codecs": ("CodecChain", "Sent", "decode_gradient", "decode_sent", "get_codec"),
-    ".clocks": ("ClockWait", "JobClocks"),
-    ".consistency": ("Consistency", "StalenessTimeout", "read_job_clocks", "starting_clock", "wait_for_clock"),
-    ".push.encoder": ("Feedback", "Prepared", "Pusher", "PushResult"),
-    ".errors": ("BackpressureError", "BadGradientError", "CheckpointError", "FencedError", "LayoutError",
-                "OffsetConflictError", "ParameterPlaneError", "PayloadError", "UnknownCodecError"),
-    ".layout": ("Layout", "ShardSpec", "TensorSpec"),
-    ".optim": ("OPTIMIZERS", "OptimizerConfig"),
-    ".server.service": ("ParameterServer", "ServerStatus"),
-    ".settings": ("ServerSettings",),
-    ".store": ("ModelMeta", "ParameterStore", "Snapshot", "connect"),
-    ".protocol": ("Update",),
-    ".push.updates": ("committed_offsets", "push_update", "unapplied_updates", "was_committed"),
-})
-
-if TYPE_CHECKING:  # the same names, eagerly, for type checkers (tests/test_structure.py keeps the two alike)
-    from .clocks import ClockWait, JobClocks
-    from .codecs import CodecChain, Sent, decode_gradient, decode_sent, get_codec
-    from .consistency import Consistency, StalenessTimeout, read_job_clocks, starting_clock, wait_for_clock
-    from .errors import (
-        BackpressureError,
-        BadGradientError,
-        CheckpointError,
-        FencedError,
-        LayoutError,
-        OffsetConflictError,
-        ParameterPlaneError,
-        PayloadError,
-        UnknownCodecError,
-    )
-    from .layout import Layout, ShardSpec, TensorSpec
-    from .optim import OPTIMIZERS, OptimizerConfig
-    from .protocol import Update
-    from .push.encoder import Feedback, Prepared, Pusher, PushResult
-    from .push.updates import committed_offsets, push_update, unapplied_updates, was_committed
-    from .server.service import ParameterServer, ServerStatus
-    from .settings import ServerSettings
-    from .snapshot.checkpoint import restore_checkpoint, save_checkpoint
-    from .store import ModelMeta, ParameterStore, Snapshot, connect
+if TYPE_CHECKING:  # the public names, each from its module: lazy_exports reads them here (common.exports)
+    from .clocks import ClockWait as ClockWait
+    from .clocks import JobClocks as JobClocks
+    from .codecs import CodecChain as CodecChain
+    from .codecs import Sent as Sent
+    from .codecs import decode_gradient as decode_gradient
+    from .codecs import decode_sent as decode_sent
+    from .codecs import get_codec as get_codec
+    from .consistency import Consistency as Consistency
+    from .consistency import StalenessTimeout as StalenessTimeout
+    from .consistency import read_job_clocks as read_job_clocks
+    from .consistency import starting_clock as starting_clock
+    from .consistency import wait_for_clock as wait_for_clock
+    from .errors import BackpressureError as BackpressureError
+    from .errors import BadGradientError as BadGradientError
+    from .errors import CheckpointError as CheckpointError
+    from .errors import FencedError as FencedError
+    from .errors import LayoutError as LayoutError
+    from .errors import NoModelError as NoModelError
+    from .errors import OffsetConflictError as OffsetConflictError
+    from .errors import ParameterPlaneError as ParameterPlaneError
+    from .errors import PayloadError as PayloadError
+    from .errors import UnknownCodecError as UnknownCodecError
+    from .layout import Layout as Layout
+    from .layout import ShardSpec as ShardSpec
+    from .layout import TensorSpec as TensorSpec
+    from .names import OPTIMIZERS as OPTIMIZERS
+    from .optim import OptimizerConfig as OptimizerConfig
+    from .protocol import Update as Update
+    from .push.encoder import Feedback as Feedback
+    from .push.encoder import Prepared as Prepared
+    from .push.encoder import Pusher as Pusher
+    from .push.encoder import PushResult as PushResult
+    from .push.updates import committed_offsets as committed_offsets
+    from .push.updates import push_update as push_update
+    from .push.updates import unapplied_updates as unapplied_updates
+    from .push.updates import was_committed as was_committed
+    from .server.service import ParameterServer as ParameterServer
+    from .server.service import ServerStatus as ServerStatus
+    from .settings import ServerSettings as ServerSettings
+    from .snapshot.checkpoint import restore_checkpoint as restore_checkpoint
+    from .snapshot.checkpoint import save_checkpoint as save_checkpoint
+    from .store import ModelMeta as ModelMeta
+    from .store import ParameterStore as ParameterStore
+    from .store import Snapshot as Snapshot
+    from .store import connect as connect

@@ -1,30 +1,9 @@
 """Server-side optimizers, learning-rate schedules and clipping (pure functions over tensors).
 
-Four optimizers, two of them *sparse*: their step touches only the
-coordinates a gradient carries, so a top-k gradient costs the server, Redis
-and the trainers' pulls in proportion to the values it keeps.
-
-=============  =========================================================  ===========
-name           step                                                       state/shard
-=============  =========================================================  ===========
-``sgd``        SGD with momentum on the server (dense), optionally         momentum
-               Nesterov's: the outer optimizer of local steps
-``adam``       Adam (dense: every coordinate moves at every step)         m, v
-``lazyadam``   Adam on the gradient's coordinates only (PyTorch's          m, v
-               ``SparseAdam``, TensorFlow's ``LazyAdam``)
-``dgc``        plain SGD on the server; the momentum lives on the          none
-               trainer, with momentum correction and momentum factor
-               masking (Lin et al., *Deep Gradient Compression*, 2018)
-=============  =========================================================  ===========
-
-A dense optimizer given a sparse gradient fills in the zeros (so its step is
-dense); a sparse optimizer given a dense gradient touches every coordinate.
-
-Weight decay is *decoupled* (AdamW/SGDW: ``p -= lr * wd * p`` on the
-coordinates a step touches). So the optimizer state (momentum, m, v) is a
-function of the gradients alone, never of the parameters: a restarted server
-rebuilds it by replaying the logged gradients since its last persisted state
-(``services.server.service``), whatever the parameters are.
+``sgd`` (momentum, optionally Nesterov's: the outer optimizer of local steps) and ``adam`` are dense;
+``lazyadam`` and ``dgc`` are sparse: their step touches only the coordinates a gradient carries. Weight
+decay is decoupled, so the state depends on the gradients alone and a restarted server rebuilds it by
+replaying the log. See docs/parameter-plane.md, *Optimizers: a step as sparse as the gradient*.
 """
 
 from __future__ import annotations
@@ -38,11 +17,9 @@ import numpy as np
 import torch
 
 from .codecs import Sent
+from .names import OPTIMIZERS
 
-__all__ = ["OptimizerConfig", "OPTIMIZERS", "learning_rate", "slots", "step", "sparse_steps", "clip_factor"]
-
-OPTIMIZERS = ("sgd", "adam", "lazyadam", "dgc")
-"""Optimizer names a job may use."""
+__all__ = ["OptimizerConfig", "learning_rate", "slots", "step", "sparse_steps", "clip_factor"]
 
 SPARSE_OPTIMIZERS = ("lazyadam", "dgc")
 """Optimizers whose step touches only the coordinates of the gradient."""
@@ -53,7 +30,7 @@ class OptimizerConfig:
     """How the parameter servers turn gradients into new parameters (stored in the job's meta)."""
 
     name: str = "sgd"
-    """One of :data:`OPTIMIZERS`."""
+    """One of :data:`services.names.OPTIMIZERS`."""
     lr: float = 0.01
     """Base learning rate."""
     momentum: float = 0.9

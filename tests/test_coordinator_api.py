@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 from dataclasses import replace
 from importlib import resources
@@ -18,17 +19,18 @@ import torch
 import yaml
 from aiohttp.test_utils import TestClient, make_mocked_request
 from prometheus_client.parser import text_string_to_metric_families
+from test_services_util import push_offsets_only
 
 from common.keys import JobKeys
 from coordinator import routes
 from coordinator.app import create_app
 from coordinator.client import CoordinatorClient
-from coordinator.errors import AuthError, BadRequestError, FencedError, MemberGoneError
+from coordinator.errors import AuthError, BadRequestError, MemberGoneError
 from coordinator.settings import CONSISTENCY_MODELS, OPTIMIZERS, CoordinatorSettings
-from coordinator.state import JobConfig, Store, check_fence, parse_assignment
+from coordinator.state import JobConfig, Store, parse_assignment
 from coordinator.testing import running_coordinator
 from coordinator.validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field
-from services import ParameterStore
+from services import FencedError, ParameterStore
 from services.tables import TableSpec
 from streamtrain.launcher import await_until
 
@@ -421,22 +423,24 @@ async def test_patch_changes_the_tables_own_consistency_and_null_follows_the_den
 
 
 async def test_fencing_of_stale_generation(settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    """What the coordinator writes fences a trainer's push (the parameter plane's push script)."""
     async with running_coordinator(settings) as client:
         client_a = CoordinatorClient(str(client.make_url("")), "job-secret",
                                      session=client.session)
         reg = await client_a.register({"device": "cpu", "threads": 2})
-        check_fence(redis, JOB, reg.member_id, reg.generation, reg.partitions)
+        a = reg.member_id
+        push_offsets_only(redis, JOB, a, reg.generation, list(reg.partitions), clock=1)
         b = await register(client)
-        with pytest.raises(FencedError, match="stale generation"):
-            check_fence(redis, JOB, reg.member_id, reg.generation, reg.partitions[:1])
+        with pytest.raises(FencedError, match=f"generation {reg.generation} of member {a} is stale"):
+            push_offsets_only(redis, JOB, a, reg.generation, list(reg.partitions[:1]), clock=2)
         now = await client_a.heartbeat({"clock": 1})
         assert now.generation == reg.generation + 1
-        check_fence(redis, JOB, reg.member_id, now.generation, now.partitions)
-        with pytest.raises(FencedError, match=f"owned by {b['member_id']}"):
-            check_fence(redis, JOB, reg.member_id, now.generation, b["partitions"][:1])
+        push_offsets_only(redis, JOB, a, now.generation, list(now.partitions), clock=2)
+        with pytest.raises(FencedError, match=re.escape(f"assigned to {b['member_id']}|{now.generation}, not {a}|")):
+            push_offsets_only(redis, JOB, a, now.generation, b["partitions"][:1], clock=3)
         await client_a.leave()
         with pytest.raises(FencedError):
-            check_fence(redis, JOB, reg.member_id, now.generation, now.partitions)
+            push_offsets_only(redis, JOB, a, now.generation, list(now.partitions), clock=3)
         gone = CoordinatorClient(str(client.make_url("")), "job-secret", session=client.session)
         gone.member_id = reg.member_id
         with pytest.raises(MemberGoneError):

@@ -18,15 +18,13 @@ import pytest
 import redis as redis_lib
 import torch
 from redis.cluster import RedisCluster as ClusterClient
-from test_services_util import set_membership, small_model
+from test_services_util import push_offsets_only, set_membership, small_model
 
 from common.keys import JobKeys
 from common.outage import redis_name
 from common.redis_client import connect, connect_async, is_cluster_url, parse_cluster_url
 from coordinator.client import CoordinatorClient
-from coordinator.errors import FencedError as CoordinatorFencedError
 from coordinator.settings import CoordinatorSettings
-from coordinator.state import check_fence
 from coordinator.testing import running_coordinator
 from services import (
     FencedError,
@@ -370,13 +368,13 @@ async def test_coordinator_registers_heartbeats_and_fences_on_the_cluster(
         a = CoordinatorClient(str(http.make_url("")), "job-secret", session=http.session)
         reg = await a.register({"device": "cpu", "threads": 1})
         assert list(reg.partitions) == [0, 1, 2, 3]
-        check_fence(client, job, reg.member_id, reg.generation, reg.partitions)  # EVAL routed by its keys
+        push_offsets_only(client, job, reg.member_id, reg.generation, list(reg.partitions), clock=1)  # fenced push
         b = CoordinatorClient(str(http.make_url("")), "job-secret", session=http.session)
         await b.register({"device": "cpu", "threads": 1})  # a compare-and-set (WATCH/MULTI) on the cluster
         now = await a.heartbeat({"clock": 1})
         assert now.generation == reg.generation + 1 and len(now.partitions) == 2
-        with pytest.raises(CoordinatorFencedError, match="stale generation"):
-            check_fence(client, job, reg.member_id, reg.generation, reg.partitions)
+        with pytest.raises(FencedError, match="is stale"):
+            push_offsets_only(client, job, reg.member_id, reg.generation, list(reg.partitions), clock=2)
         resp = await http.get("/v1/status", headers={"Authorization": "Bearer admin-secret"})
         status = await resp.json()
         assert resp.status == 200 and len(status["members"]) == 2

@@ -12,7 +12,8 @@ import torch
 
 from common.fence import fence_token
 from common.keys import JobKeys
-from services.protocol import group_of
+from services.protocol import Update, group_of
+from services.push.updates import push_update
 
 
 def set_membership(client: redis_lib.Redis, job: str, owners: Mapping[str, list[int]], generation: int,
@@ -29,6 +30,19 @@ def set_membership(client: redis_lib.Redis, job: str, owners: Mapping[str, list[
     for member in departed:
         pipe.hdel(keys.members, member)
     pipe.execute()
+
+
+def push_offsets_only(client: redis_lib.Redis, job: str, member_id: str, generation: int,
+                      partitions: list[int], clock: int) -> str:
+    """Push an update without gradients for ``partitions`` (an empty offset range at each one's
+    committed offset) through the real push script, fenced as a trainer's push is (no model needed).
+
+    Raises:
+        services.errors.FencedError: the generation is stale or a partition has another owner."""
+    keys = JobKeys(job)
+    offsets = {p: (int(client.hget(keys.offsets, str(p)) or 0),) * 2 for p in partitions}
+    update = Update(member_id, generation=generation, clock=clock, gradients={}, offsets=offsets)
+    return push_update(client, job, update, groups=1)
 
 
 def small_model(seed: int = 0) -> dict[str, torch.Tensor]:

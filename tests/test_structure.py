@@ -91,7 +91,8 @@ HEAVY = ("redis", "aiohttp", "prometheus_client", "torch", "kafka")
 
 @pytest.mark.parametrize("module", ["trainers.state", "trainers.progress", "coordinator.membership",
                                     "coordinator.assignment", "coordinator.history", "coordinator.tables",
-                                    "services.clocks"])
+                                    "services.clocks", "services.server.core",
+                                    "services.slot_types", "services.local_steps"])
 def test_pure_modules_import_no_io(module: str) -> None:
     """A pure core imports its rules and their data types, nothing that does I/O (checked in a fresh
     interpreter: a package ``__init__`` re-exporting a heavy module would drag it in)."""
@@ -113,20 +114,9 @@ def test_every_public_name_of_a_package_resolves(package: str) -> None:
 
 
 def _lazy_packages() -> list[str]:
-    return [pkg for pkg in LAYERS if "lazy_exports(" in (ROOT / pkg / "__init__.py").read_text()]
-
-
-def _type_checking_imports(package: str) -> dict[str, str]:
-    """Name -> relative module of each import in the ``if TYPE_CHECKING:`` blocks of ``package``'s
-    ``__init__.py`` (what type checkers and editors read, since the names are imported lazily)."""
-    tree = ast.parse((ROOT / package / "__init__.py").read_text())
-    found: dict[str, str] = {}
-    for node in tree.body:
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            for stmt in node.body:
-                assert isinstance(stmt, ast.ImportFrom) and stmt.level == 1, ast.unparse(stmt)
-                found.update({alias.asname or alias.name: f".{stmt.module}" for alias in stmt.names})
-    return found
+    """Every package (sub-packages too) whose ``__init__`` calls :func:`common.exports.lazy_exports`."""
+    return sorted(_module_name(init) for pkg in LAYERS for init in (ROOT / pkg).rglob("__init__.py")
+                  if "lazy_exports(" in init.read_text())
 
 
 def test_the_lazy_packages_are_found() -> None:
@@ -134,10 +124,54 @@ def test_the_lazy_packages_are_found() -> None:
 
 
 @pytest.mark.parametrize("package", _lazy_packages())
-def test_a_lazy_package_shows_type_checkers_every_export_from_its_home(package: str) -> None:
-    """A package whose names are imported on first use (:func:`common.exports.lazy_exports`) imports
-    the same names from the same modules under ``if TYPE_CHECKING:``, so mypy sees them: the two
-    lists cannot drift apart."""
+def test_a_lazy_package_writes_its_public_names_once(package: str) -> None:
+    """A package whose names are imported on first use declares them once, as the explicit
+    re-exports of its ``if TYPE_CHECKING:`` block (what mypy and editors read): ``lazy_exports`` is
+    given no list of its own, nothing else assigns ``__all__``, and each name read from the package
+    is the object its declared module holds."""
+    from common.exports import declared_exports
+
+    init = ROOT / Path(*package.split(".")) / "__init__.py"
+    tree = ast.parse(init.read_text())
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) == "lazy_exports"]
+    assert [ast.unparse(call) for call in calls] == ["lazy_exports(__name__)"]
+    assert not [node for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == "__all__"]
     pkg = importlib.import_module(package)
-    assert _type_checking_imports(package) == dict(pkg._export_homes)
-    assert set(_type_checking_imports(package)) == set(pkg.__all__)
+    homes = declared_exports(init.read_text(), package)
+    assert dict(pkg._export_homes) == homes and pkg.__all__ == list(homes)
+    for name, home in homes.items():
+        assert getattr(pkg, name) is getattr(importlib.import_module(home, package), name), name
+
+
+@pytest.mark.parametrize("block,message", [
+    ("from .state import Store", "not 'from .state import Store'"),          # no re-export for mypy
+    ("from .state import Store as Shop", "not 'from .state import Store as Shop'"),
+    ("from common.keys import JobKeys as JobKeys", "not 'from common.keys"),  # not one of its modules
+    ("import json", "not 'import json'"),
+    ("from .state import Store as Store\n    from .shop import Store as Store", "both .state and .shop"),
+    (None, "no 'if TYPE_CHECKING:' block"),
+])
+def test_the_declaration_of_a_lazy_package_is_checked(block: str | None, message: str) -> None:
+    from common.exports import declared_exports
+
+    source = "from typing import TYPE_CHECKING\n" + (f"\nif TYPE_CHECKING:\n    {block}\n" if block else "")
+    with pytest.raises(ValueError, match=message):
+        declared_exports(source, "pkg")
+
+
+def test_a_lazy_package_imports_a_module_when_one_of_its_names_is_first_read(tmp_path: Path) -> None:
+    """The declared names resolve on first use, each from its module (not before), and ``__all__``
+    lists them as written."""
+    package = tmp_path / "lazy_probe_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from typing import TYPE_CHECKING\n\nfrom common.exports import lazy_exports\n\nlazy_exports(__name__)\n\n"
+        "if TYPE_CHECKING:\n    from .b import two as two\n    from .a import ONE as ONE\n")
+    (package / "a.py").write_text("ONE = 1\n")
+    (package / "b.py").write_text("def two() -> int:\n    return 2\n")
+    probe = ("import sys, lazy_probe_pkg as p; before = 'lazy_probe_pkg.a' in sys.modules; "
+             "print(p.__all__, before, p.ONE, 'lazy_probe_pkg.a' in sys.modules, 'lazy_probe_pkg.b' in sys.modules, "
+             "p.two())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={"PYTHONPATH": f"{tmp_path}:{ROOT}"}).stdout
+    assert out.split() == ["['two',", "'ONE']", "False", "1", "True", "False", "2"]

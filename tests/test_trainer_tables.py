@@ -82,7 +82,7 @@ def test_the_ranking_model_declares_its_tables_and_scores_one_logit_per_record()
     # no dense features: no bottom MLP
     bare = build_model("dlrm?features=2&dense=0&dim=3").model
     assert bare(torch.empty(2, 0), {"c1": torch.randn(2, 3), "c2": torch.randn(2, 3)}).shape == (2,)
-    for bad, message in (("dlrm?colour=red", "unknown option"), ("dlrm?dim=0", "dim: must be >= 1"),
+    for bad, message in (("dlrm?colour=red", "unknown option"), ("dlrm?dim=0", "option dim=0 must be >= 1"),
                          ("dlrm?features=0", "at least one"), ("dlrm?top=a-b", "widths")):
         with pytest.raises(ValueError, match=message):
             build_model(bad)

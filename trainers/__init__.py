@@ -8,30 +8,15 @@ from typing import TYPE_CHECKING
 
 from common.exports import lazy_exports
 
-__all__ = [
-    # configuration
-    "TrainerSettings",
-    # models and devices
-    "ModelSpec",
-    "build_model",
-    "builtin_specs",
-    "mlp",
-    "DevicePlan",
-    "plan_device",
-    # evaluation
-    "EvalResult",
-    "evaluate",
-]
+lazy_exports(__name__)
 
-lazy_exports(__name__, __all__, {
-    ".device": ("DevicePlan", "plan_device"),
-    ".evaluate": ("EvalResult", "evaluate"),
-    ".models": ("ModelSpec", "build_model", "builtin_specs", "mlp"),
-    ".settings": ("TrainerSettings",),
-})
-
-if TYPE_CHECKING:  # the same names, eagerly, for type checkers (tests/test_structure.py keeps the two alike)
-    from .device import DevicePlan, plan_device
-    from .evaluate import EvalResult, evaluate
-    from .models import ModelSpec, build_model, builtin_specs, mlp
-    from .settings import TrainerSettings
+if TYPE_CHECKING:  # the public names, each from its module: lazy_exports reads them here (common.exports)
+    from .device import DevicePlan as DevicePlan
+    from .device import plan_device as plan_device
+    from .evaluate import EvalResult as EvalResult
+    from .evaluate import evaluate as evaluate
+    from .models import ModelSpec as ModelSpec
+    from .models import build_model as build_model
+    from .models import builtin_specs as builtin_specs
+    from .models import mlp as mlp
+    from .settings import TrainerSettings as TrainerSettings

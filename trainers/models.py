@@ -26,11 +26,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import parse_qsl
 
 import torch
 from torch import nn
 
+from common.options import split_spec
 from services.tables import TableSpec
 from services.tables.spec import validate_tables
 
@@ -88,10 +88,8 @@ def build_model(spec: str, *, seed: int = 0) -> ModelSpec:
     torch.manual_seed(seed)
     if spec in _BUILTIN:
         return ModelSpec(spec, mlp(_BUILTIN[spec]), nn.functional.cross_entropy, True)
-    name, _, query = spec.partition("?")
-    if name == "dlrm":
-        options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
-        model = dlrm_from_options(options)
+    if spec.partition("?")[0] == "dlrm":
+        model = dlrm_from_options(split_spec(spec)[1])
         return ModelSpec(spec, model, binary_logistic_loss, True, binary=True, tables=model.tables)
     if ":" not in spec:
         raise ValueError(f"unknown model spec {spec!r}: use one of {', '.join(builtin_specs())} "

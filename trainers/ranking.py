@@ -48,6 +48,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from common.options import SpecOptions
 from datastream.movielens import MULTI as MOVIELENS_MULTI
 from datastream.movielens import SINGLE as MOVIELENS_SINGLE
 from services.tables import RowOptimizerConfig, TableSpec
@@ -119,34 +120,21 @@ def dlrm_from_options(options: Mapping[str, str]) -> Dlrm:
     Raises:
         ValueError: an unknown option or a bad value, named.
     """
-    known = {"schema", "features", "tags", "dense", "dim", "bottom", "top", "row_optimizer", "row_lr", "admit",
-             "expire_s", "max_rows", "init_scale"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"dlrm: unknown option(s) {unknown}; known: {sorted(known)}")
-
-    def number(key: str, default: str, kind: type, lo: float) -> int | float:
-        text = options.get(key, default)
-        try:
-            value = kind(text)
-        except ValueError:
-            raise ValueError(f"dlrm option {key}: expected a number, got {text!r}") from None
-        if value < lo:
-            raise ValueError(f"dlrm option {key}: must be >= {lo}, got {text!r}")
-        return value
-
-    schema = options.get("schema", "clicks")
+    opts = SpecOptions(options, what="dlrm")
+    schema = opts.text("schema", "clicks")
+    fixed = [key for key in ("features", "tags", "dense") if opts.given(key)] if schema != "clicks" else []
+    features, tags, dense = opts.integer("features", 26), opts.integer("tags", 0), opts.integer("dense", 13)
+    dim = opts.integer("dim", 16, lo=1)
+    row_opt_name, row_lr = opts.text("row_optimizer", "lazyadam"), opts.number("row_lr", 0.01, lo=0)
+    admit, expire = opts.integer("admit", 1, lo=1), opts.number("expire_s", 0.0, lo=0)
+    cap, scale = opts.integer("max_rows", 0), opts.number("init_scale", 0.05, lo=0)
+    bottom, top = _ints(opts.text("bottom", "64"), "bottom"), _ints(opts.text("top", "64-32"), "top")
+    opts.refuse_unread()
     if schema not in SCHEMAS:
         raise ValueError(f"dlrm option schema: one of {', '.join(SCHEMAS)}, got {schema!r}")
-    fixed = sorted({"features", "tags", "dense"} & set(options)) if schema != "clicks" else []
     if fixed:
         raise ValueError(f"dlrm: schema={schema} fixes the features; drop {', '.join(fixed)}")
-    features = int(number("features", "26", int, 0))
-    tags = int(number("tags", "0", int, 0))
-    dim = int(number("dim", "16", int, 1))
-    row_opt = RowOptimizerConfig(options.get("row_optimizer", "lazyadam"), lr=float(number("row_lr", "0.01", float, 0)))
-    admit, expire = int(number("admit", "1", int, 1)), float(number("expire_s", "0", float, 0))
-    cap, scale = int(number("max_rows", "0", int, 0)), float(number("init_scale", "0.05", float, 0))
+    row_opt = RowOptimizerConfig(row_opt_name, lr=row_lr)
 
     def table(name: str, pooling: str = "sum") -> TableSpec:
         return TableSpec(name, dim, pooling=pooling, init_scale=scale, optimizer=row_opt, admit_after=admit,
@@ -159,8 +147,6 @@ def dlrm_from_options(options: Mapping[str, str]) -> Dlrm:
         tables = [table(f"c{i}") for i in range(1, features + 1)]
         if tags:
             tables.append(table("tags", pooling="mean"))
-        dense = int(number("dense", "13", int, 0))
     if not tables:
         raise ValueError("dlrm: needs at least one categorical feature (features >= 1 or tags=1)")
-    return Dlrm(tuple(tables), dense=dense, dim=dim,
-                bottom=_ints(options.get("bottom", "64"), "bottom"), top=_ints(options.get("top", "64-32"), "top"))
+    return Dlrm(tuple(tables), dense=dense, dim=dim, bottom=bottom, top=top)

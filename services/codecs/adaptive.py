@@ -1,19 +1,9 @@
 """Compression that fits the tensor: small tensors dense, large ones sparse, and a density warm-up.
 
-Top-k at 1 % of a 256-value bias keeps 3 values a step, so each coordinate
-moves about once in a hundred steps, and a 1,000-parameter model trains on a
-trickle. Like hivemind's ``SizeAdaptiveCompression``, :class:`SizeAdaptive`
-sends every tensor of fewer than ``dense_below`` values *dense* with the
-chain's value codec (``fp16`` for ``topk+fp16``, ``int8`` for ``topk+int8``,
-``none`` for ``topk``), and the larger ones through the whole chain. Each
-encoded shard names its own codecs (``services.codecs.base``), so receivers
-decode a mixed update with no setting of their own, and the sparse optimizers
-step every coordinate of a dense shard.
-
-:func:`warmup_density` is Deep Gradient Compression's *warm-up training*
-(Lin et al., 2018): the density starts high and decays exponentially to the
-target over the first steps, so the early, fast-changing gradients are not
-sparsified as hard as the later ones.
+:class:`SizeAdaptive` sends every tensor of fewer than ``dense_below`` values dense with the chain's
+value codec and the larger ones through the whole chain (as hivemind's ``SizeAdaptiveCompression``);
+:func:`warmup_density` is Deep Gradient Compression's density warm-up. See docs/parameter-plane.md,
+*Codecs* (*Compression that fits the tensor*, *Density warm-up*).
 """
 
 from __future__ import annotations

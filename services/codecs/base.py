@@ -1,19 +1,9 @@
 """The abstract gradient codec and its frozen description.
 
-A codec turns a 1-D float32 tensor into a msgpack-ready dict (``encode``) and
-back (``decode``). Every dict carries its codec's name under ``"c"`` and the
-number of values under ``"n"``, so a receiver decodes a gradient by the names
-recorded in it and never needs to be told the codec. A *sparsifier* (``topk``)
-keeps a subset of the values and hands them to an inner value codec, which is
-how ``topk+fp16`` is two registered codecs composed.
-
-``encode_sent`` encodes and also returns what a receiver will decode, in a
-cheap form (:class:`Sent`: the kept indices and their decoded values), so the
-trainer's error feedback needs no decode of its own bytes.
-
-A chain's input is checked by :func:`check_input` before any codec sees it
-(float32, no NaN or infinity), so codecs may assume finite values; the receiver
-checks the decoded values again (``services.codecs.registry``).
+A :class:`Codec` turns a 1-D float32 tensor into a msgpack-ready dict naming its codec (``"c"``) and
+value count (``"n"``), so receivers decode by the names inside; ``encode_sent`` also returns what a
+receiver will decode (:class:`Sent`), for the trainer's error feedback. Input is checked first by
+:func:`check_input` (float32, finite). See docs/parameter-plane.md, *Codecs*.
 """
 
 from __future__ import annotations
@@ -27,6 +17,7 @@ import numpy.typing as npt
 import torch
 
 from ..errors import BadGradientError, PayloadError
+from ..names import SPARSIFIERS
 
 __all__ = ["Codec", "CodecInfo", "Sent", "check_input", "field_bytes", "expect_len"]
 
@@ -39,10 +30,14 @@ class CodecInfo:
     """Registry name, one part of a chain like ``topk+fp16``."""
     lossy: bool
     """True when decode(encode(x)) may differ from x."""
-    sparsifier: bool
-    """True when it keeps a subset of values and wraps an inner value codec."""
     description: str
     """One line for ``--help`` and the docs."""
+
+    @property
+    def sparsifier(self) -> bool:
+        """True when it keeps a subset of values and wraps an inner value codec (its name is one of
+        :data:`services.names.SPARSIFIERS`, which the coordinator reads without importing codecs)."""
+        return self.name in SPARSIFIERS
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,9 @@
 """Decoding the top-k gradients of one update at once, in a few array operations for all its shards.
 
-A parameter server decodes every shard's gradient of every update it applies.
-Decoded one by one (:func:`~services.codecs.registry.decode_sent`), a
-``topk+fp16`` gradient of a 1.86M-parameter model in 256K-value shards costs
-a dozen numpy calls per shard whatever its size, which was about 40% of an
-apply (bench/paramserver.py). :func:`decode_sents` joins the shards' index
-bytes and value bytes and decodes each once: the same arrays bit for bit, the
-same checks. It handles the chains ``topk+none``, ``topk+fp16`` and
-``topk+bf16``; for anything else, or any gradient that a check refuses, it
-answers None and the caller decodes one by one, which raises the precise
-error naming the shard.
+:func:`decode_sents` joins the shards' index and value bytes and decodes each once: the same arrays bit
+for bit and the same checks as one by one (``topk+none``, ``topk+fp16``, ``topk+bf16``; otherwise it
+answers None, and the caller decodes one by one, which names the shard at fault).
+See docs/parameter-plane.md, *Apply: exactly once, with deltas, in two halves*.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def _count(msg: dict[str, Any], codec: str) -> int:
 class NoneCodec(Codec):
     """Raw little-endian float32: the baseline every other codec is measured against."""
 
-    info = CodecInfo("none", lossy=False, sparsifier=False, description="float32, uncompressed")
+    info = CodecInfo("none", lossy=False, description="float32, uncompressed")
 
     def encode(self, values: torch.Tensor, inner: Codec | None) -> dict[str, Any]:
         return {"c": "none", "n": values.numel(), "d": values.numpy().tobytes()}
@@ -67,7 +67,7 @@ class _HalfCodec(Codec):
 class Float16Codec(_HalfCodec):
     """IEEE half precision: 2 bytes per value; values beyond +-65504 become inf and are refused."""
 
-    info = CodecInfo("fp16", lossy=True, sparsifier=False, description="float16, 2 bytes per value")
+    info = CodecInfo("fp16", lossy=True, description="float16, 2 bytes per value")
     dtype = wire_torch = torch.float16
     wire_numpy = np.float16
 
@@ -75,7 +75,7 @@ class Float16Codec(_HalfCodec):
 class BFloat16Codec(_HalfCodec):
     """bfloat16: 2 bytes per value with float32's range, 8 bits of mantissa."""
 
-    info = CodecInfo("bf16", lossy=True, sparsifier=False, description="bfloat16, 2 bytes per value")
+    info = CodecInfo("bf16", lossy=True, description="bfloat16, 2 bytes per value")
     dtype = torch.bfloat16
     wire_torch = torch.int16
     wire_numpy = np.int16

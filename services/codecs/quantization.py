@@ -28,7 +28,7 @@ def _dequantize(q: np.ndarray, scales: np.ndarray, n: int, block: int) -> np.nda
 class Int8Codec(Codec):
     """Each block of ``block`` values is scaled by its max |value| / 127 and rounded to int8."""
 
-    info = CodecInfo("int8", lossy=True, sparsifier=False,
+    info = CodecInfo("int8", lossy=True,
                      description="int8 with a float32 scale per block (default 256 values)")
     options = ("block",)
 

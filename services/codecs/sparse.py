@@ -1,14 +1,9 @@
 """``topk``: keep about the largest ``density`` fraction of values, indices delta+varint encoded.
 
-Exact ``torch.topk`` at 1% of 1.86M values costs ~11 ms, more than a whole
-training step, so the threshold is estimated DGC-style on a random sample of
-the magnitudes (about 10x cheaper) and values at or above it are kept. The
-result is **approximate-k**: the threshold aims at 2k candidates, which an
-exact top-k over those few trims to ``k = ceil(density * n)`` (then it is the
-exact top-k); when the estimate undershoots, fewer than k are kept, never more.
-The kept values go to an inner value codec (``none`` unless chained, e.g.
-``topk+fp16``). Error feedback (the residual of what was
-not sent) is kept by the trainer-side encoder, see ``services.push.encoder``.
+The threshold is estimated DGC-style on a random sample of the magnitudes and trimmed by an exact top-k
+of the candidates: *approximate-k*, never more than ``k = ceil(density * n)``. The kept values go to an
+inner value codec (``topk+fp16``); the error feedback is the trainer's (``services.push.encoder``).
+See docs/parameter-plane.md, *Codecs*.
 """
 
 from __future__ import annotations
@@ -79,7 +74,7 @@ def varint_decode(data: bytes, codec: str = "topk") -> np.ndarray:
 class TopKCodec(Codec):
     """Sparsify to ~``density`` of the values (approximate-k, see module doc)."""
 
-    info = CodecInfo("topk", lossy=True, sparsifier=True,
+    info = CodecInfo("topk", lossy=True,
                      description="top-k by magnitude (sampled threshold), delta+varint indices")
     options = ("density", "sample")
 
