@@ -1,23 +1,9 @@
 """One way to reach Redis from a URL: a single server or a Redis Cluster.
 
-Every service builds its Redis client here (:func:`connect`, or
-:func:`connect_async` for redis.asyncio), so a URL is all it needs to know:
-
-* ``redis://[[user]:password@]host:port[/db]`` (and ``rediss://``, ``unix://``):
-  one server, as redis-py's ``from_url`` reads it.
-* ``redis+cluster://[[user]:password@]host:port[,host:port...][/0]``: a Redis
-  Cluster, reached through any of the nodes named (the client discovers the
-  rest and routes each command to the node that owns its keys' slot). The
-  password is percent-encoded like in a ``redis://`` URL; a cluster has only
-  database 0, so the path is empty, ``/`` or ``/0``.
-
-Why the whole system runs on a cluster unchanged: every key of a job carries
-the hash tag ``{job}`` (:mod:`common.keys`), so all of a job's keys share one
-slot and every MULTI/EXEC, multi-key command and Lua script touches one node.
-redis-py refuses some multi-key commands in cluster pipelines whatever their
-slots (MGET, EVALSHA, DEL of several keys); the cluster clients made here
-allow them, since a command whose keys span slots is still refused (by redis-py,
-or by Redis with CROSSSLOT), never split or half-applied.
+Every service builds its Redis client here (:func:`connect`, :func:`connect_async` for redis.asyncio):
+``redis://`` (``rediss://``, ``unix://``) for one server, ``redis+cluster://host:port[,host:port...]``
+for a cluster, whose clients allow the multi-key commands of one slot that redis-py refuses in cluster
+pipelines. See docs/parameter-plane.md, *Client paths and hiredis* (*One URL, a server or a cluster*).
 """
 
 from __future__ import annotations

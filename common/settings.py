@@ -1,22 +1,9 @@
 """Typed settings: one frozen dataclass per service, filled from CLI flags and environment.
 
-Each field is declared with :func:`setting`, which records its environment
-variable, bounds and a one-line help. :func:`add_arguments` turns the fields
-into ``--flag-name`` options and :func:`from_args` builds the dataclass with the
-precedence *flag > environment > default*, validating every value with a
-``ValueError`` that names the field and the bad value. :func:`to_flags` is their
-inverse: the command line that gives a service exactly these settings (what
-``streamtrain.cluster`` runs its child processes with).
-
-A field declared ``hidden=True`` (a switch only the tests use, e.g. the ps's
-fault injection) keeps its flag and its variable but is left out of ``--help``.
-
-Example::
-
-    @dataclass(frozen=True)
-    class RedisSettings:
-        url: str = setting("redis://127.0.0.1:6379/0", env="STREAMTRAIN_REDIS_URL",
-                           help="Redis holding the parameters")
+Fields are declared with :func:`setting` (environment variable, bounds, help); :func:`add_arguments`
+makes them ``--flag-name`` options and :func:`from_args` fills the dataclass with the precedence
+*flag > environment > default*, refusing a bad value with a ``ValueError`` that names it. :func:`to_flags`
+is the inverse, the command line ``streamtrain.cluster`` runs a child with. See README.md, *How the parts fit*.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The coordinator's aiohttp application: its routes and its lifecycle.
 
-:func:`create_app` builds the application from the handlers
-(:mod:`coordinator.routes`, :mod:`coordinator.channel`,
-:mod:`coordinator.model_route`); its ``cleanup_ctx`` connects Redis, writes the
-job configuration if absent, renews every stored lease (a restarted
-coordinator does not kill trainers that could not reach it), starts the lease
-checker, the Kafka probe and the history sampler (:mod:`coordinator.sampler`),
-and closes all of them on shutdown. What the handlers share, and the lease
-checker itself, are in :mod:`coordinator.runtime`.
+:func:`create_app` builds the application from the handlers; its ``cleanup_ctx`` connects Redis, writes
+the job configuration if absent, renews every stored lease (a restarted coordinator does not kill
+trainers that could not reach it), starts the lease checker, the Kafka probe and the history sampler,
+and closes them all on shutdown. Shared state and the lease checker: :mod:`coordinator.runtime`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Partition assignment as a pure function: balanced by weight, sticky, deterministic.
 
-:func:`assign` maps Kafka partitions to members. Each member's *quota* is its
-weighted share of the partitions, rounded by the largest-remainder method, so
-quotas sum to the number of partitions and differ from the exact share by less
-than one. A member keeps every partition it owned before up to its quota; only
-partitions beyond a quota (the *excess*) and partitions of departed members
-move, and they go to the members furthest below their quota. A newcomer
-therefore receives partitions taken only from other members' excess, and the
-others keep consuming the rest without interruption.
-
-:func:`capability_weight` turns a member's declared capabilities into its
-weight::
-
-    weight = device_factor * sqrt(clamp(threads, 1, 256))
-    device_factor = 8.0 for "cuda", 1.0 for "cpu"
-
-so one GPU trainer counts as much as eight single-threaded CPU trainers, and a
-CPU trainer with 16 threads counts four times one with a single thread (sqrt,
-because data-parallel CPU kernels scale sub-linearly with threads).
+:func:`assign` gives each member its :func:`quotas` (weighted shares, rounded by largest remainder),
+keeps what a member owned up to its quota and moves only the excess and departed members' partitions;
+:func:`capability_weight` weighs a member by its device and threads.
+See docs/architecture.md, *The control plane: membership and assignment*.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Presence channels: a WebSocket per trainer, so the coordinator learns of a death at once.
 
-A trainer opens ``GET /v1/members/{member_id}/channel`` (job token) after it
-registers and keeps it open. When its process dies the kernel closes the
-socket, the channel ends, and the member is removed at once (a
-:class:`~coordinator.membership.Disconnected` event: its partitions move and its
-generation is fenced), instead of a lease later. The lease stays for what a
-closed socket never shows: a frozen process or a lost network.
-
-The coordinator also writes on every channel, ``{"generation": g}``, whenever
-the membership moves to a new generation, so the other trainers fetch their
-new assignment (a heartbeat) without waiting for their next period.
-
-A request that is not a WebSocket handshake (``Upgrade: websocket``,
-``Connection: Upgrade``, ``Sec-WebSocket-Version`` and ``Sec-WebSocket-Key``)
-is refused with 400 ``not_a_websocket`` before the member is looked up.
+A closed channel removes its member at once (:class:`~coordinator.membership.Disconnected`); the lease
+stays for a frozen process or a lost network. Every new generation is announced on every channel, and
+a request that is not a WebSocket handshake is refused with 400 ``not_a_websocket``.
+See docs/architecture.md, *The control plane: membership and assignment*.
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ __all__ = ["channel", "close_channels"]
 
 
 async def channel(request: web.Request) -> web.StreamResponse:
-    """The presence channel of one live member (see the module docstring)."""
+    """The presence channel of one live member (docs/architecture.md, *The control plane*)."""
     rt: Runtime = request.app[RUNTIME]
     authenticate(request, rt.settings.job_token, "job")
     # no pings: a closed socket is the signal; a busy trainer slow to pong must not read as dead

@@ -1,18 +1,8 @@
-"""The async client trainers use to talk to the coordinator.
+"""The async client trainers use to talk to the coordinator (:class:`CoordinatorClient`).
 
-Example::
-
-    async with CoordinatorClient("http://coord:8700", job_token) as client:
-        reg = await client.register({"device": "cuda", "threads": 8, "memory_mb": 16000})
-        while training:
-            a = await client.heartbeat({"records_per_s": 1200.0, "loss": 0.4, "clock": 17})
-            # consume a.partitions; push with a.generation; stop when a.state != "active"
-            await asyncio.sleep(reg.heartbeat_interval_ms / 1000)
-        await client.leave()          # after committing the last batch
-
-A :class:`~coordinator.errors.MemberGoneError` (410) or
-:class:`~coordinator.errors.UnknownMemberError` (404) from :meth:`heartbeat`
-means the lease is lost: the trainer drops its partitions and registers anew.
+A :class:`~coordinator.errors.MemberGoneError` (410) or :class:`~coordinator.errors.UnknownMemberError`
+(404) from :meth:`~CoordinatorClient.heartbeat` means the lease is lost: drop the partitions and
+register anew. An example: docs/architecture.md, *The control plane: membership and assignment*.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Progressive validation over the job: the trainers' windows, as series the dashboard and benchmarks read.
 
-A binary model's trainer scores each window of records on the logits of its
-training forward pass, before training on them (``trainers/progressive.py``),
-and sends the windows it closed with its heartbeat. Pure, like
-:mod:`coordinator.history`: :meth:`ProgressiveHistory.observe` takes a
-heartbeat's windows, and at each of the sampler's ticks :meth:`ProgressiveHistory.pool`
-turns what arrived since the previous tick into one point per trainer and one
-for the job, stamped with the tick's time (the samples' time axis, so ``since_ms``
-reads never miss or repeat a point).
-
-What a point pools: the windows of the tick, weighted by their records (AUC over
-the windows that have one; a window of one class has none); a point of the job
-pools every trainer's windows of the tick, so its AUC is the records-weighted
-mean of the trainers' window AUCs, not the AUC of the pooled records (the
-coordinator never sees the logits). Its ``records`` is what the x axis of
-online-learning plots shows: for a trainer, the records it had scored; for the
-job, every trainer's scored records summed since the coordinator started
-(records re-read after a refused push are scored again, and counted again).
+Pure, like :mod:`coordinator.history`: :meth:`ProgressiveHistory.observe` takes the windows a heartbeat
+brought, and at each sampler tick :meth:`ProgressiveHistory.pool` turns them into one point per trainer
+and one for the job (its AUC the records-weighted mean of the windows' AUCs: the coordinator never sees
+the logits). See docs/online.md, *Progressive validation: does it learn online?*
 """
 
 from __future__ import annotations

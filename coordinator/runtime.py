@@ -1,15 +1,9 @@
 """The coordinator's runtime: what its handlers share, the membership write path and the lease checker.
 
-:class:`Runtime` holds the settings, Redis store, Kafka probe and metrics of a
-running coordinator; the typed app keys (:data:`SETTINGS`, :data:`RUNTIME`,
-:data:`SAMPLER`, :data:`LEASE_CHECKER`) find them on the aiohttp application.
-:func:`apply_event` is the one way a membership event is written (logged, then
-counted, then announced on the presence channels), and :func:`lease_checker`
-is the background loop that expires leases.
-
-The handlers (:mod:`coordinator.routes`, :mod:`coordinator.channel`,
-:mod:`coordinator.model_route`) import this module; :mod:`coordinator.app`
-builds the application from all of them, so nothing here imports a handler.
+:class:`Runtime` holds a running coordinator's settings, Redis store, Kafka probe and metrics, found on
+the aiohttp application by its typed keys; :func:`apply_event` is the one way a membership event is
+written (logged, counted, announced on the presence channels) and :func:`lease_checker` expires leases.
+The handlers import this module and nothing here imports a handler (:mod:`coordinator.app` joins them).
 """
 
 from __future__ import annotations

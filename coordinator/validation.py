@@ -1,13 +1,8 @@
 """Strict validation of request bodies: unknown fields, wrong types and bad values are refused.
 
-A schema maps each allowed field to a :class:`Field`; :func:`validate` returns
-the checked dict or raises :class:`InvalidBody` naming the first problem with
-its JSON path (``capabilities.threads``).
-
-Types are JSON Schema's, as ``coordinator/openapi.yaml`` declares them: an
-integer is any number with no fractional part, so ``229.0`` (what a client that
-keeps every number a float sends) is the integer 229 and is returned as an
-``int``; ``229.5`` is refused.
+A schema maps each allowed field to a :class:`Field`; :func:`validate` returns the checked dict (an
+integral number such as ``229.0`` as an ``int``) or raises :class:`InvalidBody` naming the first problem
+by its JSON path. See docs/architecture.md, *The control plane: membership and assignment*.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """The data plane: record formats, sources, the shard producer and the trainers' consumer.
 
-Sources (:func:`load_source`) become shards (:func:`encode_shard`) produced to
-a Kafka topic (:func:`produce`); :class:`ShardConsumer` hands trainers
-:class:`Batch` objects with exact offset ranges, and sends what it cannot
-decode (:class:`DecodeError`) to ``<topic>.dlq``. Formats: ``docs/records.md``.
-
-A trainer's loop::
-
-    with ShardConsumer(bootstrap, topic, max_records_per_batch=256, group_id=job) as consumer:
-        consumer.assign({0: committed_offset_or_None, 3: None})   # from the coordinator
-        while True:
-            batch = consumer.poll(1.0)          # Batch | None; decoded in the background
-            if batch is None:
-                continue
-            ...                                  # train on batch.x / batch.y / batch.ids (may be 0 rows)
-            ...                                  # push with batch.offsets, batch.samples
-            consumer.commit(batch.next_offsets)  # optional: lag in kafka-consumer-groups
-
-On reassignment call ``assign`` again with the new ``partition -> start offset``.
+Sources (:func:`load_source`) become shards (:func:`encode_shard`) produced to a Kafka topic
+(:func:`produce`); :class:`ShardConsumer` hands trainers :class:`Batch` objects with exact offset
+ranges and sends what it cannot decode (:class:`DecodeError`) to ``<topic>.dlq``. See docs/records.md
+(a trainer's loop: *Consuming: batches with exact offset ranges*).
 """
 
 from .clicks import ClickStream

@@ -1,33 +1,9 @@
 """A synthetic click stream shaped like Criteo, with a hidden logistic truth that drifts.
 
-Record *i* of :class:`ClickStream` (the source ``clicks``) holds
-
-* ``dense`` dense features, float32 N(0, 1);
-* ``features`` single-valued categorical features ``c1``, ``c2``, ... and, with
-  ``multi=K``, one multi-hot feature ``tags`` of 0..K IDs (length uniform).
-  The ``vocab`` IDs are split evenly over these features. A feature of ``V``
-  IDs draws a rank ``k`` in ``1..V`` with ``P(k) ∝ k^-zipf`` (bounded Zipf,
-  drawn exactly by rejection-inversion, Hörmann & Derflinger 1996) and maps it
-  to the ID ``mix64((feature + 1) << 40 | (k - 1))`` as a signed int64 — a
-  fixed bijection, so popular IDs are not small numbers and two features
-  never share an ID;
-* a label ``y ~ Bernoulli(sigmoid(logit_i))`` (int64 0/1) of the hidden truth
-  (:meth:`ClickStream.logit`)::
-
-      logit_i = BIAS + σ · Σ_f w_f(id, φ_i) + x_i · v(φ_i),    φ_i = drift · i / 10^6
-      w_f(id, φ) = a cos φ + b sin φ,    v(φ) = v_a cos φ + v_b sin φ
-
-  where ``a`` and ``b`` (uniform, mean 0, variance 1) are the two 32-bit halves
-  of ``mix64(id XOR salt_f)``, ``salt_f`` is :func:`~datastream.records.hash_id`
-  of ``"<seed>/<feature>"``, so no per-ID table is held; ``tags`` adds the mean
-  of its IDs' weights; ``v_a``, ``v_b`` are N(0, 1/dense) vectors drawn from
-  the seed, and σ makes the categorical part's standard deviation
-  :data:`CATEGORICAL_STD`. The truth turns by ``drift`` radians every million
-  records, keeping its spread: slowly, so an online learner can follow it.
-
-Everything is vectorised numpy over blocks of :data:`BLOCK` records; block *b*
-draws from ``numpy.random.default_rng((seed, b))``, so a record depends only on
-the seed and its index.
+:class:`ClickStream` (the source ``clicks``) draws Zipf-distributed categorical IDs and N(0, 1) dense
+features, and labels each record from a logistic truth (:meth:`ClickStream.logit`) that turns slowly
+with the record index, so an online learner can follow it. Vectorised numpy over blocks of
+:data:`BLOCK` records, each seeded by ``(seed, block)``. See docs/records.md, *The clicks source*.
 """
 
 from __future__ import annotations
@@ -119,7 +95,7 @@ def zipf_ranks(rng: np.random.Generator, n: np.ndarray | int, exponent: float, s
 
 @dataclass(frozen=True)
 class ClickStream:
-    """The generator behind the ``clicks`` source; see the module docstring for the model."""
+    """The generator behind the ``clicks`` source; its model: docs/records.md, *The clicks source*."""
 
     features: int = 26
     """Single-valued categorical features ``c1 .. c<features>``."""

@@ -1,21 +1,9 @@
 """The trainers' consumer: explicit assignment, background prefetch, exact offset ranges.
 
-:class:`ShardConsumer` owns a kafka-python consumer in a background thread.
-The thread polls the assigned partitions, decodes every message
-(:func:`~datastream.records.decode_record`), sends the ones that fail to the
-dead-letter topic, and assembles :class:`Batch` objects of up to
-``max_records_per_batch`` records from one or more partitions, ready in a
-bounded queue (``prefetch``) while the trainer computes.
-
-Every message consumed is covered by exactly one batch's ``offsets``, rejected
-ones included, and consecutive batches of a partition chain exactly
-(``next`` of one is ``first`` of the following). A batch holds whole Kafka
-messages: a shard larger than the batch size makes a batch of its own.
-
-There is no group protocol: the coordinator decides assignment and the trainer
-calls :meth:`ShardConsumer.assign` with ``partition -> start offset``. With a
-``group_id``, :meth:`ShardConsumer.commit` also records progress in Kafka so
-``kafka-consumer-groups --describe`` shows the lag.
+:class:`ShardConsumer` decodes in a background thread and hands out :class:`Batch` objects whose
+``offsets`` cover every message consumed exactly once, rejected ones included (they go to the
+dead-letter topic); the coordinator, not a Kafka group, decides the assignment.
+See docs/records.md, *Consuming: batches with exact offset ranges*.
 """
 
 from __future__ import annotations

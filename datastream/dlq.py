@@ -1,18 +1,9 @@
 """The dead-letter topic: rejected Kafka messages with the reason they were rejected.
 
-Every rejected message is written to ``<topic>.dlq`` with its original value,
-its original headers, and these headers added (all UTF-8 strings):
-
-``dlq.reason``     one of :data:`datastream.records.REASONS`
-``dlq.error``      the human-readable message
-``dlq.topic``      source topic
-``dlq.partition``  source partition
-``dlq.offset``     source offset
-``dlq.producer``, ``dlq.seq``, ``dlq.count``  what a shard claimed, when readable
-
-The key is ``<topic>/<partition>/<offset>``. After a crash a consumer replays
-from the committed offset and may write the same entry again; an entry is
-identified by its source topic/partition/offset, and accounting dedupes on that.
+:class:`DeadLetterWriter` writes each rejected message to ``<topic>.dlq`` with its value and headers
+plus ``dlq.*`` headers (reason, error, source topic, partition and offset, what a shard claimed), keyed
+``<topic>/<partition>/<offset>``, the identity the accounting dedupes on; :func:`parse_dlq_headers`
+reads them back. See docs/records.md, *Dead-letter topic*.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Ragged columns of categorical IDs, one per feature, with no per-record objects.
 
-A :class:`Jagged` holds the IDs of one categorical feature for ``n`` records
-as one flat ``values`` array and ``n + 1`` ``offsets`` (record *r*'s IDs are
-``values[offsets[r]:offsets[r + 1]]``), in the spirit of TorchRec's
-``KeyedJaggedTensor``: a single-valued feature has every length 1, a
-multi-hot one any length, zero included. Every operation here is vectorised
-numpy; none loops over records.
-
-The IDs of several features travel as ``dict[str, Jagged]`` (feature name ->
-column), every column of one dict with the same ``n``;
-:func:`concat_features` joins such dicts row-wise, giving a record that lacks
-a feature zero IDs for it.
+A :class:`Jagged` holds one feature's IDs for ``n`` records as a flat ``values`` array and ``n + 1``
+``offsets``, like TorchRec's ``KeyedJaggedTensor``; several features travel as ``dict[str, Jagged]``,
+joined row-wise by :func:`concat_features`. Every operation is vectorised numpy.
+See docs/records.md, *IDs in a shard* and *IDs in a batch*.
 """
 
 from __future__ import annotations

@@ -1,40 +1,9 @@
 """MovieLens-100K replayed in time order as click records (the source ``movielens``).
 
-The data set (GroupLens; 100,000 ratings of 1,682 movies by 943 users, 1997-98) ships inside
-the ``recbole`` wheel as tab-separated files with ``name:type`` headers
-(``recbole/dataset_example/ml-100k/ml-100k.{inter,user,item}``). It is read through
-:func:`importlib.resources.files` — recbole's ``__init__`` imports nothing, and none of its
-modules is imported here — so nothing is downloaded and nothing of the data is copied into this
-repository (the MovieLens terms forbid redistribution). Install it with
-``pip install --no-deps recbole==1.2.1`` (``scripts/setup.sh`` does).
-
-**Records.** Every rating is one record, in timestamp order (a stable sort: equal timestamps keep
-the files' order), labelled 1 when the rating is :data:`LIKED` (4) or more, else 0 (about 55 % are
-1). The record has no dense features (``x`` is ``[n, 0]``) and one ID per single-valued feature
-of :data:`SINGLE`:
-
-==============  ===========================================================================
-``user``        the user's id
-``item``        the movie's id
-``age``         the user's age bucket: under 18, 18-24, 25-34, 35-44, 45-49, 50-55, 56+
-                (MovieLens-1M's buckets, :data:`AGE_BUCKETS`)
-``gender``      ``M`` or ``F``
-``occupation``  one of 21 occupations
-``zip``         the first :data:`ZIP_PREFIX` characters of the zip code (a US region)
-``year``        the release year in 5-year buckets (``1995`` holds 1995-99); ``unknown`` for
-                the one movie without a year
-==============  ===========================================================================
-
-and the multi-hot :data:`MULTI` feature ``genres``: the movie's 1 to 6 genres of 19.
-
-**IDs** are :func:`~datastream.records.hash_id` of ``"<feature>/<value>"`` (e.g.
-``hash_id("item/242")``): the same string IDs a JSON record would carry, so the same movie is the
-same row whichever way it arrives, and two features never share an ID (a collision of the 64-bit
-BLAKE2b digests of the 2,800-odd distinct strings has odds near 2^-43; the tests check there is none).
-
-**Held out**: the last :data:`HELD_OUT` (10 %) of the events by time, never trained on
-(:func:`time_split_mask`) — the test split of the source is records ``n - n // 10 ..`` of the
-replay, where ``n`` is every rating, or the first ``limit`` of them.
+Read from the files inside the ``recbole`` wheel (nothing is downloaded or copied here): one record per
+rating in timestamp order, labelled 1 from :data:`LIKED` up, with the ID features :data:`SINGLE` and
+:data:`MULTI` as ``hash_id("<feature>/<value>")``; the last :data:`HELD_OUT` of the events by time are
+held out (:func:`time_split_mask`). See docs/recommendation.md, *The data*, *Records* and *The split*.
 """
 
 from __future__ import annotations

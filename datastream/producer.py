@@ -1,16 +1,8 @@
 """Produce a source to a training topic as shards, counting only acknowledged records.
 
-:func:`produce` packs the source's records into shards of ``shard_size``
-records (see :mod:`datastream.records`; version 2 when the records carry
-categorical IDs, version 1 otherwise), spreads them round-robin over the
-topic's partitions and sends them with an idempotent ``acks=all`` producer. The
-counts in its :class:`ProduceReport` come from the send callbacks, so they are
-exact: a record is counted when, and only when, the broker acknowledged it.
-
-Backpressure: at most ``max_in_flight_shards`` shards are unacknowledged at any
-time; the loop waits for acknowledgements before packing more. On stop
-(``stop`` event, or Ctrl-C when running in the main thread) it stops packing,
-flushes what it already sent and reports.
+:func:`produce` sends shards round-robin over the partitions with an idempotent ``acks=all`` producer,
+at most ``max_in_flight_shards`` unacknowledged, and counts a record in its :class:`ProduceReport` only
+once the broker acknowledged it. See docs/records.md, *Producing: only acknowledged records count*.
 """
 
 from __future__ import annotations

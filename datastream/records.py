@@ -1,24 +1,9 @@
 """Record formats of the training topic, as pure encode/decode functions.
 
-Three formats share one topic (see ``docs/records.md``):
-
-* **shard**: a msgpack map holding a mini-batch — features ``x`` and labels
-  ``y`` as ``{"dtype", "shape", "data"}`` with the raw little-endian bytes, the
-  producer's id, the sequence number of its first record, the record count and
-  the produce timestamp. Version 1 is dense only; version 2 adds ``ids``, the
-  categorical features as ragged columns laid out like TorchRec's
-  ``KeyedJaggedTensor`` (``keys``, all IDs in one int64 ``values``,
-  ``lengths [features, n]``).
-  Written by our producer, as version 1 whenever there are no IDs.
-* **JSON record**: ``{"x": [numbers], "y": number, "ids": {name: id | [ids]}}``
-  as UTF-8 JSON (``x`` or ``ids`` may be left out, not both), so any Kafka
-  client (kcat, a Java or Go service) can feed training data. String IDs are
-  hashed to 64-bit IDs by :func:`hash_id`.
-* **msgpack record**: the same map, msgpack-encoded.
-
-:func:`decode_record` turns any of them into :class:`Records` (numpy views on
-the message bytes where the bytes allow, no per-record Python work for shards)
-or raises :class:`DecodeError` whose ``reason`` is one of :data:`REASONS`.
+Shards (msgpack mini-batches: version 1 dense, version 2 with ``ids``), JSON records and msgpack
+records share one topic. :func:`decode_record` turns any of them into :class:`Records` (views on the
+message bytes where the bytes allow) or raises :class:`DecodeError` with one of :data:`REASONS`;
+:func:`hash_id` makes string IDs 64-bit. See docs/records.md.
 """
 
 from __future__ import annotations

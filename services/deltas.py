@@ -1,15 +1,9 @@
 """Versioned deltas: the coordinates one group version changed in one shard, and their new values.
 
-A parameter server publishes one delta per shard it changed in an apply
-(``GroupKeys.deltas(i)`` in the slot of the shard's group, entry id
-``<group version>-0``: the version the apply gave the shard's group); trainers
-rebuild a shard at group version V from its full bytes at its base version
-plus the deltas after the base, or move their replica from group version S to
-V with the deltas in (S, V]. A delta carries *new values*, not increments, so applying one twice,
-or applying a delta the replica already holds, changes nothing.
-
-Wire form: msgpack ``{"i": indices, "v": values}``; indices sorted, delta +
-LEB128-varint encoded (as the top-k codec's), values float32 little-endian.
+One delta per shard an apply changed (``GroupKeys.deltas(i)``, entry ``<group version>-0``), msgpack
+``{"i": indices, "v": values}`` with the indices delta + LEB128-varint encoded; a delta carries new
+values, not increments, so applying one twice changes nothing. See docs/parameter-plane.md, *Redis data
+model* and *Pulls and snapshots: one version per group (invariant 3)*.
 """
 
 from __future__ import annotations

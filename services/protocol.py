@@ -1,28 +1,10 @@
 """The parameter plane's wire contract: who owns which shard, and what its records look like in Redis.
 
-Pure (no Redis, no torch): every rule and record that the trainer, the servers,
-the checkpoint and the audit share is written here once.
-
-- **Ownership.** Shard ``i`` of a model split into ``G`` groups belongs to
-  group :func:`group_of` ``(i, G)``; :func:`own_shards` lists a group's shards.
-- **Stream ids.** :class:`StreamId` parses and orders Redis stream ids (the
-  update log's entry ids are the groups' cursors); :func:`after` is the XRANGE
-  start just after one.
-- **The log entry.** :class:`Update` is one trainer step; its
-  :meth:`~Update.to_fields` is the ``update_log`` entry the push appends (a
-  msgpack header under ``h``: the gradient bytes live in blobs), and
-  :meth:`~Update.from_fields` reads one back.
-- **The accounting record.** :class:`AccountingRecord` is one
-  ``applied_samples`` entry (what the audit and the checkpoint read), with its
-  :class:`Status`; :class:`AccountPlan` is the plan of the job's half of an
-  apply (``lua/account.lua``), kept in the group's ``unaccounted`` key until
-  it is recorded.
-
-Elsewhere: Redis key names in :mod:`common.keys`; the fence token (the value of
-``JobKeys.assignment``) in :mod:`common.fence`; the KEYS and ARGV of each Lua
-script in :mod:`services.scripts`. The wire forms are those of
-``streamtrain-checkpoint-3`` and ``-4`` files and of running jobs: change them only
-with a new checkpoint format.
+Pure (no Redis, no torch), written once for the trainer, the servers, the checkpoint and the audit:
+shard ownership (:func:`group_of`, :func:`own_shards`), stream ids (:class:`StreamId`, :func:`after`),
+the ``log`` entry (:class:`Update`), the ``applied_samples`` entry (:class:`AccountingRecord`) and the
+plan kept in ``unaccounted`` (:class:`AccountPlan`). Running jobs and checkpoint files hold these forms:
+change them only with a new checkpoint format. See docs/parameter-plane.md, *The wire contract, in one place*.
 """
 
 from __future__ import annotations

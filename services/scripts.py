@@ -1,20 +1,11 @@
 """The Lua scripts of the parameter plane: one class per script that renders its KEYS and ARGV by
 name, and their registration on a client.
 
-Each script in ``services/lua`` declares, in its header, every position it reads, one a line
-(``-- KEYS[1] cursor``, ``-- KEYS[9..] renames`` for a variable-length tail), and names them
-once in locals (``local K_CURSOR = 1``, ``local A_PLAN = 1``; ``S_``/``U_`` for the fields of the
-plan entries it reads by position). Its :class:`ScriptCall` lists the same names (``KEYS``,
-``ARGV``, ``KEYS_TAIL``, ``ARGV_TAIL``, ``ENTRIES``) and renders the arguments from them, so a
-call never counts positions: :class:`PushCall` (``push.lua``), :class:`ApplyCall` (``apply.lua``),
-:class:`AccountCall` (``account.lua``), :class:`RowsReadCall`, :class:`RowsSweepCall`,
-:class:`TableCutCall`, :class:`RowsScanCall` and :class:`FeedReadCall`. ``tests/test_protocol.py``
-reads each header and its locals and fails when they and the class disagree on any position.
-
-On a Redis Cluster client (``common.redis_client``) SCRIPT LOAD goes to every master and an
-EVALSHA to the master of its keys' slot (a job's keys share one), so a script is loaded up front
-on whichever node runs it, and a node that lost it (restarted, failed over) answers NOSCRIPT,
-which reloads it everywhere and retries.
+Each script's header names every position it reads, and its :class:`ScriptCall` (:class:`PushCall`,
+:class:`ApplyCall`, :class:`AccountCall`, ...) renders the arguments from the same names, so a call
+never counts positions (``tests/test_protocol.py`` checks they agree). :func:`script` and
+:func:`execute_with_script` load a script and reload it on NOSCRIPT.
+See docs/parameter-plane.md, *The wire contract, in one place*.
 """
 
 from __future__ import annotations

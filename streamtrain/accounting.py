@@ -1,19 +1,10 @@
 """Record-by-record audit of exactly-once sample accounting (invariant 1).
 
-Reads the training topic from the beginning up to the offsets committed in
-Redis, the dead-letter topic, and the parameter plane's ``applied_samples``
-stream (:class:`services.protocol.AccountingRecord` entries), and checks that
-every record is applied exactly once or sits in the dead-letter topic. Records
-are named by (producer id, sequence number); those written by other clients in
-the single-record formats by (``"<topic>/<partition>"``, offset), as the
-consumer names them.
-
-The parameter servers trim ``applied_samples`` entries older than their audit
-horizon and, in the same atomic step, raise the partition's *audit floor*
-(``JobKeys.audit_floor``) to the offsets those entries covered. The audit is
-exact above the floor: it checks every committed record at an offset at or
-past its partition's floor, and counts the ones below it
-(:attr:`AuditReport.below_floor`).
+:func:`audit` reads the training topic up to the committed offsets, the dead-letter topic and the
+``applied_samples`` stream, and checks that every record was applied exactly once or sits in the
+dead-letter topic; it is exact above each partition's audit floor and counts the records below it
+(:attr:`AuditReport.below_floor`). See docs/architecture.md, *Invariants*, and docs/parameter-plane.md,
+*Retention: nothing grows with time alone*.
 """
 
 from __future__ import annotations

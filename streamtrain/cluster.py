@@ -1,19 +1,10 @@
 """The docker-compose topology as local processes: what ``streamtrain up`` runs.
 
-:class:`LocalCluster` starts a real Kafka broker (or ``kafka_brokers`` of them
-as one cluster) and a real Redis server (the launcher), then the coordinator,
-one parameter server per shard group, trainers and a producer as ``streamtrain``
-child processes, each with its own log in the cluster's folder. The end-to-end
-tests and ``bench/pipeline.py`` use it too, with its fault helpers (kill a
-trainer or a broker, restart the parameter servers or the coordinator).
-
-What runs is a :class:`ClusterSpec`: the services' own settings dataclasses
-(their defaults are the only defaults) plus the few things only a cluster has.
-:func:`service_settings` fills in what the cluster decides (addresses, ports,
-job, topic, tokens, each server's shard group) and :func:`commands` renders
-each service's settings as its command line with :func:`common.settings.to_flags`,
-so a renamed flag fails in the tests that parse those command lines
-(``tests/test_cluster.py``), not at run time.
+:class:`LocalCluster` starts real Kafka and Redis servers (the launcher), then the coordinator, one
+parameter server per shard group, trainers and a producer as ``streamtrain`` child processes, with
+fault helpers for the tests and benchmarks. What runs is a :class:`ClusterSpec`; each service's
+settings become its command line through :func:`common.settings.to_flags` (:func:`commands`), so a
+renamed flag fails in the tests, not at run time. See docs/architecture.md, *The three planes*.
 """
 
 from __future__ import annotations

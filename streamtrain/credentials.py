@@ -1,16 +1,9 @@
 """What ``streamtrain up`` hands over: its cluster's connection settings as a shell file.
 
-``up`` makes a Redis password and two bearer tokens (or takes them from the
-environment), so without this file the user of the job could not reach the
-model it trains. :func:`shell_exports` writes them as the ``STREAMTRAIN_*``
-variables the other commands read (``streamtrain export``, ``streamtrain status``,
-a trainer), one ``export NAME=value`` line each, values quoted for the shell;
-:func:`write_credentials` puts them in a file only its owner can read, created
-with that mode (never readable by others, not even for a moment). ``source`` it::
-
-    source "$CREDENTIALS"
-    curl -H "Authorization: Bearer $STREAMTRAIN_JOB_TOKEN" "$STREAMTRAIN_COORDINATOR_URL/v1/model" -o model.safetensors
-    streamtrain export --out model.safetensors
+:func:`shell_exports` writes the Redis URL, the tokens and the addresses as ``export STREAMTRAIN_*=...``
+lines, quoted for the shell, and :func:`write_credentials` writes them to a file created readable by
+its owner only, so the user can reach the model the job trains. See README.md, *The main job*
+(*Getting the model out*).
 """
 
 from __future__ import annotations

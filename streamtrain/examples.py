@@ -1,22 +1,10 @@
 """The examples ``streamtrain up --example NAME`` runs: each a data set and the settings that train it.
 
-An example is a set of :class:`~streamtrain.settings.UpSettings` values; a flag or a variable the
-user gives wins over the example's (:func:`with_example`), so ``--example movielens --trainers 1``
-is the MovieLens job on one trainer. The flag is ``--example``, not ``--job``: every other command
-reads ``--job`` / ``STREAMTRAIN_JOB`` as the job's *name* (its Redis keys and Kafka group), and an
-example also names the job it runs (its job and topic are the example's name).
-
-=============  ====================================================================================
-``digits``     (the default) scikit-learn's digits, 60 passes, the built-in MLP; target accuracy 95 %
-``movielens``  MovieLens-100K (:mod:`datastream.movielens`): the first 90 % of the ratings by time,
-               once, through the ranking model with embedding tables (``dlrm?schema=movielens``);
-               held out the last 10 % by time; target AUC :data:`MOVIELENS_TARGET_AUC`
-=============  ====================================================================================
-
-The MovieLens settings were chosen by measuring (``docs/recommendation.md``): a plain local PyTorch
-loop of the same model, one pass in time order (``bench/recommendation.py``), reaches a held-out AUC of
-0.728-0.731, the pipeline's whole pass 0.721-0.735; on two cores it reaches the target after 30-60 s
-of training.
+:data:`EXAMPLES` holds each example's :class:`~streamtrain.settings.UpSettings` values: ``digits`` (the
+default: scikit-learn's digits through the built-in MLP, target accuracy 95 %) and ``movielens``
+(MovieLens-100K in time order through ``dlrm?schema=movielens``, target AUC :data:`MOVIELENS_TARGET_AUC`);
+a flag or variable the user gives wins (:func:`with_example`). See docs/recommendation.md, *What ``up
+--example movielens`` runs*, and *What it reached* for how its settings were chosen.
 """
 
 from __future__ import annotations

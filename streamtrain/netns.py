@@ -1,23 +1,10 @@
 """A host of its own on this machine: a network namespace joined to ours by a veth pair.
 
-:class:`NetNamespace` creates a Linux network namespace and a veth pair with
-its own /30: the root side (:attr:`NetNamespace.host_address`) stays in this
-namespace, the other end (:attr:`NetNamespace.address`) goes into the new one,
-with loopback up inside. A process started with :meth:`NetNamespace.command`
-(``ip netns exec``) then reaches this machine's servers only over that link,
-so :meth:`NetNamespace.cut` partitions it from them without a signal to either
-side, and :meth:`NetNamespace.restore` heals the partition: the silent failure
-a lease exists for, which a killed process never shows.
-
-Servers meant for such a process bind :attr:`NetNamespace.host_address`
-(``LocalCluster(ClusterSpec(host=ns.host_address))``); processes of the root
-namespace reach that address too, and keep reaching it while the link is cut.
-
-Needs root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``) and iproute2; without them
-:meth:`NetNamespace.create` raises :class:`NetnsUnavailable`. Names are random
-per instance and carry the creating pid, so several runs coexist, and
-namespaces left by a run that was killed are removed by the next one
-(:func:`remove_stale`).
+A process started in a :class:`NetNamespace` (:meth:`~NetNamespace.command`) reaches this machine's
+servers, bound to :attr:`~NetNamespace.host_address`, only over the pair's /30, so
+:meth:`~NetNamespace.cut` partitions it silently (the failure a lease exists for) and
+:meth:`~NetNamespace.restore` heals it. Needs root and iproute2, else :class:`NetnsUnavailable`;
+:func:`remove_stale` removes namespaces a killed run left. See README.md, *Faults and outages*.
 """
 
 from __future__ import annotations

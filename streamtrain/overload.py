@@ -1,30 +1,9 @@
 """Is online training keeping up with its stream? A pure verdict from lag samples.
 
 ``streamtrain up`` samples the coordinator's ``/v1/status`` about once a second
-(:func:`sample_from_status`), keeps the last ``window_s`` seconds in a
-:class:`LagWindow`, and shows :meth:`Verdict.line` under the live view. No
-clock, no I/O here: samples go in, a verdict comes out, so the rule is tested
-directly (``tests/test_overload.py``).
-
-**The rule** (``docs/online.md``). Over the window, least-squares slopes give
-
-- the input rate: how fast the topic's end offsets grow,
-- the consumption rate: how fast the committed offsets grow,
-- the lag slope: how fast the lag (end minus committed) grows.
-
-The job is *falling behind* when the lag grows by more than ``tolerance`` of
-the input rate (and more than ``min_growth_per_s``); it is *catching up* when
-the lag is above zero and shrinks by as much; otherwise it is *keeping up*.
-Falling behind, each trainer is busy, so the measured capacity of one trainer
-is the consumption rate divided by the live trainers, and the job needs
-``ceil(input * (1 + headroom) / per_trainer)`` trainers: the headroom lets the
-backlog drain instead of merely holding still. Trainers beyond the topic's
-partition count get no partition and do nothing, so the verdict says when the
-topic needs more partitions too.
-
-Kafka offsets count messages, and a message may hold many records (a shard of
-``streamtrain produce`` holds ``--shard-size``); ``records_per_message``
-turns offsets into records for display (1 when unknown).
+(:func:`sample_from_status`), keeps the last ``window_s`` seconds in a :class:`LagWindow` and shows
+:meth:`Verdict.line` (:func:`assess`). No clock and no I/O here, so the rule is tested directly.
+See docs/online.md, *How it is measured* and *The rule*.
 """
 
 from __future__ import annotations

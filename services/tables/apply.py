@@ -1,20 +1,9 @@
 """What one server's apply does to its group's rows (pure: the I/O is in ``services.server.service``).
 
-A server applies a batch of updates in log order. For its rows it first loads,
-in one round trip, every row the batch touches (``store.load_rows``), then
-applies each update in turn to that working set (:class:`TableBatch`), and
-writes back, in the group's atomic apply, exactly the rows, sighting records
-and counters that changed: nothing that does not change is rewritten. The math
-is the math of applying the updates one by one: each row's steps keep their
-order, and the table's step count advances once per update that carries
-gradients for the table (the update's header names those tables, so every
-group counts alike, whether or not it owns any of the rows).
-
-**Admission** (Monolith's occurrence threshold). A gradient for an ID without
-a row counts one sighting of the ID; once an ID has been sighted in
-``admit_after`` updates it gets a row, born at its initial value, and that
-update's gradient is its first step. Until then its gradients are *dropped*
-and counted (``dropped``), and its sighting record keeps the count.
+:class:`RowBatch` applies a batch of updates in log order to the rows the batch touches, loaded in one
+round trip, with admission after ``admit_after`` sightings (gradients of unadmitted IDs dropped and
+counted); :class:`TableWrites` is exactly what changed, for the group's atomic apply. The math is that
+of the updates one by one. See docs/embeddings.md, *Pull, push, apply* and *Admission, expiry, eviction*.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Row gradients on the wire: what one update carries for one shard group's rows (pure).
 
-A push writes, for every group that owns a row the batch touched, one blob
-into the group's slot (``GroupKeys.rows_blob``): msgpack
-``{"t": [[table, ids, grads, dtype], ...]}`` with, per table, the batch's
-unique IDs of the group's rows (int64 little-endian, strictly increasing) and
-their gradient rows (``[k, dim]`` little-endian ``float32`` or ``float16``,
-C order). Tables without rows in the group are left out; the update's header
-names every table with row gradients, so each group counts the table's step
-alike (``optim.step_rows``'s ``t``).
+:func:`encode_row_grads` and :func:`decode_row_grads` are the blob a push writes into each group's slot
+that owns rows of the batch (``GroupKeys.rows_blob``); :func:`split_by_group` splits a table's rows by
+owning group. See docs/parameter-plane.md, *Push: the blobs, then one atomic step*.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Row optimizers: one step at the rows a gradient touches, nothing else (pure numpy).
 
-Both keep their state beside the row (``rows.row_dtype``'s ``state``), so an
-apply reads and writes exactly the rows it touches.
-
-- ``lazyadam``: the arithmetic of ``torch.optim.SparseAdam`` (and of the dense
-  plane's ``lazyadam``, :func:`services.optim.step`) at the touched rows, with
-  the table's step count ``t`` for the bias correction: ``t`` counts the
-  updates that carried gradients for the table, which is what a local loop's
-  ``SparseAdam.step()`` calls count, so the two agree update for update.
-- ``adagrad``: row-wise Adagrad (TorchRec's ``ROWWISE_ADAGRAD``): one
-  accumulator per row, ``acc += mean(g**2)``, ``w -= lr * g / (sqrt(acc) + eps)``.
-
-A gradient row is the sum over every occurrence of its ID in the batch (the
-trainer deduplicates), as a coalesced ``EmbeddingBag`` gradient is.
+``lazyadam`` (``torch.optim.SparseAdam``'s arithmetic, with the table's step count) and ``adagrad``
+(row-wise, one accumulator per row), their state kept beside the row (``rows.row_dtype``'s ``state``).
+See docs/embeddings.md, *Pull, push, apply*.
 """
 
 from __future__ import annotations

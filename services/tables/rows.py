@@ -1,28 +1,9 @@
 """Rows as they are stored, placed and born (pure; no Redis).
 
-**Stored form.** Each row is one field of a Redis hash per table and shard
-group (``GroupKeys.table_rows``): the field is the ID as 8 little-endian bytes,
-the value a packed record of :func:`row_dtype`::
-
-    version     u64         the group version of the apply that last wrote it
-    values      f32[dim]
-    written_ms  u64         when that apply ran (ms since the epoch): expiry and eviction
-    state       f32[slots]  the row optimizer's state (m and v, or an accumulator)
-
-``version`` and ``values`` come first, so a trainer's pull returns only the
-prefix of :func:`pull_dtype` (12 bytes per row more than its values) and never
-the optimizer state. IDs seen but not yet admitted live in a second hash
-(``GroupKeys.table_seen``) as :data:`SEEN_DTYPE`.
-
-**Placement.** An ID's row lives in shard group :func:`group_of_ids` (a
-64-bit mix of the ID, modulo the number of groups), so every table spreads
-evenly over the groups, whatever the IDs look like, and under Redis Cluster
-over the nodes: the model-parallel split.
-
-**Birth.** A row nobody has written reads as :func:`initial_rows`: uniform in
-``[-init_scale, init_scale)``, drawn from the table's name and the ID by a
-counter-based hash, so a trainer computing on a row the servers have not
-admitted yet and the server that later creates it agree bit for bit.
+The packed record of a row (:func:`row_dtype`; a pull reads only its :func:`pull_dtype` prefix, never the
+optimizer state) and of a sighting (:data:`SEEN_DTYPE`), the group that owns an ID (:func:`group_of_ids`),
+and a row's values before anyone wrote it (:func:`initial_rows`), which trainers and servers compute
+alike from the table's name and the ID. See docs/embeddings.md, *The data model*.
 """
 
 from __future__ import annotations

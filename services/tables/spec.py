@@ -1,13 +1,8 @@
 """What a model declares about each of its embedding tables (pure; stored in the model's meta).
 
-A table maps raw 64-bit IDs to rows of ``dim`` float32 values. The model
-names its tables and the record features that look IDs up in each (a feature
-with several IDs per record, multi-hot, is pooled by ``pooling``); the rest
-configure the parameter plane: how a row starts (:attr:`TableSpec.init_scale`),
-how a row is updated (:class:`RowOptimizerConfig`) and how the table stays
-bounded (admission, expiry, a row cap). The knobs are the ones Monolith's hash
-tables (occurrence threshold, expire time) and PERSIA's embedding config (LRU
-capacity per server) give their users.
+:class:`TableSpec` names a table, its ``dim`` and the features that look IDs up in it, and how its rows
+start, are updated (:class:`RowOptimizerConfig`) and stay bounded (admission, expiry, a row cap: the
+knobs of Monolith's and PERSIA's tables). See docs/embeddings.md, *The data model*.
 """
 
 from __future__ import annotations

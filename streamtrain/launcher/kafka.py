@@ -1,13 +1,10 @@
 """Real Apache Kafka 4.x brokers in KRaft mode on loopback ports.
 
-:class:`KafkaBroker` is one combined broker+controller node: alone, or one of the
-N nodes of a :class:`KafkaCluster`, which share a cluster id and a static
-controller quorum (``controller.quorum.voters``, which Kafka 4.x still supports
-beside KIP-853's dynamic quorum; a fixed set of local nodes needs nothing more).
-The jars come from either ``KAFKA_HOME``
-(an unpacked official distribution, ``$KAFKA_HOME/libs``) or the cache that
-``scripts/setup.sh`` fills from Maven Central. The broker's main class runs on
-the machine's Java directly; the storage is formatted first.
+:class:`KafkaBroker` is one combined broker+controller node, alone or one of the nodes of a
+:class:`KafkaCluster` (a shared cluster id and a static ``controller.quorum.voters``, which a fixed set
+of local nodes needs rather than KIP-853's dynamic quorum), run on the machine's Java with its storage
+formatted first; the jars come from ``$KAFKA_HOME/libs`` or the cache ``scripts/setup.sh`` fills from
+Maven Central. See README.md, *Local servers*.
 """
 
 from __future__ import annotations

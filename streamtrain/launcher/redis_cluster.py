@@ -1,16 +1,10 @@
 """A real Redis Cluster on loopback: three masters (and optionally a replica of each).
 
-Each node is a :class:`~streamtrain.launcher.redis.RedisServer` started with
-``--cluster-enabled yes`` (its own folder, ``nodes.conf``, cluster bus port and
-AOF setting); the password is one fresh random one for every node, in each
-node's config file (mode 0600) as ``requirepass`` and ``masterauth``. Once the
-nodes answer, ``redis-cli --cluster create`` assigns the slots (the password
-reaches it in ``REDISCLI_AUTH``, never on a command line), and the cluster is
-ready when ``CLUSTER INFO`` says ``cluster_state:ok`` on every node and every
-node knows all the others and every replica is linked to its master (its first sync done).
-
-Clients reach it by :attr:`RedisCluster.url`, ``redis+cluster://:PASSWORD@host:port,...``
-(:mod:`common.redis_client`); print :attr:`RedisCluster.display_url`, never the URL.
+Each node is a :class:`~streamtrain.launcher.redis.RedisServer` with ``--cluster-enabled yes``, all with
+one fresh password; ``redis-cli --cluster create`` assigns the slots, and the cluster is ready once
+``CLUSTER INFO`` says ``cluster_state:ok`` on every node, every node knows all the others and every
+replica has had its first sync. Clients use :attr:`RedisCluster.url` (:mod:`common.redis_client`);
+print :attr:`RedisCluster.display_url`, never the URL. See README.md, *Redis Cluster*.
 """
 
 from __future__ import annotations
