@@ -31,7 +31,7 @@ __all__ = ["RESULTS_DIR", "RESULTS_ENV", "ROOT", "child_environment", "finish", 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository."""
 RESULTS_ENV = "STREAMTRAIN_BENCH_RESULTS"
-"""A folder to write results to instead of ``bench/results`` (``tests/test_bench.py``'s runs)."""
+"""A folder to write results to instead of ``bench/results`` (``tests/test_bench_harness.py``'s runs)."""
 RESULTS_DIR = Path(os.environ.get(RESULTS_ENV) or ROOT / "bench" / "results")
 """Where the benches write their results (and, for some, their clusters' folders)."""
 

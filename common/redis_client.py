@@ -118,7 +118,7 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
     """A redis-py client for ``url``: :class:`redis.Redis` for a server, a
     :class:`redis.cluster.RedisCluster` for a ``redis+cluster://`` URL. Both are typed as
     :class:`redis.Redis`, the interface every caller uses: the cluster client answers the same
-    commands for a job's keys (one slot), as ``tests/test_redis_cluster.py`` checks.
+    commands for a job's keys (one slot), as ``tests/test_streamtrain_redis_cluster.py`` checks.
 
     ``kwargs`` go to the client (``socket_timeout``, ``command_packer``, ...).
     A cluster client asks the nodes for the slot map when it is made.
@@ -193,7 +193,7 @@ class _SyncPipeline(cluster.ClusterPipeline):
     redis-py 8.1's synchronous cluster transaction returns EXEC's replies without the commands'
     response callbacks (an XRANGE entry's fields stay a flat list, SET says ``b"OK"``); the
     asyncio one and every other pipeline apply them. :meth:`execute` applies them here
-    (``tests/test_redis_cluster.py`` compares the replies with a plain server's).
+    (``tests/test_streamtrain_redis_cluster.py`` compares the replies with a plain server's).
     """
 
     mget = _mget

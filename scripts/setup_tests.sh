@@ -30,7 +30,7 @@ apt_install() {
 }
 
 if [ ! -x /usr/bin/chromium ]; then
-  # tests/test_dashboard.py drives the coordinator's status page in headless Chromium.
+  # tests/test_coordinator_dashboard.py drives the coordinator's status page in headless Chromium.
   log "installing chromium"
   apt_install chromium
 fi
@@ -41,7 +41,7 @@ if ! command -v promtool >/dev/null; then
   (command -v systemctl >/dev/null && systemctl disable --now prometheus >/dev/null 2>&1) || true
 fi
 if ! command -v ip >/dev/null; then
-  # tests/test_partition.py gives a trainer its own network namespace and cuts its link
+  # tests/test_streamtrain_partition.py gives a trainer its own network namespace and cuts its link
   log "installing iproute2"
   apt_install iproute2
 fi

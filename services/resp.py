@@ -6,7 +6,7 @@ fields. redis-py's serializer packs each argument in Python (about 1 µs each:
 plane's client (``services.store.connect``) uses :class:`Packer`, which splices
 a :class:`PackedArgs` argument, packed by numpy in one pass, into the command
 as it is. Every other argument is packed as redis-py packs it, and the bytes
-on the wire are the same either way (``tests/test_embeddings_rows.py``).
+on the wire are the same either way (``tests/test_services_tables_rows.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ name, and their registration on a client.
 
 Each script's header names every position it reads, and its :class:`ScriptCall` (:class:`PushCall`,
 :class:`ApplyCall`, :class:`AccountCall`, ...) renders the arguments from the same names, so a call
-never counts positions (``tests/test_protocol.py`` checks they agree). :func:`script` and
+never counts positions (``tests/test_services_protocol.py`` checks they agree). :func:`script` and
 :func:`execute_with_script` load a script and reload it on NOSCRIPT.
 See docs/parameter-plane.md, *The wire contract, in one place*.
 """

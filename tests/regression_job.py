@@ -1,4 +1,4 @@
-"""A tiny regression job for the end-to-end test of ``streamtrain up`` (``tests/test_up.py``).
+"""A tiny regression job for the end-to-end test of ``streamtrain up`` (``tests/test_streamtrain_up.py``).
 
 ``regression_job:records`` is a ``module:callable`` source and
 ``regression_job:linear_model`` a ``module:factory`` model spec; the services

@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 import torch
 import yaml
 from aiohttp.test_utils import TestClient, make_mocked_request
+from plane_util import push_offsets_only
 from prometheus_client.parser import text_string_to_metric_families
-from test_services_util import push_offsets_only
 
 from common.keys import JobKeys
 from coordinator import routes

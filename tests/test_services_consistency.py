@@ -8,7 +8,7 @@ import threading
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import set_membership
+from plane_util import set_membership
 
 from common.keys import JobKeys
 from services import (

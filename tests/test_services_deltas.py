@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import gradient_blobs, set_membership
+from plane_util import gradient_blobs, set_membership
 
 from common.keys import JobKeys
 from services import (

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import LosesPushReply, gradient_blobs, set_membership, small_model
+from plane_util import LosesPushReply, gradient_blobs, set_membership, small_model
 
 from common.keys import JobKeys
 from common.outage import REDIS_DOWN

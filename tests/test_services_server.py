@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import (
+from plane_util import (
     accounting_left,
     gradient_blobs,
     optimizer_state,

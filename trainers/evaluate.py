@@ -40,7 +40,7 @@ class EvalResult:
     ``roc_auc_score``; None otherwise, and when the held-out labels are all one class). The loss is
     then the log loss, also scikit-learn's: ``log_loss`` of the sigmoid of the logits, clipped as it
     clips probabilities — the mean of the model's own loss (``binary_cross_entropy_with_logits``) up to
-    that clipping and float rounding (``tests/test_scoring.py`` checks they agree)."""
+    that clipping and float rounding (``tests/test_streamtrain_scoring.py`` checks they agree)."""
 
     @property
     def classification(self) -> bool:

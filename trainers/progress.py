@@ -3,7 +3,7 @@
 Pure bookkeeping, no I/O: the service records steps, pushes and clock waits
 here, and its heartbeat sends :meth:`Progress.heartbeat_stats`. Times are
 passed in (``now`` from ``time.monotonic()``, ``now_ms`` from the wall clock),
-so the rules are tested without sleeping (``tests/test_trainer_state.py``).
+so the rules are tested without sleeping (``tests/test_trainers_state.py``).
 """
 
 from __future__ import annotations

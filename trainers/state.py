@@ -3,7 +3,7 @@
 The service shell (:mod:`trainers.service`) does the I/O and tells a :class:`TrainerState` what
 happened; the state says what to do next. Every rule that decides *which clock*, *whether to pull*,
 *what an assignment means* and *where to resume after a refusal or an outage* lives here, so it is
-read and tested on its own (``tests/test_trainer_state.py``). The rules, explained:
+read and tested on its own (``tests/test_trainers_state.py``). The rules, explained:
 ``docs/architecture.md``, *A trainer, step by step*.
 """
 

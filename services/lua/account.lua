@@ -3,7 +3,7 @@
 -- until this script has run). Idempotent: a group redoing it after a crash counts once.
 --
 -- Called through services.scripts.AccountCall, which renders KEYS and ARGV by the names below;
--- tests/test_protocol.py checks that these lines, the K_/A_/U_ locals and the class agree.
+-- tests/test_services_protocol.py checks that these lines, the K_/A_/U_ locals and the class agree.
 -- KEYS[1] group_accounted
 -- KEYS[2] applied_clocks
 -- KEYS[3] applied_samples

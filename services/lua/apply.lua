@@ -7,7 +7,7 @@
 -- apply, so a server killed in between finishes it on restart.
 --
 -- Called through services.scripts.ApplyCall, which renders KEYS and ARGV by the names below;
--- tests/test_protocol.py checks that these lines, the K_/A_/S_ locals and the class agree.
+-- tests/test_services_protocol.py checks that these lines, the K_/A_/S_ locals and the class agree.
 -- KEYS[1] cursor
 -- KEYS[2] versions
 -- KEYS[3] version

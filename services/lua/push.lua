@@ -3,7 +3,7 @@
 -- leaves them to the pusher to delete (and to the groups' sweepers, should the pusher die first).
 --
 -- Called through services.scripts.PushCall, which renders KEYS and ARGV by the names below;
--- tests/test_protocol.py checks that these lines, the K_/A_ locals and the class agree.
+-- tests/test_services_protocol.py checks that these lines, the K_/A_ locals and the class agree.
 -- KEYS[1] generation    the membership generation
 -- KEYS[2] assignment    partition -> the fence token of its owner
 -- KEYS[3] offsets       partition -> next offset to consume

@@ -19,7 +19,7 @@ import pytest
 import redis as redis_lib
 import redis.asyncio as aioredis
 from kafka import KafkaProducer
-from test_services_util import set_membership, small_model
+from plane_util import set_membership, small_model
 
 from common.keys import JobKeys
 from coordinator.errors import MemberGoneError, UnknownMemberError

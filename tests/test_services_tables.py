@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis as redis_lib
-from test_services_util import accounting_left, gradient_blobs, set_membership, small_model
+from plane_util import accounting_left, gradient_blobs, set_membership, small_model
 
 from common.keys import JobKeys
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, ServerStatus

@@ -10,8 +10,8 @@ import re
 import pytest
 import redis as redis_lib
 import torch
+from plane_util import accounting_left, gradient_blobs, set_membership
 from test_services_server import JOB, applied, expected_params, grads_for, push_n, setup
-from test_services_util import accounting_left, gradient_blobs, set_membership
 
 import services.push.updates
 import services.server.apply

@@ -10,7 +10,7 @@ from unittest.mock import Mock
 import pytest
 import redis as redis_lib
 import torch
-from test_services_util import accounting_left, optimizer_state, optimizer_steps, set_membership, small_model
+from plane_util import accounting_left, optimizer_state, optimizer_steps, set_membership, small_model
 
 from common.keys import JobKeys
 from services import (

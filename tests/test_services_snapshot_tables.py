@@ -16,8 +16,8 @@ import redis as redis_lib
 import safetensors.numpy
 import safetensors.torch
 import torch
-from test_embeddings import ITEM, USER, batch_rows, setup, stored
-from test_services_util import accounting_left, small_model
+from plane_util import accounting_left, small_model
+from test_services_tables import ITEM, USER, batch_rows, setup, stored
 
 from common.keys import JobKeys
 from services import (

@@ -18,7 +18,7 @@ import pytest
 import redis as redis_lib
 import safetensors.torch
 import torch
-from test_services_util import set_membership
+from plane_util import set_membership
 
 from common.keys import JobKeys
 from coordinator.model_route import _matches

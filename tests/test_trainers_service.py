@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from kafka import KafkaProducer
-from test_services_util import LosesPushReply, set_membership, small_model
+from plane_util import LosesPushReply, set_membership, small_model
 from torch import nn
 
 from common.outage import REDIS_DOWN

@@ -17,8 +17,8 @@ from dataclasses import replace
 import pytest
 import redis as redis_lib
 import torch
+from plane_util import push_offsets_only, set_membership, small_model
 from redis.cluster import RedisCluster as ClusterClient
-from test_services_util import push_offsets_only, set_membership, small_model
 
 from common.keys import JobKeys
 from common.outage import redis_name

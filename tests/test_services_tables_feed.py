@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import redis as redis_lib
 import torch
-from test_embeddings import ITEM, USER, applied, batch_rows, push_rows, setup
-from test_services_util import small_model
+from plane_util import small_model
+from test_services_tables import ITEM, USER, applied, batch_rows, push_rows, setup
 
 from common.keys import JobKeys
 from coordinator.feed_copy import FeedCopy, lag_of

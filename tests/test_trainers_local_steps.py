@@ -1,5 +1,5 @@
 """Local steps (DiLoCo): the inner/outer arithmetic, the window's push, and the job settings that
-refuse what cannot run (pure: no servers; the end-to-end runs are in ``tests/test_local_steps_e2e.py``)."""
+refuse what cannot run (pure: no servers; the end-to-end runs are in ``tests/test_streamtrain_local_steps_e2e.py``)."""
 
 from __future__ import annotations
 
