@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from kafka import KafkaConsumer, TopicPartition
 
-from common.keys import JobKeys
 from common.redis_client import connect
 from datastream import DecodeError, decode_record, dlq_topic, parse_dlq_headers
 from services.protocol import AccountingRecord, Status
+from services.slots import JobSlot
 
 Sample = tuple[str, int]
 
@@ -94,18 +94,14 @@ def _read_topic(bootstrap: str, topic: str, until: dict[int, int] | None) -> lis
 
 def audit(bootstrap: str, topic: str, redis_url: str, job: str) -> AuditReport:
     """Check invariant 1 for ``job`` consuming ``topic``; see :class:`AuditReport`."""
-    keys = JobKeys(job)
     client = connect(redis_url)
-    try:
-        pipe = client.pipeline(transaction=True)  # the floor moves with the trim, atomically
-        pipe.hgetall(keys.offsets)
-        pipe.hgetall(keys.audit_floor)
-        pipe.xrange(keys.applied_samples)
-        raw_committed, raw_floors, entries = pipe.execute()
+    try:  # one read of the job's slot: the floor moves with the trim, atomically
+        read = JobSlot(client, job).read("offsets", "audit_floor", "applied_samples")
     finally:
         client.close()
-    committed = {int(p): int(o) for p, o in raw_committed.items()}
-    floors = {int(p): int(o) for p, o in raw_floors.items()}
+    committed = {int(p): int(o) for p, o in read.offsets.items()}
+    floors = {int(p): int(o) for p, o in read.audit_floor.items()}
+    entries = read.applied_samples
     everything = _read_topic(bootstrap, topic, None)
     messages = [m for m in everything if m[1] < committed.get(m[0], 0)]
     dead = {(e.partition, e.offset) for e in (parse_dlq_headers(h) for _, _, _, h in
