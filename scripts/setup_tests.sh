@@ -10,24 +10,10 @@
 # Skipped with STREAMTRAIN_COMPOSE_STACK=0 (which also skips the test).
 set -euo pipefail
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cache=${STREAMTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/streamtrain}
-kafka_version=$(sed -n 's/^KAFKA_VERSION = "\(.*\)"$/\1/p' "$root/streamtrain/launcher/kafka.py")
-venv="$root/.venv"
-wheels="${STREAMTRAIN_WHEELS:-$root/../shared/wheels}"
+log_tag=setup-tests
+# shellcheck source=scripts/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 recbole_version=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("recbole"))')
-log() { printf '[setup-tests] %s\n' "$*" >&2; }
-
-apt_updated=0
-apt_install() {
-  local sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  if [ "$apt_updated" -eq 0 ]; then
-    $sudo apt-get update -qq
-    apt_updated=1
-  fi
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
-}
 
 if [ ! -x /usr/bin/chromium ]; then
   # tests/test_coordinator_dashboard.py drives the coordinator's status page in headless Chromium.
