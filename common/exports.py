@@ -1,35 +1,10 @@
 """A package's public names, each imported from its module on first use.
 
-A package that re-exports its modules' names with ``from .x import y`` runs all
-of those modules whenever any one of its modules is imported: ``import
-coordinator.assignment`` (three frozen dataclasses) would pull in aiohttp and
-redis through ``coordinator/__init__.py``. A package that calls
-:func:`lazy_exports` instead says where each public name lives; the module that
-holds a name is imported the first time the name is read
-(``from coordinator import CoordinatorClient`` works as before), so a pure
-module such as ``trainers.state`` imports only what it uses itself.
-
-The public names are written once: as the explicit re-exports (PEP 484's ``import A as A``)
-of the ``if TYPE_CHECKING:`` block of the package's ``__init__.py``. Type checkers and editors
-read them as eager imports; :func:`lazy_exports` reads the same block (with :mod:`ast`, from
-the package's source) for each name's module, and sets ``__all__`` to the names::
-
-    from typing import TYPE_CHECKING
-
-    from common.exports import lazy_exports
-
-    lazy_exports(__name__)
-
-    if TYPE_CHECKING:  # the public names, each from its module (lazy_exports reads this block)
-        from .assign import assign as assign
-        from .state import Store as Store
-
-It is PEP 562's module ``__getattr__``, plus one rule an eager ``from .assign
-import assign`` gave for free: a name exported from a submodule of the same name
-(``coordinator.assign``, ``trainers.evaluate``) stays the exported function when
-the import system binds the submodule on the package. Python documents setting
-a module's ``__class__`` to a :class:`types.ModuleType` subclass for this
-(*Customizing module attribute access*); that is what :class:`LazyPackage` is.
+An eager ``from .x import y`` in a package's ``__init__.py`` would run all of its modules whenever any
+one is imported (aiohttp and redis for three frozen dataclasses). :func:`lazy_exports` reads the public
+names from the ``if TYPE_CHECKING:`` re-exports of the package's ``__init__.py`` (written once, read by
+type checkers too) and imports each name's module when the name is first read (PEP 562).
+See docs/architecture.md, *The three planes* (*Imports on first use*).
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Redis key names of one training job: the one place that spells them.
 
-A job's keys live in ``1 + G`` Redis Cluster hash slots, G being its number of
-parameter-server shard groups:
-
-* :class:`JobKeys` (hash tag ``{job}``): the model's meta, the update log, the
-  committed offsets, the clocks, the accounting, the membership and the
-  config: everything a push, the coordinator and the audit touch atomically.
-* :class:`GroupKeys` (hash tag ``{job:g<g>}``, one per group): the group's
-  shards, their deltas and versions, its optimizer state and cursors, and the
-  gradient blobs pushed for its shards: everything one server group writes
-  atomically when it applies a batch.
-
-A Lua script or a MULTI/EXEC touches one slot only, so under Redis Cluster
-different groups' data (the bulk of the bytes and of the write traffic) land
-on different nodes. ``:`` never appears in a job name, so ``job:g0`` cannot be
-another job's tag. The coordinator writes the membership keys; the parameter
-plane reads them to fence stale trainers; both go through these classes.
+A job's keys live in ``1 + G`` Redis Cluster hash slots: :class:`JobKeys` (hash tag ``{job}``) for what a
+push, the coordinator and the audit touch atomically, and one :class:`GroupKeys` per parameter-server
+shard group (``{job:g<g>}``) for what that group writes when it applies, so under Redis Cluster the
+groups' bytes land on different nodes. See docs/parameter-plane.md, *Redis data model*.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """``GET /v1/model/updates`` (the feed of row changes) and ``GET /v1/embeddings/<table>`` (rows by ID):
 what a serving system needs of the embedding tables, beside ``GET /v1/model``'s dense part.
 
-- ``/v1/model/updates?since=P[&limit=N][&dense=0]``: the changes since feed position ``P`` (one integer
-  per shard group joined by '.', like a version name; ``0`` per group: from the start) as safetensors
-  (``services.tables.feed``): per table ``<table>.ids``, ``<table>.values``, ``<table>.removed``,
-  and the dense tensors by parameter name when a shard changed in the range (not with ``dense=0``:
-  ``X-Dense-Changed`` says when to fetch ``/v1/model``). ``X-Feed-Position`` is
-  the position reached (the next ``since``), ``X-Feed-Head`` each group's newest (equal: caught up),
-  ``X-Model-Version`` the groups' versions at the read. No change: 200 with empty tensors, the
-  position unchanged (one form for every answer). ``limit``: most entries per group (default
-  ``services.tables.feed.FEED_LIMIT``). 410 ``feed_gone`` (with ``oldest`` and ``current``) when
-  the feed no longer holds every change after ``P``; 404 ``position_not_found`` (with ``current``)
-  for a position past the newest or of another number of groups; 400 ``invalid_query`` otherwise.
-- ``/v1/embeddings/<table>?ids=1,2,3``: those rows as they are now, as JSON (an ID without a row: its
-  initial value, ``stored`` false); 404 ``unknown_table``, 400 ``invalid_query``.
-
-Job token or admin token, as ``/v1/model``. Both run on a thread of their own with a synchronous
-Redis client (not ``/v1/model``'s: a large model export there would hold the feed up), importing the
-parameter plane on the first request only.
+The feed answers the changes since a feed position as safetensors (``services.tables.feed``); the lookup
+answers rows as they are now, as JSON. Both take the job or admin token and run on a thread of their own
+(not ``/v1/model``'s, so a large export does not hold the feed up), importing the parameter plane on the
+first request only. See docs/serving.md, *Following the tables row by row* and *Looking rows up*.
 """
 
 from __future__ import annotations

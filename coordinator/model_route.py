@@ -1,33 +1,9 @@
 """``GET /v1/model``: the job's model, one consistent version, as a safetensors file.
 
-The bytes come from :mod:`services.snapshot.export` (the same code as ``streamtrain
-export``): each shard group is read in one MULTI/EXEC, its shards rebuilt at
-the group's version, and the tensors named by parameter, so
-``module.load_state_dict(safetensors.torch.load_file(path))`` loads them.
-
-- A version is named as :class:`services.slot_types.VersionVector` writes it: the
-  plain integer with one shard group (``1200``), each group's version joined
-  by '.' with several (``12.7``, group 0's first).
-- ``X-Model-Version`` names the version, ``ETag`` is ``"<job>-v<version>"``;
-  ``If-None-Match`` with it answers 304 without reading the shards.
-- ``?version=V`` returns version V while Redis can still rebuild it (every
-  shard's base at most its group's version in V); an older one is 410
-  ``version_gone`` naming the oldest available, a newer one 404
-  ``version_not_found``. A version name with another number of parts than the
-  job has groups (``12.7`` of a one-group job) names no version of it: 404
-  ``version_not_found`` too, the message naming the job's form. Anything else
-  (not integers of at most 18 digits joined by '.', the OpenAPI file's
-  pattern) is 400 ``invalid_query``. The JSON's ``current`` and ``oldest`` are
-  integers with one group, version names (strings) with several.
-- Job token or admin token (the model is the job's product, not a public view).
-
-The coordinator does not import the parameter plane (nor torch) until the
-first request, and all the work (the Redis reads, rebuilding, serialising) runs
-on a thread of its own with a synchronous Redis client, never on the event
-loop. It is not the Runtime's executor: that single thread serves the Kafka
-probe, whose calls are bounded by the Kafka timeout, so a large export there
-would make ``/readyz`` report Kafka down. One export thread also bounds the
-memory that concurrent downloads take (each holds the model about three times).
+The bytes come from :mod:`services.snapshot.export` (the same code as ``streamtrain export``), named by
+version (``X-Model-Version``, an ETag for ``If-None-Match``, ``?version=`` while Redis can rebuild it),
+built on a thread of its own so that neither the event loop nor the Kafka probe waits for an export.
+See docs/serving.md, *`GET /v1/model`* and *Version names*.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """Redis persistence of the control plane, with the generation as fencing token.
 
-Layout (all names from :class:`common.keys.JobKeys`):
-
-- ``generation``: integer, bumped on every membership change.
-- ``members``: hash member id -> JSON of :class:`~coordinator.membership.Member`.
-- ``assignment``: hash partition -> the owner's fence token
-  (:func:`common.fence.fence_token`, ``"<member id>|<generation>"``); on each bump
-  every entry is rewritten with the new generation in the same MULTI/EXEC as
-  ``generation`` itself.
-- ``departed``: hash member id -> JSON :class:`~coordinator.membership.Departure`
-  (reason, generation, ``at_ms``), so late heartbeats get "gone"; records older
-  than the retention are dropped by the lease checker's :class:`CheckLeases`
-  (at most once a minute, :meth:`Store.forget_departed`).
-- ``config``: hash of the job configuration (:class:`JobConfig`); the fields of
-  :data:`FIXED_CONFIG` (``ps_groups``) are written once, when the job begins;
-  those of :data:`~coordinator.assignment.FOLLOW_DENSE` (the tables' mode and
-  bound) are absent while they follow the dense part's.
-
-:meth:`Store.apply` is a compare-and-set: it WATCHes the membership keys,
-reads the state, runs the pure :func:`coordinator.membership.handle`, and
-writes the difference in one MULTI/EXEC that fails (and is retried on fresh
-state) if anyone changed those keys in between. Everything is JSON or plain
-strings; nothing is pickled.
-
-Fencing: the parameter plane's push script (``services/lua/push.lua``, run through
-``services.scripts.PushCall``) reads these keys: a push by ``member_id`` at
-``generation`` for ``partitions`` is allowed only if ``GET generation`` equals
-``generation`` and ``HGET assignment p`` is the member's fence token at that
-generation for every partition.
+:class:`Store` keeps the membership, the assignment (each partition's owner as a fence token), the
+departed members and the job config in the job's slot, and changes them by compare-and-set: WATCH, the
+pure :func:`coordinator.membership.handle`, one MULTI/EXEC. The parameter plane's push script reads
+the same keys to fence stale trainers. See docs/architecture.md, *The control plane: membership and
+assignment* (*State in Redis*).
 """
 
 from __future__ import annotations

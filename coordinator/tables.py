@@ -1,28 +1,9 @@
 """The job's embedding tables as the coordinator shows them: rows, bytes and the servers' counters.
 
-Rows live only in the parameter plane (``docs/embeddings.md``): each shard
-group ``g`` keeps, in its own hash slot, a hash of rows per table
-(``GroupKeys.table_rows``) and a hash of counters (``GroupKeys.table_stats``:
-``<table>:admitted``, ``:dropped``, ``:expired``, ``:evicted``, which only grow,
-written by the group's server with its applies and sweeps). A table's figures are
-the sums over the groups:
-
-- **rows**: ``HLEN`` of each group's rows hash (exact, O(1));
-- **bytes**: Redis's ``MEMORY USAGE <rows hash> SAMPLES 5``, an *estimate* from 5
-  sampled fields scaled to the hash's length (cheap: a full count would walk every
-  row once a second). The parameter servers' ``streamtrain_table_bytes`` samples 64;
-- **admitted**, **dropped**, **expired**, **evicted**: the counters.
-
-The table names come from the model's meta (``JobKeys.meta``, JSON written by
-``services.store.ParameterStore.init_model``) read by ``services.slot_types.MetaHead``,
-which imports neither numpy nor torch (the parameter plane's tables module does).
-
-:func:`table_names`, :func:`table_totals`, :func:`tables_view` and
-:func:`mean_hit_rate` are pure; :class:`TableReader` is the thin I/O shell the
-sampler (once a second) and ``/v1/status`` (on demand) share. One read is one
-non-transactional pipeline over every group (``1 + 2 T`` commands per group for
-``T`` tables): one round trip to a single Redis, one per node of a Redis Cluster,
-whatever the number of tables and groups.
+Each table's figures are sums over the shard groups: ``HLEN`` of its rows hash, Redis's sampled
+``MEMORY USAGE`` estimate and the groups' counters, the names from the model's meta. The views are pure;
+:class:`TableReader`, the thin I/O shell the sampler and ``/v1/status`` share, reads every group in one
+pipeline. See docs/dashboard.md, *Embedding tables*.
 """
 
 from __future__ import annotations

@@ -1,54 +1,9 @@
-"""Sources of training records, named by a spec string.
+"""Sources of training records, named by a spec string (``NAME[:ARG][?key=value&...]``).
 
-A spec is ``NAME[:ARG][?key=value&...]``:
-
-=========================  ============================================================
-``digits``                 scikit-learn's bundled 8x8 digits (1,797 records, 64 features
-                           scaled to [0, 1], 10 classes); ``?repeat=K`` passes K times,
-                           ``repeat=0`` forever
-``synthetic``              seeded generator, unbounded unless ``limit=N``; options
-                           ``task=classification|regression``, ``features=16``,
-                           ``classes=4``, ``seed=0``, ``noise=0.1``
-``clicks``                 a click stream shaped like Criteo (:mod:`datastream.clicks`):
-                           ``features=26`` categorical features ``c1..`` with Zipf
-                           (``zipf=1.1``) IDs from ``vocab=10000000`` IDs in all,
-                           ``dense=13``, ``multi=0`` (K > 0 adds ``tags``, 0..K IDs),
-                           ``drift=0.1`` (radians per million records), ``seed=0``;
-                           labels 0/1 from a hidden logistic truth; unbounded unless
-                           ``limit=N``
-``movielens``              MovieLens-100K (:mod:`datastream.movielens`, from the ``recbole``
-                           wheel): the 100,000 ratings in time order as click records
-                           (label 1 for 4 stars or more; 8 categorical features, no dense
-                           ones); ``limit=N`` keeps the first N ratings by time,
-                           ``repeat=K`` passes K times, ``repeat=0`` forever. Its held-out
-                           split is the last 10 % by time, not every fifth record
-``csv:PATH``               numbers, one record per row; ``label=last|first|<column>``;
-                           a header row is detected
-``npz:PATH``               arrays ``x`` [n, d] and ``y`` [n] (``x=``/``y=`` rename them)
-``jsonl:PATH``             one ``{"x": [...], "y": ..., "ids": {...}}`` per line (``ids``
-                           optional, ``x`` optional with ``ids``; as in the JSON record)
-``stdin``                  JSON lines (or ``?format=csv``) from standard input, streamed
-``package.module:callable`` ``callable(**options)`` returns an iterable of ``(x, y)`` or
-                           ``(x, y, ids)`` records (x 1-D; ids as in the JSON record) or
-                           blocks (x 2-D; ids a ``dict[str, Jagged]``), or a :class:`Source`
-=========================  ============================================================
-
-A path ending in ``.csv``, ``.npz`` or ``.jsonl`` may be given without the prefix.
-
-**Train/test split convention.** Every source numbers its records 0, 1, 2, ...
-in its own order (a repeated data set restarts the numbering on each pass);
-record *i* belongs to the ``test`` split when ``i % 5 == 4`` and to ``train``
-otherwise, so 20 % is held out, deterministically, and the same records every
-time. ``split="all"`` keeps everything. A source ordered in time holds out its last records
-instead (``movielens``: the last 10 %, :func:`datastream.movielens.time_split_mask`): a model
-is then scored on the future it has not seen.
-
-A source yields :class:`~datastream.examples.Examples` (``x``, ``y`` and the
-categorical ``ids``) block by block, and :meth:`Source.read` returns them all
-at once — the one way to read held-out examples with their IDs::
-
-    test = load_source("clicks?limit=100000", split="test").read()   # test.x, test.y, test.ids
-    x, y = load_source("digits", split="test").read()                # dense sources also unpack
+:func:`load_source` turns a spec into a :class:`Source` of one split: the built-in data sets, files,
+standard input or a plug-in ``package.module:callable``, each yielding :class:`~datastream.examples.Examples`
+block by block; record *i* is held out when ``i % 5 == 4`` (a source in time order holds out its
+last records). See docs/records.md, *Sources* and *Train/test split*.
 """
 
 from __future__ import annotations
@@ -411,7 +366,7 @@ def one_pass(spec: str) -> str:
 
 
 def load_source(spec: str, split: str = "all", *, stdin: TextIO | None = None) -> Source:
-    """The source named by ``spec`` (see the module docstring), restricted to ``split``.
+    """The source named by ``spec`` (docs/records.md, *Sources*), restricted to ``split``.
 
     Args:
         spec: e.g. ``"digits"``, ``"synthetic?task=regression&features=8&limit=10000"``,

@@ -1,48 +1,9 @@
 """``streamtrain up``: everything up locally, training a real model from a real stream.
 
-Starts a real Kafka broker and Redis server on loopback, the coordinator, a
-parameter server (one per shard group with ``--ps-groups N``), the trainers and a
-producer streaming the digits data set
-(:class:`streamtrain.cluster.LocalCluster`); shows a live view; stops when a
-held-out target is reached (the accuracy of a classifier, the AUC of a binary one with
-``--target-auc``, the loss of any model),
-or the stream, up to ``--max-records``, is consumed, or time runs out; scores the
-final parameters itself on the held-out split (AUC, log loss and accuracy for a
-binary model, accuracy and loss for other classifiers; loss, MAE and R² for
-regression); and stops everything it started, also on Ctrl-C and on error.
-
-``--example`` picks what it trains: ``digits`` (the default: scikit-learn's digits
-through the built-in MLP) or ``movielens`` (MovieLens-100K in time order through the
-ranking model with embedding tables, :mod:`streamtrain.examples`); a flag or variable
-given beside it wins over the example's setting.
-
-With ``--forever`` it trains online from an unbounded stream at ``--rate``
-records/s (:data:`FOREVER_RATE` by default) until Ctrl-C, and the live view
-says whether the trainers keep up (:mod:`streamtrain.overload`,
-``docs/online.md``). For a binary model the live view shows each trainer's
-newest progressive-validation AUC (the records it consumed, scored before
-training on them), and the final table the job's over the run's first and
-last tenth (:func:`progressive_summary`).
-
-**What it hands over.** Once everything runs, ``up`` writes its cluster's connection
-settings (the coordinator URL, the Redis URL with its password, the job and admin
-tokens, the Kafka bootstrap, the job) as ``export STREAMTRAIN_*=...`` lines to a
-file of mode 0600 in its folder and prints ``credentials: PATH``
-(:mod:`streamtrain.credentials`): ``source PATH`` and ``GET /v1/model`` with the
-job token, or ``streamtrain export``, fetch the model while it trains. A Redis
-password or tokens set in the environment (``STREAMTRAIN_REDIS_PASSWORD``,
-``STREAMTRAIN_JOB_TOKEN``, ``STREAMTRAIN_ADMIN_TOKEN``) are used instead of fresh
-random ones. With ``--model-out FILE`` the final model is written there as
-safetensors when the run ends (:func:`services.snapshot.export.export_model`). The folder,
-and the file with it, is removed when ``up`` ends.
-
-**Exit status** (:func:`exit_code`): 0 when the run ended as asked — a target
-reached, the stream up to ``--max-records`` consumed, a ``--forever`` run
-stopped with Ctrl-C, or, with no target in force (a regression job without
-``--target-loss``), the stream or the time limit ended; 1 when a target that
-was the stop condition was not reached (the bounded stream or the time ran out
-first), when ``--max-records`` were not consumed in time, or on a crash; 130
-when Ctrl-C stopped a run that was not ``--forever``.
+Starts real Kafka and Redis servers on loopback and the job's services (:class:`streamtrain.cluster.LocalCluster`),
+shows a live view, scores the parameters in Redis itself on the held-out split until a target, the stream or the
+time ends (or, with ``--forever``, Ctrl-C), hands over its credentials meanwhile, and stops everything it started.
+See README.md, *The main job*, and docs/online.md, *Scoring and when `up` stops* (the exit status).
 """
 
 from __future__ import annotations
@@ -182,7 +143,9 @@ def reached_target(score: dict[str, Any], s: UpSettings, task: Task) -> bool:
 
 
 def exit_code(outcome: Outcome, s: UpSettings, task: Task) -> int:
-    """0 when the run ended as asked, 1 when it failed, 130 for Ctrl-C of a bounded run (module docstring)."""
+    """0 when the run ended as asked, 1 when it failed, 130 for Ctrl-C of a bounded run.
+
+    The table of cases: docs/online.md, *Scoring and when `up` stops*."""
     if outcome is Outcome.TARGET:
         return 0
     if outcome is Outcome.INTERRUPTED:

@@ -1,24 +1,9 @@
 """Model specs: a name (or ``module:factory``) -> a fresh ``nn.Module`` and its loss.
 
-Built-in specs:
-
-- ``digits-mlp``: 64-256-256-10 MLP for scikit-learn's 8x8 digits (about 85k parameters).
-- ``mlp-2m``: 784-1024-1024-10 MLP (about 1.86M parameters), for synthetic data of width 784.
-- ``dlrm?OPTIONS``: the ranking model with embedding tables (:mod:`trainers.ranking`), one logit
-  per record, for click streams such as the ``clicks`` source.
-
-A custom spec ``package.module:factory`` names a callable taking no arguments
-that returns ``(model, loss_fn)`` — an ``nn.Module`` and a callable
-``loss_fn(output, target) -> scalar tensor``.
-
-**Models with embedding tables.** A model whose module has a ``tables``
-attribute (a sequence of ``services.tables.TableSpec``) keeps its tables
-in the parameter plane: its parameters are only the dense part, and its
-``forward(x, pooled)`` takes, beside the dense features ``x``, each table
-feature's rows already pooled per record (``pooled[feature]``: ``[n, dim]``).
-Its loss decides the task as for any model; ``binary_logistic_loss`` (one
-logit per record, 0/1 labels) makes it a binary classifier, scored by
-accuracy, log loss and AUC.
+:func:`build_model` builds ``digits-mlp``, ``mlp-2m``, the ranking model ``dlrm?OPTIONS`` or a plug-in
+``package.module:factory`` returning ``(model, loss_fn)``; the loss decides the task, and a ``tables``
+attribute keeps the model's embedding tables in the parameter plane. See docs/architecture.md,
+*A trainer, step by step* (*The model*), and docs/embeddings.md, *The data model*.
 """
 
 from __future__ import annotations

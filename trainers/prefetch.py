@@ -1,23 +1,10 @@
 """Overlapped pulls: the pull for the next step runs while this step computes.
 
-A :class:`PullAhead` owns a second buffer of the model's dense parameters (the staging
-buffer) and one thread. Started once a step has waited and pulled, it reads the job's clocks and
-brings the staging buffer up to date with a delta pull since the snapshot the buffer holds (the
-one the replica held before the last swap; the first pull ahead, or one after a failure, copies
-the replica first), while the step computes on the replica (which only reads it). The next
-step :meth:`~PullAhead.take`\\ s it when it still extends what the replica holds: pulled from
-the snapshot the replica holds now, under the same member id. Taking it swaps the two buffers,
-so the parameters then hold the newer snapshot with no copy.
-
-What it covers is what a pull of the step's own would: every live member's updates up to the
-lowest applied clock read before the pull. The step then checks the clock bound against that,
-as against its own pull, and pulls itself only when the bound asks for more: the step trains on
-the newest snapshot that is ready within the staleness bound.
-
-Under BSP (and SSP with staleness 0) the next step needs this step's own update, which does not
-exist yet while it computes: a pull ahead could never serve it, so none is started
-(:func:`overlaps`). Nor with local steps: the inner optimizer writes the parameters a window
-computes on, and only a window's first step pulls.
+:class:`PullAhead` brings a second buffer of the dense parameters up to date on a thread of its own; the
+next step takes it, by swapping the buffers, when it still extends what the replica holds, and pulls
+itself only when the clock bound asks for more. Under BSP, under SSP with staleness 0 and with local
+steps no pull ahead could serve the next step (:func:`overlaps`). See docs/parameter-plane.md, *Overlapped pulls: the
+next step's pull while this one computes*.
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ __all__ = ["Ahead", "PullAhead", "overlaps"]
 
 def overlaps(consistency: Consistency, local_steps: int) -> bool:
     """Can a pull ahead serve the next step? Under ASP and under SSP with staleness >= 1, with one
-    step per push (see the module's docstring)."""
+    step per push (docs/parameter-plane.md, *Overlapped pulls: the next step's pull while this one computes*)."""
     if local_steps > 1 or consistency.mode == "bsp":
         return False
     return consistency.mode == "asp" or consistency.staleness >= 1

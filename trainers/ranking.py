@@ -1,44 +1,10 @@
 """The built-in ranking model: a DLRM (Naumov et al., 2019) whose embedding tables live in the
 parameter plane.
 
-Per record: the dense features go through a bottom MLP to a vector of the
-embedding dimension; each categorical feature's IDs are looked up in its own
-table and pooled to one vector; the pairwise dot products of all these vectors
-(the feature interactions), beside the bottom MLP's output, go through a top
-MLP to one logit, trained with the logistic loss on 0/1 labels.
-
-The model itself holds only the dense part (the MLPs): the tables are declared
-(:attr:`Dlrm.tables`) and their rows reach :meth:`Dlrm.forward` already pooled,
-one ``[n, dim]`` tensor per feature, so no trainer ever holds a table
-(``trainers.tables``).
-
-Spec: ``dlrm?features=26&dense=13&dim=16``; options (all optional):
-
-==================  ======================================================  ==========
-``schema``          whose features: ``clicks`` (``c1`` .. ``cN``, ``tags``)  clicks
-                    or ``movielens`` (see below)
-``features``        single-valued categorical features ``c1`` .. ``cN``      26
-``tags``            1: also the multi-hot feature ``tags`` (mean-pooled)     0
-``dense``           dense features (0: none, no bottom MLP)                 13
-``dim``             embedding dimension                                     16
-``bottom``          hidden widths of the bottom MLP, ``-`` separated        64
-``top``             hidden widths of the top MLP                            64-32
-``row_optimizer``   ``lazyadam`` or ``adagrad``                             lazyadam
-``row_lr``          the row optimizer's learning rate                       0.01
-``admit``           admit an ID after this many updates carried it          1
-``expire_s``        remove a row not written for this long (0: never)       0
-``max_rows``        rows per table before the least recently written go     0 (no cap)
-``init_scale``      rows start uniform in [-s, s)                           0.05
-==================  ======================================================  ==========
-
-With the default ``schema=clicks`` the feature names match the ``clicks`` source
-(``datastream.clicks``). ``schema=movielens`` declares the features of the ``movielens`` source
-instead (:mod:`datastream.movielens`): one table for each of ``user``, ``item``, ``age``,
-``gender``, ``occupation``, ``zip``, ``year`` and a mean-pooled one for the multi-hot
-``genres``, and no dense features — so ``dlrm?schema=movielens`` is the whole spec of a ranking
-model for it (``features``, ``tags`` and ``dense`` are refused with it: the schema fixes them; the
-other options apply). It is the one way to fit the model to a data set's features: a schema names
-them, as the source names them.
+:class:`Dlrm` holds only the dense part (the bottom and top MLPs); its tables are declared
+(:attr:`Dlrm.tables`) and their rows reach :meth:`Dlrm.forward` already pooled, so no trainer ever holds
+a table. :func:`dlrm_from_options` builds it from a ``dlrm?...`` spec, for the ``clicks`` or the
+``movielens`` features (``schema``). See docs/embeddings.md, *The data model* (its options).
 """
 
 from __future__ import annotations
@@ -115,7 +81,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def dlrm_from_options(options: Mapping[str, str]) -> Dlrm:
-    """The DLRM a ``dlrm?...`` spec's options describe (see the module docstring).
+    """The DLRM a ``dlrm?...`` spec's options describe (docs/embeddings.md, *The data model*).
 
     Raises:
         ValueError: an unknown option or a bad value, named.

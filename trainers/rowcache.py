@@ -1,23 +1,10 @@
 """A trainer's bounded cache of embedding rows, with how stale each may be (pure; no I/O).
 
-A trainer never holds a table: it pulls the rows of its batch's IDs and keeps
-the most recently used ones here, up to a number of rows fixed at start, so
-its memory does not grow with the tables. Each cached row remembers when it
-was read, in the two clocks its table's consistency bound is written in:
-
-- ``covers``: the lowest applied clock of every live member that the clock
-  wait before the pull observed; the pull then read rows holding every update
-  up to it. A table under BSP or SSP with bound ``S`` may use the row at clock
-  ``c`` while ``covers >= c - S - 1`` (invariant 2, row by row; ``S = 0`` under
-  BSP, so a row is always read afresh after its clock's wait).
-- ``clock``: this trainer's clock at the pull. A table under ASP with bound
-  ``S`` uses a row for at most ``S`` more of this trainer's steps (0: read every
-  row afresh each step): no waiting on others, but no row older than that.
-
-Eviction is least recently used, in whole steps: when a table's slots run out,
-the quarter used longest ago make room (one ``argpartition`` per eviction, not
-a linked list per lookup). IDs are found by ``np.searchsorted`` in a sorted
-array of those held: every operation is vectorised, none works per ID in Python.
+A trainer never holds a table: :class:`RowCache` keeps the most recently used rows of its batches, up to
+a number fixed at start, each with the two clocks its table's bound (:class:`TableBound`) is written in:
+``covers`` for BSP and SSP, this trainer's ``clock`` at the pull for ASP. Eviction and lookups are
+vectorised, none per ID in Python. See docs/embeddings.md, *Consistency per part (PERSIA's hybrid)* and
+*The trainer's row cache*.
 """
 
 from __future__ import annotations

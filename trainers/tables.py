@@ -1,23 +1,10 @@
 """A trainer's side of embedding tables: the rows a batch needs, fetched, pooled, and their
 gradients sent back as rows.
 
-Per step and per table:
-
-1. **Plan** (:func:`plan_lookups`): the batch's IDs of every feature of the
-   table, deduplicated (``np.unique``): the rows the step needs, and for each
-   feature the position of each ID among them plus the records' offsets
-   (``EmbeddingBag``'s input). No Python loop over records.
-2. **Fetch** (:class:`RowFetcher`): the rows the cache may serve under the
-   table's bound (``trainers.rowcache``), and the others in one pull
-   (``services.tables.store.pull_rows``: one round trip per group for every
-   table at once), which then go into the cache. An ID without a row reads as
-   its initial value.
-3. **Pool** (:func:`pool`): the fetched rows become a leaf tensor on the
-   device, and each feature's records are pooled from it with
-   ``embedding_bag`` (sum or mean, as the table says). The backward pass leaves
-   the gradient of exactly those rows on it: ``[unique IDs, dim]``, summed over
-   every occurrence, which is what :func:`row_gradients` sends (only those rows
-   cross from the device to the host).
+Per step and table, :func:`plan_lookups` deduplicates the batch's IDs, :class:`RowFetcher` serves what the
+row cache may and pulls the rest in one round trip per group, :func:`pool` pools each feature's records
+from one leaf tensor with ``embedding_bag``, and :func:`row_gradients` sends that leaf's gradient: exactly
+the batch's unique rows. See docs/embeddings.md, *Pull, push, apply*.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """The trainer side of a push: validate gradients, compress with error feedback, push.
 
-:class:`Pusher` holds one error-feedback residual per shard for lossy codecs:
-it encodes ``g + residual`` and keeps what was not sent as the next residual,
-so nothing of the gradient is lost, only delayed. The residual moves on only
-when the push is known committed: :meth:`Pusher.prepare` encodes and returns the
-:class:`Feedback` the push leaves behind, :meth:`Pusher.send` pushes and changes
-nothing here, and :meth:`Pusher.adopt` makes the feedback current. Which pushes
-are committed is the caller's to say, never the Pusher's: :meth:`Pusher.push`
-adopts when the push succeeds; a caller that rides out outages (the trainer)
-settles a push whose reply was lost with :func:`services.push.updates.was_committed`
-and adopts only if it went through. A push not adopted leaves the residual as
-it was.
-
-Which codec each tensor travels with is :class:`~services.codecs.SizeAdaptive`'s to say: a
-tensor of fewer than ``dense_below`` values goes dense with the chain's value codec (``fp16``
-for ``topk+fp16``), a larger one through the whole chain, whose top-k density follows the
-warm-up schedule over the first ``density_warmup_steps`` committed pushes. Each shard names its
-codecs, so the receivers need not be told.
-
-With ``momentum`` (the ``dgc`` optimizer) the trainer also keeps a momentum
-buffer per shard, as in Deep Gradient Compression (Lin et al., 2018):
-*momentum correction* accumulates the momentum ``u = m * u + g`` (not the raw
-gradient) into the residual and sends the top-k of that, and *momentum factor
-masking* clears ``u`` where values were sent, so a sent coordinate's stale
-momentum does not keep pushing it. The server then applies plain SGD. A tensor sent
-dense keeps its momentum (no masking): its updates are those of momentum SGD.
-
-The next residual is ``g + residual`` with what was sent taken off, computed from
-the codec's own account of what the receiver will decode (:class:`~services.codecs.Sent`:
-for ``topk`` chains, the few kept indices and their decoded values), never by
-decoding the bytes again: a top-k push touches the full shard only to add the
-residual, check it is finite, take magnitudes and pick the kept values.
+:class:`Pusher` keeps one error-feedback residual (and, for ``dgc``, one momentum buffer) per shard, and
+moves them on only when a push is known committed: :meth:`Pusher.prepare` encodes, :meth:`Pusher.send`
+pushes, :meth:`Pusher.adopt` makes the feedback current. Which codec each tensor travels with is
+:class:`~services.codecs.SizeAdaptive`'s to say.
+See docs/parameter-plane.md, *Public API (what a trainer calls)* and *Codecs*.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Updates: what a trainer pushes, the atomic push, and how a log entry is read back.
 
-A push is one Lua script (``lua/push.lua``) that, atomically: checks the
-generation and partition ownership (fencing), checks every offset range starts
-at the committed offset, checks the clock advances, refuses when
-``max_pending`` updates are still unapplied (backpressure), appends the update
-to ``update_log``, commits the offsets and the member's clock, and counts the
-update in ``unapplied``. Either all of it happens or none of it.
-
-The gradient bytes do not pass through Lua (which would copy every argument
-into a Lua string), nor through the job's slot: before the script runs, each
-shard's encoded gradient is SET under ``GroupKeys.update_blob(token, i)`` in
-the slot of the group that owns the shard (one MULTI per group), so under
-Redis Cluster the bytes go to the node that applies them. A refused push
-deletes them again; a pusher that dies between the blobs and the script leaves
-them to the group's sweeper (``ParameterServer.sweep``). A log entry holds only
-a msgpack header naming the token and the shards
-(:meth:`services.protocol.Update.to_fields`; :meth:`~services.protocol.Update.from_fields`
-reads one back), and the script's KEYS and ARGV are :class:`services.scripts.PushCall`'s.
+The encoded gradients go first, as blobs in the slots of the groups that own their shards (never through
+Lua nor the job's slot); then one Lua script (``lua/push.lua``) fences, checks the offsets, the clock and
+backpressure, logs the update's header and commits its offsets, all or nothing. :func:`was_committed`
+settles a push whose reply was lost. See docs/parameter-plane.md, *Push: the blobs, then one atomic step*.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """The atomic write of a batch of applied updates, in two halves, shared by every server group.
 
-A server applies the pending updates it read one after another in memory and
-then writes the result:
-
-1. **The group's half** (``lua/apply.lua``, the group's hash slot): for every
-   shard it changed, the coordinates the batch changed and their new values as
-   a delta at the group's next version (and, when the shard is due for
-   compaction, its full bytes); the group's cursor; when the server persists,
-   its optimizer state, step counts and persisted cursor, and the deletion of
-   the group's gradient blobs of the updates that state now includes; and the
-   plan of the second half, kept in ``unaccounted``. A compare-and-set on the
-   cursor and the shard versions makes it exactly once.
-2. **The job's half** (``lua/account.lua``, the job's hash slot): the group's
-   verdict on each update (HSETNX into ``applied_by``, so it counts once), and
-   for the group that completes an update: ``applied_clocks``, the
-   ``applied_samples`` entry and the ``unapplied`` count; the group's accounted
-   and persisted cursors, the log trim below every group's persisted cursor,
-   and, every few seconds, the server's :class:`Housekeeping`.
-
-A server killed between the halves finds the plan in ``unaccounted`` when it
-restarts and runs the second half then (:func:`finish_accounting`); a plan
-that was already recorded is answered ``ALREADY``. Under Redis Cluster the
-halves run on different nodes; each is one slot. :mod:`services.server.service`
-decides what goes into them. The scripts' KEYS and ARGV are those of
-:class:`services.scripts.ApplyCall` and :class:`~services.scripts.AccountCall`;
-the plan of the second half is a :class:`services.protocol.AccountPlan`, and
-each ``applied_samples`` entry an :class:`~services.protocol.AccountingRecord`.
+The group's half (``lua/apply.lua``, its slot: deltas, compactions, cursor, persisted optimizer state,
+behind a compare-and-set) and the job's half (``lua/account.lua``, the job's slot: each update's verdict
+and accounting, exactly once) run on different nodes under Redis Cluster; a server killed between
+them finishes the second from ``unaccounted`` (:func:`finish_accounting`).
+See docs/parameter-plane.md, *Apply: exactly once, with deltas, in two halves*.
 """
 
 from __future__ import annotations

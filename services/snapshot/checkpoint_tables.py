@@ -1,30 +1,10 @@
 """A checkpoint's embedding tables: streamed in pieces into a folder beside the checkpoint file, and back.
 
-``services.snapshot.checkpoint`` takes each group's cut of its tables (``services.snapshot.table_cut``) with the
-group's dense cut; this module writes the tables as of those cuts and reads them back.
-
-**The folder** ``<checkpoint>.tables/`` (:func:`tables_folder`) holds one safetensors file per piece
-and ``manifest.json``. A piece holds at most ``rows_per_piece`` entries of one table of one group:
-tensors ``ids`` (int64 ``[n]``) and ``records`` (uint8 ``[n, record bytes]``), each record exactly as
-Redis stores it: a row's ``row_dtype`` record (version u64, values f32[dim], written_ms u64, optimizer
-state f32[slots], little-endian) in the ``rows`` pieces, a ``SEEN_DTYPE`` record (count u32, seen_ms
-u64) of an ID not admitted yet in the ``seen`` pieces. Its metadata names the job, table, group, kind
-and the cut's version. Files are named ``<table>-<group>-<kind>-<n>.safetensors`` (n from 0). The
-manifest::
-
-    {"format": "streamtrain-checkpoint-4-tables", "save": <the save's token>, "job": ...,
-     "rows_per_piece": ..., "tables": [{"table": ..., "group": g, "version": <the cut's>,
-       "rows": {"record_bytes": ..., "records": <in all>, "pieces": [{"file": ..., "records": n}, ...]},
-       "seen": {...}}, ...]}
-
-An ID may appear in two pieces (see ``services.snapshot.table_cut``), always with the same record, so
-``records`` counts records, not distinct IDs; a restore writes each, the same value again.
-
-The main file names the folder and the save's token; it is written last (its presence means the
-folder is complete), and the folder's manifest must carry the same token: a folder of another save
-(a crash between renaming the folder and the file) is refused. A restore checks the whole folder
-(every piece listed is there, with the shapes and counts the manifest gives) before it writes
-anything, then writes each piece back with HSET, a piece at a time (bounded memory).
+:func:`save_tables` writes each table of each group as of the group's cut (``services.snapshot.table_cut``)
+into ``<checkpoint>.tables/`` (:func:`tables_folder`): safetensors pieces of records exactly as Redis stores
+them, and a manifest that carries the save's token. :func:`check_tables` checks the whole folder before
+:func:`restore_tables` writes anything back, a piece at a time.
+See docs/embeddings.md, *Checkpoints: a cut of the rows while the servers apply*.
 """
 
 from __future__ import annotations

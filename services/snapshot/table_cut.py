@@ -1,29 +1,11 @@
 """Reading a group's embedding tables in pieces: as they are (an export), or as of a checkpoint's cut
 while the servers go on applying (copy-on-write shadows).
 
-A table can be far larger than one script may read at once, or than the memory of the process that
-saves it, so it is read with ``lua/rows_scan.lua``, one HSCAN step at a time, and handed on in pieces
-of at most ``rows_per_piece`` entries (:func:`scan_pieces`). A scan of a hash that changes under it is
-no cut: it returns each entry present for the whole scan at least once, as it was when the step read it.
-
-**The cut** (``lua/table_cut.lua``, :func:`take_call`, :func:`keep_cut`, :func:`drop_cut`). A
-checkpoint takes the group's cut at group version V in the MULTI/EXEC that reads the group's dense
-cut, and holds it (``GroupKeys.table_cut``, with an expiry it renews) until it has saved every table.
-Meanwhile ``apply.lua`` and ``rows_sweep.lua`` copy, before they overwrite or delete it,
-
-* every row record of version at most V into the table's rows shadow (HSETNX: the first old record
-  after the cut, i.e. the cut's; a row written after the cut has a version above V);
-* every sighting record (they carry no version) into the seen shadow, or ``''`` when the ID had none,
-  once per ID.
-
-Then the table as of the cut is (:func:`cut_pieces`), for rows: the live rows of version at most V
-(never written since the cut: a row that was has a higher version) and every shadowed row (changed
-or removed since); for sighting records: the live ones of IDs without a shadow entry (untouched
-since the cut) and every shadowed one but the ``''`` markers. Each ID present at the cut comes out:
-one present for the whole live scan is returned by it, with its cut's record or its shadow taken
-before the shadow pass starts; one removed during it has its shadow by then. An ID may come out
-twice (the live scan saw it unchanged, it changed before the shadow pass; or HSCAN returned it twice
-while Redis resized the hash): every time with the cut's record.
+A table is read one HSCAN step at a time (``lua/rows_scan.lua``) and handed on in pieces (:func:`scan_pieces`,
+:func:`live_pieces`), since it may be far larger than one script may read or the saver's memory. A cut
+(:func:`take_call`, :func:`keep_cut`, :func:`drop_cut`) makes the applies and sweeps shadow what they change,
+so :func:`cut_pieces` yields the table as of the cut's version.
+See docs/embeddings.md, *Checkpoints: a cut of the rows while the servers apply*.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """Exporting a job's embedding tables in pieces: safetensors files of IDs and values, and a manifest.
 
-``streamtrain export --tables-dir DIR`` (``services.snapshot.cli_export``) writes, beside the dense part
-(``services.snapshot.export``), each table group by group, read with HSCAN while training goes on
-(``services.snapshot.table_cut.live_pieces``), in pieces of at most ``rows_per_piece`` rows:
-
-* ``DIR/<table>-<group>-<n>.safetensors`` (n from 0): tensors ``ids`` (int64 ``[rows]``) and
-  ``values`` (float32 ``[rows, dim]``); metadata ``streamtrain.job``, ``streamtrain.table``,
-  ``streamtrain.dim``, ``streamtrain.group`` and ``streamtrain.version``, the group's version when
-  the piece's last scan step ran (every row in it was written at or before it);
-* ``DIR/manifest.json``: ``{"format": "streamtrain-tables-1", "job", "groups", "feed_position",
-  "tables": [{"table", "dim", "rows", "pieces": [{"file", "group", "rows", "version"}, ...]}, ...]}``;
-  ``feed_position`` is each group's feed position (``services.tables.feed``) before the export read
-  anything: a copy loaded from the export and brought up to date by following the feed from it
-  (``GET /v1/model/updates?since=<feed_position>``) holds exactly the rows Redis holds.
-
-**What it holds.** Each row as its group last wrote it when the scan read it: the table as a whole
-is no cut (rows written while it is read may be before or after, and a group's rows are read over
-many group versions); a checkpoint is a cut. An ID appears once, except when Redis resized the
-group's hash during the read (HSCAN then returns an entry twice): the later occurrence is the later
-read. IDs never admitted (or expired, or evicted) have no row: a model reads them as their initial
-value (``services.tables.rows.initial_rows``), which the table's spec in the model's meta fixes.
-The optimizer state is not exported.
-
-The pieces are written into a temporary folder beside ``DIR``, renamed into place when complete; a
-``DIR`` of an earlier export is replaced, any other non-empty ``DIR`` is refused.
+``streamtrain export --tables-dir DIR`` writes, beside the dense part, each table group by group, read with
+HSCAN while training goes on: each row as its group last wrote it, no cut (a checkpoint is one). The
+manifest records each group's feed position before the read, so a copy loaded from the export and brought
+up to date by the feed holds exactly the rows Redis holds. See docs/embeddings.md, *Export*.
 """
 
 from __future__ import annotations
@@ -87,7 +67,7 @@ def _replaceable(folder: str) -> bool:
 
 
 def export_tables(client: redis.Redis, job: str, folder: str, *, rows_per_piece: int = 65536) -> TablesExported:
-    """Write every embedding table of ``job`` to ``folder`` in pieces (see the module docstring).
+    """Write every embedding table of ``job`` to ``folder`` in pieces (docs/embeddings.md, *Export*).
 
     Raises:
         NoModelError: the job has no model (a LayoutError).
