@@ -62,7 +62,7 @@ def _updates(client: redis.Redis, job: str, since_text: str, limit: int, with_de
     """(body, position reached, heads, versions, entries, dense changed) of the changes since ``since_text``
     (the dense tensors in the body when they changed and ``with_dense``)."""
     from services.slots import read_meta
-    from services.snapshot.export import snapshot
+    from services.snapshot.export import ExportError, snapshot
     from services.tables.feed import (
         FeedAheadError,
         changes_to_safetensors,
@@ -77,8 +77,11 @@ def _updates(client: redis.Redis, job: str, since_text: str, limit: int, with_de
         raise FeedAheadError(f"job {job} has no feed position {since_text!r}: {exc}", head=heads) from None
     changes = read_changes(client, job, meta.tables, since, limit=limit)
     dense = dense_version = None
-    if changes.dense and with_dense:
-        dense_version, tensors = snapshot(client, job)
+    if changes.dense and with_dense:  # as of the rows' versions: one state, rows and dense alike
+        try:
+            dense_version, tensors = snapshot(client, job, changes.version)
+        except ExportError:  # no longer retained (a restore in between): the newest, named as such
+            dense_version, tensors = snapshot(client, job)
         dense = {name: t.numpy() for name, t in tensors.items()}
     body = changes_to_safetensors(changes, job=job, dense=dense, dense_version=dense_version)
     position, head, version = (VersionVector(v).name() for v in (changes.position, changes.head, changes.version))

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("trainers.cli", "run a trainer: consume partitions, compute and push gradients"),
     "coordinator": ("coordinator.cli", "run the coordinator: membership, leases, assignment, status"),
     "status": ("coordinator.status_cli", "print the status of a running coordinator"),
+    "serve": ("serving.cli", "serve a job's model: follow its feed, answer predictions (Open Inference Protocol)"),
 }
 """Subcommand -> (module, one-line description)."""
 

@@ -31,6 +31,7 @@ from common.settings import from_args, to_flags
 from coordinator.settings import CoordinatorSettings
 from datastream.settings import ProduceSettings
 from services.settings import ServerSettings
+from serving.settings import ServeSettings
 from trainers.settings import TrainerSettings
 
 from .launcher import KafkaCluster, RedisCluster, RedisServer, ServiceProcess, free_port, wait_until
@@ -112,6 +113,11 @@ class ClusterSpec:
     (:func:`~streamtrain.launcher.replication_config`): one broker may die (:meth:`LocalCluster.kill_broker`)."""
     extra_trainer_args: tuple[str, ...] = ()
     """More flags for every trainer, after its settings' (they win)."""
+    replicas: int = 0
+    """Serving replicas (``streamtrain serve``) started with the cluster, each on a free port
+    (:meth:`LocalCluster.add_replica` starts more)."""
+    serve: ServeSettings = ServeSettings()
+    """Every serving replica (its job, model, addresses, tokens and port are the cluster's)."""
 
     @property
     def partitions(self) -> int:
@@ -182,6 +188,8 @@ class Services(NamedTuple):
     """Every trainer."""
     producer: ProduceSettings | None
     """The producer, if any."""
+    serve: ServeSettings
+    """Every serving replica (the port is each replica's own: :meth:`LocalCluster.add_replica`)."""
 
 
 def service_settings(spec: ClusterSpec, at: Endpoints) -> Services:
@@ -199,7 +207,9 @@ def service_settings(spec: ClusterSpec, at: Endpoints) -> Services:
                       redis_url=at.redis_url, kafka_bootstrap=at.bootstrap)
     producer = None if spec.producer is None else replace(
         spec.producer, topic=spec.topic, bootstrap=at.bootstrap, partitions=coordinator.partitions)
-    return Services(coordinator, ps, trainer, producer)
+    serve = replace(spec.serve, job=spec.job, model=spec.trainer.model, coordinator_url=at.coordinator_url,
+                    job_token=at.job_token, redis_url=at.redis_url, host=at.host)
+    return Services(coordinator, ps, trainer, producer, serve)
 
 
 def command_line(command: str, settings: Any) -> tuple[list[str], dict[str, str]]:
@@ -221,6 +231,7 @@ def commands(spec: ClusterSpec, at: Endpoints) -> dict[str, tuple[list[str], dic
     out["trainer"] = ([*args, *spec.extra_trainer_args], env)
     if services.producer is not None:
         out["producer"] = command_line("produce", services.producer)
+    out["serve"] = command_line("serve", services.serve)
     return out
 
 
@@ -237,6 +248,8 @@ class LocalCluster:
     """The parameter servers, group g at index g."""
     producer: ServiceProcess | None = None
     trainers: list[ServiceProcess] = field(default_factory=list)
+    replicas: list[tuple[ServiceProcess, int]] = field(default_factory=list)
+    """The serving replicas and their ports."""
     admin_token: str = ""
     """Bearer token of admin calls: the spec's coordinator's when set, else a fresh random one."""
     job_token: str = ""
@@ -302,16 +315,20 @@ class LocalCluster:
                 self.start_producer()
             for _ in range(self.spec.trainers):
                 self.add_trainer()
+            for _ in range(self.spec.replicas):
+                self.add_replica()
         except BaseException:
             self.stop()
             raise
         return self
 
     def _service(self, which: str, name: str, ready: Callable[[], bool] | None = None,
-                 netns: NetNamespace | None = None, env: Mapping[str, str] | None = None) -> ServiceProcess:
+                 netns: NetNamespace | None = None, env: Mapping[str, str] | None = None,
+                 flags: tuple[str, ...] = ()) -> ServiceProcess:
         """Start service ``which`` (a key of :func:`commands`) as process ``name`` (inside ``netns``,
-        with ``env`` over its environment)."""
+        with ``env`` over its environment and ``flags`` after its own: they win)."""
         args, base_env = commands(self.spec, self.endpoints)[which]
+        args = [*args, *flags]
         prefix = netns.command([]) if netns is not None else ()
         assert self.workdir is not None
         proc = ServiceProcess(name, args, env={**base_env, **(env or {})}, ready=ready, prefix=prefix,
@@ -349,13 +366,45 @@ class LocalCluster:
         self.trainers.append(trainer)
         return trainer
 
+    def add_replica(self, port: int | None = None) -> ServiceProcess:
+        """Start one more serving replica on ``port`` (a free one by default: :meth:`replica_url`);
+        it answers its liveness route once started (readiness follows its first state)."""
+        port = port or free_port(self.spec.host)
+        proc = self._service("serve", f"serve-{self._next()}", ready=lambda: self._live(port),
+                             flags=("--port", str(port)))
+        self.replicas.append((proc, port))
+        return proc
+
+    def replica_url(self, index: int = 0) -> str:
+        """Base URL of serving replica ``index``."""
+        return f"http://{self.spec.host}:{self.replicas[index][1]}"
+
+    def restart_replica(self, index: int = 0) -> ServiceProcess:
+        """SIGKILL serving replica ``index`` and start it again on its port."""
+        proc, port = self.replicas[index]
+        with contextlib.suppress(Exception):
+            proc.kill()
+            proc.stop()
+        new = self._service("serve", f"serve-{self._next()}", ready=lambda: self._live(port),
+                            flags=("--port", str(port)))
+        self.replicas[index] = (new, port)
+        return new
+
+    def _live(self, port: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.spec.host}:{port}/v2/health/live", timeout=1.0) as resp:
+                return bool(resp.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
     def _next(self) -> int:
         self._started += 1
         return self._started
 
     def stop(self) -> None:
         """Stop everything, trainers first (they drain and leave), servers last."""
-        for proc in [*self.trainers, self.producer, *self.ps, self.coordinator, self.kafka, self.redis]:
+        replicas = [proc for proc, _ in self.replicas]
+        for proc in [*replicas, *self.trainers, self.producer, *self.ps, self.coordinator, self.kafka, self.redis]:
             if proc is not None:
                 try:
                     proc.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -225,7 +225,7 @@ def read_changes(client: redis.Redis, job: str, tables: Sequence[TableSpec], sin
 
 # -- on the wire -----------------------------------------------------------------------------------
 
-_SUFFIXES = ("ids", "values", "removed")
+_SUFFIXES = ("ids", "values", "versions", "removed")
 
 
 def changes_to_safetensors(changes: Changes, *, job: str, dense: Mapping[str, np.ndarray] | None = None,
@@ -244,6 +244,7 @@ def changes_to_safetensors(changes: Changes, *, job: str, dense: Mapping[str, np
     for name, t in changes.tables.items():
         tensors[f"{name}.ids"] = np.ascontiguousarray(t.ids, dtype=np.int64)
         tensors[f"{name}.values"] = np.ascontiguousarray(t.values, dtype=np.float32)
+        tensors[f"{name}.versions"] = np.ascontiguousarray(t.versions, dtype=np.uint64)
         tensors[f"{name}.removed"] = np.ascontiguousarray(t.removed, dtype=np.int64)
     metadata = {"format": "pt", "streamtrain.job": job, "streamtrain.feed.since": VersionVector(changes.since).name(),
                 "streamtrain.feed.position": VersionVector(changes.position).name(),
@@ -277,6 +278,9 @@ class DecodedChanges:
     """The dense tensors by parameter name (empty when no shard changed in the range)."""
     dense_version: str | None
     """The version of ``dense`` (None without)."""
+    versions: dict[str, np.ndarray] = field(default_factory=dict)
+    """Table -> uint64: the group version that last wrote each upserted row (in the order of its IDs;
+    absent from an answer of a coordinator older than this field)."""
 
     @property
     def more(self) -> bool:
@@ -308,4 +312,5 @@ def changes_from_safetensors(body: bytes) -> DecodedChanges:
                           meta["streamtrain.version"],
                           np.array([int(x) for x in ms.split(",") if x], dtype=np.int64), tables,
                           {k: v for k, v in tensors.items() if k not in table_keys},
-                          meta.get("streamtrain.dense_version"))
+                          meta.get("streamtrain.dense_version"),
+                          {name: tensors[f"{name}.versions"] for name in tables if f"{name}.versions" in tensors})
