@@ -38,6 +38,7 @@ async def _serve(app: web.Application, settings: ServeSettings) -> int:
         logger.info("serving job %s (model %s) on http://%s:%d (coordinator %s, redis %s)", settings.job,
                     settings.model, settings.host, port, settings.coordinator_url, redact_url(settings.redis_url))
         replica = app[REPLICA]
+        replica.address = f"{settings.host}:{port}"
         while not stop.is_set() and replica.failure is None:
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)

@@ -28,7 +28,7 @@ from .state import ModuleFactory, ServedState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExportFolderError", "state_from_redis", "state_from_folder"]
+__all__ = ["ExportFolderError", "feed_position", "state_from_redis", "state_from_folder"]
 
 _PIECE_ROWS = 65536
 
@@ -49,11 +49,16 @@ def _room(store: RowStore, n: int) -> int:
     return n if not store.max_rows else max(0, min(n, store.max_rows - store.rows))
 
 
+def feed_position(client: redis.Redis, job: str, groups: int) -> str:
+    """The feed position to read an export's rows after (each group's newest)."""
+    return VersionVector(feed_heads(client, job, groups)).name()
+
+
 def state_from_redis(client: redis.Redis, job: str, meta: ModelMeta, dense: Mapping[str, torch.Tensor],
-                     dense_version: str, factory: ModuleFactory, *, max_rows: int = 0) -> ServedState:
-    """A state of the job's tables as Redis holds them now (each row as its group last wrote it), at the
-    feed position before any row was read; with ``max_rows``, the first ``max_rows`` rows of each table."""
-    position = VersionVector(feed_heads(client, job, meta.groups)).name()
+                     dense_version: str, factory: ModuleFactory, *, position: str, max_rows: int = 0) -> ServedState:
+    """A state of the job's tables as Redis holds them now (each row as its group last wrote it), at feed
+    ``position`` (:func:`feed_position`, read before the rows and the dense part: every change after it is
+    in the feed); with ``max_rows``, the first ``max_rows`` rows of each table."""
     state = _state(meta, factory(dense), dense_version, position, max_rows)
     for spec in meta.tables:
         store = state.tables[spec.name]

@@ -35,9 +35,10 @@ from services.tables.feed import DecodedChanges, changes_from_safetensors
 from services.tables.store import pull_rows
 from trainers.models import ModelSpec, build_model
 
-from .loader import ExportFolderError, state_from_folder, state_from_redis
+from .loader import ExportFolderError, feed_position, state_from_folder, state_from_redis
 from .metrics import ServeMetrics
 from .protocol import Batch, Signature, model_outputs
+from .report import LatencyWindow, ServedScores, served_auc
 from .settings import ServeSettings
 from .state import ModuleFactory, ServedState, score, signature_of
 
@@ -99,7 +100,16 @@ class Replica:
         self._session: aiohttp.ClientSession | None = None
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="serve-io")
         self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        self._reporter: asyncio.Task[None] | None = None
+        self.scores = ServedScores()
+        """Labelled records answered: the served AUC."""
+        self.latency = LatencyWindow()
+        self.requests = 0
+        """Prediction requests answered (any status)."""
+        self.records = 0
+        """Records scored."""
+        self.address = ""
+        """``host:port`` the replica listens on (set once bound: its default name and URL)."""
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -112,13 +122,16 @@ class Replica:
             headers={"Authorization": f"Bearer {self.settings.job_token}"},
             timeout=aiohttp.ClientTimeout(total=60.0, connect=5.0))
         self._task = asyncio.create_task(self._follow(), name="serve-follow")
+        if self.settings.report_every_s > 0:
+            self._reporter = asyncio.create_task(self._report(), name="serve-report")
 
     async def close(self) -> None:
         """Stop following and release the connections (idempotent)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in (self._task, self._reporter):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._reporter = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -162,7 +175,51 @@ class Replica:
             self.metrics.misses.inc(misses)
         outputs = model_outputs(self.signature, score(lookup))
         self.metrics.records.inc(batch.n)
+        self.records += batch.n
         return Prediction(outputs, lookup.version, misses)
+
+    def observe_labels(self, labels: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
+        """Count labelled records answered toward the served AUC (a binary model's; others ignore them)."""
+        if self.signature.kind == "binary" and "logit" in outputs:
+            self.scores.observe(np.asarray(labels, dtype=np.float64), outputs["logit"])
+
+    def observe_request(self, seconds: float) -> None:
+        """One prediction request answered in ``seconds``."""
+        self.requests += 1
+        self.latency.observe(seconds)
+
+    def report(self) -> dict[str, object]:
+        """What the replica reports to the coordinator (``POST /v1/serving/replicas/<name>``)."""
+        state = self.state
+        stale = self.staleness_s
+        return {"url": self.settings.url or f"http://{self.address}", "version": state.version if state else None,
+                "staleness_s": None if stale is None else round(stale, 3), "ready": self.ready,
+                "rows": state.rows if state else 0, "misses": state.misses if state else 0, "reloads": self.reloads,
+                "requests": self.requests, "records": self.records, "latency_p99_ms": self.latency.take_p99_ms(),
+                "served_auc": None, "labelled": self.scores.seen}
+
+    async def _report(self) -> None:
+        """Send :meth:`report` to the coordinator every ``--report-every-s`` (a failure is logged once)."""
+        failing = False
+        while True:
+            await asyncio.sleep(self.settings.report_every_s)
+            name = self.settings.name or self.address
+            if not name or self._session is None:
+                continue
+            try:
+                body = self.report()
+                labels, logits = self.scores.arrays()
+                body["served_auc"] = await asyncio.get_running_loop().run_in_executor(None, served_auc, labels, logits)
+                async with self._session.post(f"v1/serving/replicas/{name}", json=body) as resp:
+                    if resp.status >= 300:
+                        raise FeedRefused(resp.status, "report_refused", (await resp.text())[:200])
+                failing = False
+            except asyncio.CancelledError:
+                raise
+            except (FeedRefused, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                if not failing:
+                    logger.warning("job %s: cannot report to the coordinator: %s", self.settings.job, exc)
+                failing = True
 
     # -- following the feed ----------------------------------------------------------------------
 
@@ -217,14 +274,19 @@ class Replica:
         meta = await self._call(read_meta, self._plane_client(), self.settings.job)
         self._check_meta(meta)
         self.meta = meta
-        dense, dense_version = await self._dense()
         folder = self.settings.export_dir if reason == "start" and self.settings.export_dir else ""
+        # the dense part is read after the position is fixed (the folder's is older still): a dense change
+        # it misses comes after the position, and the feed brings it
         if folder:
+            dense, dense_version = await self._dense()
             state = await self._call(state_from_folder, folder, self.settings.job, meta, dense, dense_version,
                                      self.factory, max_rows=self.settings.max_rows)
         else:
+            position = await self._call(feed_position, self._plane_client(), self.settings.job, meta.groups)
+            dense, dense_version = await self._dense()
             state = await self._call(state_from_redis, self._plane_client(), self.settings.job, meta, dense,
-                                     dense_version, self.factory, max_rows=self.settings.max_rows)
+                                     dense_version, self.factory, position=position,
+                                     max_rows=self.settings.max_rows)
         self._apply(state, await self._catch_up(state.position))
         self.metrics.reloads.labels(reason).inc()
         return state

@@ -47,5 +47,12 @@ class ServeSettings:
                                           "this long (the replica keeps answering from its last state)")
     max_records: int = setting(4096, env="STREAMTRAIN_SERVE_MAX_RECORDS", min=1, max=1 << 20,
                                help="most records one request may hold")
+    name: str = setting("", env="STREAMTRAIN_SERVE_NAME",
+                        help="this replica's name in its reports to the coordinator (empty: host:port)")
+    url: str = setting("", env="STREAMTRAIN_SERVE_URL",
+                       help="the URL clients reach this replica at, as reported (empty: http://host:port)")
+    report_every_s: float = setting(1.0, env="STREAMTRAIN_SERVE_REPORT_EVERY_S", min=0.0, max=3600.0,
+                                    help="report the served version, lag, rows, requests and served AUC to the "
+                                         "coordinator this often (its status page and `up` show them; 0: never)")
     threads: int = setting(1, env="STREAMTRAIN_SERVE_THREADS", min=1, max=256,
                            help="torch intra-op threads of the forward pass")

@@ -25,6 +25,8 @@ from trainers.tables import TableLookup, plan_lookups, pool
 from .protocol import Batch, Signature
 from .rowstore import RowStore
 
+_CPU = torch.device("cpu")
+
 __all__ = ["ServedState", "ModuleFactory", "Lookup", "Applied", "signature_of", "score"]
 
 
@@ -133,7 +135,7 @@ class ServedState:
     def lookup(self, batch: Batch) -> Lookup:
         """The rows ``batch`` needs from this state (its module held with them); the IDs a bounded
         store lacks are left for the caller to read (:meth:`Lookup.fill`)."""
-        lookups = plan_lookups(self.specs, batch.ids, batch.n)
+        lookups = plan_lookups(self.specs, batch.ids, batch.n, dedupe=False)
         rows: dict[str, np.ndarray] = {}
         wanted: dict[str, np.ndarray] = {}
         for name, lk in lookups.items():
@@ -206,9 +208,9 @@ class Lookup:
 def score(lookup: Lookup) -> np.ndarray:
     """The module's output for the request (logits, class logits or values)."""
     batch = lookup.batch
-    with torch.no_grad():
+    with torch.inference_mode():
         x = torch.from_numpy(batch.x)
         if not lookup.lookups:
             return lookup.module(x).numpy()
-        pooled, _ = pool(lookup.lookups, lookup.rows, torch.device("cpu"))
+        pooled, _ = pool(lookup.lookups, lookup.rows, _CPU, grad=False)
         return lookup.module(x, pooled).numpy()

@@ -53,9 +53,11 @@ class TableLookup:
 
 
 def plan_lookups(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged], n: int, *,
-                 groups: int | None = None) -> dict[str, TableLookup]:
+                 groups: int | None = None, dedupe: bool = True) -> dict[str, TableLookup]:
     """The lookups of a batch of ``n`` records with categorical features ``ids`` (a feature the batch
     lacks has no ID in any record, and pools to zeros); with ``groups``, each ID's shard group too.
+    ``dedupe=False`` (serving: no gradient to gather per row) skips the sort: a table's ``ids`` are
+    its features' IDs as they come, repeats included.
 
     Raises:
         ValueError: a feature's column does not have ``n`` records.
@@ -71,7 +73,10 @@ def plan_lookups(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged], n: 
                 raise ValueError(f"feature {f!r} has {col.n} records, the batch {n}")
             columns.append((f, col))
         values = np.concatenate([c.values for _, c in columns]) if columns else np.empty(0, np.int64)
-        unique, inverse = np.unique(values, return_inverse=True)
+        if dedupe:
+            unique, inverse = np.unique(values, return_inverse=True)
+        else:
+            unique, inverse = values, np.arange(values.size, dtype=np.int64)
         feats, at = [], 0
         for f, col in columns:
             feats.append(FeatureLookup(f, inverse[at:at + col.nnz].astype(np.int64, copy=False), col.offsets[:-1]))
@@ -179,11 +184,11 @@ def table_inputs(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged],
     return inputs
 
 
-def pool(lookups: Mapping[str, TableLookup], rows: Mapping[str, np.ndarray], device: torch.device
-         ) -> tuple[dict[str, torch.Tensor], dict[str, _Rows]]:
+def pool(lookups: Mapping[str, TableLookup], rows: Mapping[str, np.ndarray], device: torch.device, *,
+         grad: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, _Rows]]:
     """Each feature's rows pooled per record, and the leaf tensors they were pooled from (on
-    ``device``, requiring grad): (feature -> ``[n, dim]``, table -> its ``[ids, dim]`` rows, views of
-    the leaf).
+    ``device``, requiring grad unless ``grad=False``): (feature -> ``[n, dim]``, table -> its
+    ``[ids, dim]`` rows, views of the leaf).
 
     Tables of one dimension and pooling share one leaf and one ``embedding_bag`` call (their rows
     stacked, each feature's bags one after the other), so a step with 26 tables runs one kernel, not
@@ -206,7 +211,9 @@ def pool(lookups: Mapping[str, TableLookup], rows: Mapping[str, np.ndarray], dev
                 feats.append(f.feature)
             base += lk.ids.size
         stacked = np.concatenate([rows[lk.spec.name] for lk in group]) if len(group) > 1 else rows[group[0].spec.name]
-        leaf = torch.from_numpy(stacked).to(device, non_blocking=True).requires_grad_()
+        leaf = torch.from_numpy(stacked).to(device, non_blocking=True)
+        if grad:
+            leaf.requires_grad_()
         out = torch.nn.functional.embedding_bag(
             torch.from_numpy(np.concatenate(index)).to(device, non_blocking=True), leaf,
             torch.from_numpy(np.concatenate(offsets)).to(device, non_blocking=True), mode=mode)

@@ -1,0 +1,69 @@
+"""What a replica tells about itself: the served AUC of labelled requests, and the report it sends the
+coordinator every ``--report-every-s`` (``POST /v1/serving/replicas/<name>``), which the status page and
+``streamtrain up`` show. See docs/serving.md, *In the topology*.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trainers.progressive import ClosedWindow, score_window
+
+__all__ = ["ServedScores", "LatencyWindow", "served_auc"]
+
+MOST_LABELLED = 50_000
+"""Labelled records the served AUC is computed over (the newest)."""
+
+
+@dataclass
+class ServedScores:
+    """The labels and logits of labelled records the replica answered (``POST /v1/predict`` with ``y``):
+    scored before any trainer trained on them when the producer sends them before producing them, so
+    their AUC is the model's online quality as served."""
+
+    logits: deque[float] = field(default_factory=lambda: deque(maxlen=MOST_LABELLED))
+    labels: deque[int] = field(default_factory=lambda: deque(maxlen=MOST_LABELLED))
+    seen: int = 0
+    """Labelled records observed since start."""
+
+    def observe(self, labels: np.ndarray, logits: np.ndarray) -> None:
+        """Add the records whose label is known (a NaN label is skipped)."""
+        known = ~np.isnan(labels)
+        self.labels.extend(int(v) for v in labels[known])
+        self.logits.extend(float(v) for v in logits.reshape(-1)[known])
+        self.seen += int(known.sum())
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(labels, logits) of the labelled records kept, copied (for :func:`served_auc` on another thread)."""
+        return np.fromiter(self.labels, np.int64, len(self.labels)), np.fromiter(self.logits, np.float64,
+                                                                                  len(self.logits))
+
+
+def served_auc(labels: np.ndarray, logits: np.ndarray) -> float | None:
+    """ROC AUC of ``logits`` against ``labels`` (None while they hold one class only, or none)."""
+    if labels.size == 0:
+        return None
+    return score_window(ClosedWindow(int(labels.size), logits, labels)).auc
+
+
+@dataclass
+class LatencyWindow:
+    """Request times since the last report (for its p99)."""
+
+    seconds: list[float] = field(default_factory=list)
+
+    def observe(self, s: float) -> None:
+        """One request's time."""
+        if len(self.seconds) < 100_000:
+            self.seconds.append(s)
+
+    def take_p99_ms(self) -> float | None:
+        """The 99th percentile in ms of the times since the last call (None: no request), and forget them."""
+        if not self.seconds:
+            return None
+        p99 = float(np.percentile(np.asarray(self.seconds), 99)) * 1000
+        self.seconds = []
+        return p99
