@@ -7,8 +7,8 @@ serving token (the job token unless ``--serve-token``). Errors are the protocol'
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +21,7 @@ from safetensors.numpy import save as save_safetensors
 
 from .protocol import ProtocolError, error_body, infer_response, model_metadata, parse_infer, parse_records
 from .replica import Replica
+from .report import served_auc
 from .settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -90,9 +91,11 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         raise
     finally:
         if route in ("infer", "infer_version", "predict"):
-            m = request.app[REPLICA].metrics
-            m.requests.labels(route, str(status)).inc()
-            m.latency.labels(route).observe(time.perf_counter() - started)
+            replica = request.app[REPLICA]
+            took = time.perf_counter() - started
+            replica.metrics.requests.labels(route, str(status)).inc()
+            replica.metrics.latency.labels(route).observe(took)
+            replica.observe_request(took)
 
 
 async def live(request: web.Request) -> web.Response:
@@ -116,7 +119,7 @@ async def ready(request: web.Request) -> web.Response:
 
 async def server_metadata(request: web.Request) -> web.Response:
     """``GET /v2``: the server's name and extensions."""
-    return web.json_response({"name": "streamtrain", "version": "1", "extensions": []})
+    return web.json_response({"name": "streamtrain", "version": "1", "extensions": ["binary_tensor_data"]})
 
 
 async def metadata(request: web.Request) -> web.Response:
@@ -132,7 +135,8 @@ async def _infer(request: web.Request, pinned: str | None) -> web.Response:
     replica = _job(request)
     _serving(replica)
     body = await request.read()
-    batch, ask = parse_infer(body, replica.signature)
+    batch, ask = parse_infer(body, replica.signature,
+                             header_length=request.headers.get("Inference-Header-Content-Length"))
     state = replica.state
     if pinned is not None and state is not None and pinned != state.version:
         raise _HttpError(404, "version_unavailable", f"this replica serves version {state.version}, not "
@@ -142,9 +146,10 @@ async def _infer(request: web.Request, pinned: str | None) -> web.Response:
         raise _HttpError(404, "version_unavailable", f"the served version moved to {got.version} while "
                                                      f"answering; ask {got.version} or no version",
                          current=got.version)
-    out = infer_response(replica.signature, ask, got.outputs, model_version=got.version,
-                         parameters={"misses": got.misses, "staleness_s": round(replica.staleness_s or 0.0, 3)})
-    return web.Response(body=json.dumps(out, separators=(",", ":")), content_type="application/json")
+    answer, headers = infer_response(replica.signature, ask, got.outputs, model_version=got.version,
+                                     parameters={"misses": got.misses,
+                                                 "staleness_s": round(replica.staleness_s or 0.0, 3)})
+    return web.Response(body=answer, headers=headers)
 
 
 async def infer(request: web.Request) -> web.Response:
@@ -164,6 +169,8 @@ async def predict(request: web.Request) -> web.Response:
     _serving(replica)
     batch = parse_records(await request.read(), replica.signature)
     got = await replica.predict(batch)
+    if batch.labels is not None:
+        replica.observe_labels(batch.labels, got.outputs)
     columns = {name: values.tolist() for name, values in got.outputs.items()}
     rows = [{name: col[i] for name, col in columns.items()} for i in range(batch.n)]
     return web.json_response({"model_version": got.version, "predictions": rows, "misses": got.misses})
@@ -183,7 +190,10 @@ async def status(request: web.Request) -> web.Response:
                        for name, s in state.tables.items()},
             "row_bytes": state.nbytes, "bytes_per_raw_row": (state.nbytes / raw) if raw else None,
             "misses": state.misses})
-    body.update({"job": replica.settings.job, "model": replica.settings.model, "reloads": replica.reloads})
+    body.update({"job": replica.settings.job, "model": replica.settings.model, "reloads": replica.reloads,
+                 "requests": replica.requests, "records": replica.records, "labelled": replica.scores.seen,
+                 "served_auc": await asyncio.get_running_loop().run_in_executor(None, served_auc,
+                                                                                *replica.scores.arrays())})
     return web.json_response(body)
 
 

@@ -3,8 +3,9 @@
 Two routes feed a model that takes dense features ``x`` float32 ``[n, d]`` and, per categorical
 feature, ragged IDs:
 
-- ``POST /v2/models/<job>/infer``, the Open Inference Protocol (KServe v2 REST, JSON tensors):
-  :func:`parse_infer` reads the request, :func:`infer_response` writes the answer and
+- ``POST /v2/models/<job>/infer``, the Open Inference Protocol (KServe v2 REST; JSON tensors or
+  the binary tensor data extension, tritonclient's default): :func:`parse_infer` reads the request,
+  :func:`infer_response` writes the answer (body and headers) and
   :func:`model_metadata` answers ``GET /v2/models/<job>``. Inputs are ``x`` ``[n, d]`` and, per
   feature ``f``, ``f`` (INT64 ``[nnz]``, the IDs of all records one after the other) with
   ``f.lengths`` (``[n]``, IDs per record): TorchRec's ``KeyedJaggedTensor`` layout.
@@ -49,13 +50,14 @@ PLATFORM = "pytorch_streamtrain"
 """The ``platform`` of :func:`model_metadata`."""
 
 CODES = (
-    "bad_json", "bad_request", "binary_data", "unknown_input", "duplicate_input", "missing_input",
-    "wrong_shape", "wrong_datatype", "non_finite", "bad_ids", "bad_lengths", "too_many_ids", "no_records",
-    "too_many_records", "unknown_output", "unknown_feature", "bad_schema",
+    "bad_json", "bad_request", "bad_header_length", "bad_binary_data", "unknown_input", "duplicate_input",
+    "missing_input", "wrong_shape", "wrong_datatype", "non_finite", "bad_ids", "bad_lengths", "too_many_ids",
+    "no_records", "too_many_records", "unknown_output", "unknown_feature", "bad_schema",
 )
 """Why a request was refused (the ``code`` of :class:`ProtocolError`); ``bad_ids``, ``too_many_ids``,
 ``wrong_shape``, ``wrong_datatype`` and ``bad_schema`` mean what they mean in
-:data:`datastream.records.REASONS`."""
+:data:`datastream.records.REASONS`; ``bad_header_length`` and ``bad_binary_data`` are problems of the
+binary tensor data extension (the ``Inference-Header-Content-Length`` header; an input's bytes)."""
 
 _LENGTHS = ".lengths"
 _FLOAT_TYPES = {"FP16": np.float16, "FP32": np.float32, "FP64": np.float64}
@@ -66,8 +68,7 @@ _ID_TYPES = {"INT32": np.int32, "INT64": np.int64}
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _NUMBERS = frozenset({int, float})
-_BINARY = ("the request carries binary tensor data; this server reads JSON tensors only "
-           "(tritonclient: set_data_from_numpy(array, binary_data=False))")
+_HEADER = "Inference-Header-Content-Length"
 _INTS = frozenset({int})
 
 
@@ -149,6 +150,9 @@ class Batch:
     """Every feature of the signature, in its order; a feature the request left out is ``Jagged.empty(n)``."""
     n: int
     """Number of records, at least 1."""
+    labels: np.ndarray | None = None
+    """float64 ``[n]``, the records' ``y`` (NaN for a record without one); ``None`` when no record has a
+    ``y`` (always for an infer request)."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,11 @@ class InferAsk:
     outputs: tuple[str, ...] | None
     """The outputs asked for, in the request's order; ``None``: all of :func:`output_names`."""
     parameters: dict[str, Any] = field(default_factory=dict)
-    """The request's ``parameters`` (unchecked; empty when it had none)."""
+    """The request's ``parameters`` (unchecked but for ``binary_data_output``; empty when it had none)."""
+    binary: frozenset[str] = frozenset()
+    """The outputs to answer as binary tensor data: those asked with ``parameters: {"binary_data": true}``,
+    or all (of those asked) when the request's ``parameters.binary_data_output`` is true and the output
+    does not say ``"binary_data": false``."""
 
 
 def output_names(sig: Signature) -> tuple[str, ...]:
@@ -181,13 +189,28 @@ def _output_specs(sig: Signature) -> dict[str, tuple[str, list[int]]]:
 # --- OIP requests ----------------------------------------------------------------------------------
 
 
-def _load(body: bytes) -> Any:
+def _load(body: bytes, what: str = "the body") -> Any:
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, an integer of too many digits, deep nesting
-        if b'"binary_data_size"' in body:  # a JSON header, then tensor bytes: the binary extension
-            raise ProtocolError("binary_data", _BINARY) from None
-        raise ProtocolError("bad_json", f"the body is not UTF-8 JSON: {str(exc)[:200]}") from None
+        raise ProtocolError("bad_json", f"{what} is not UTF-8 JSON: {str(exc)[:200]}") from None
+
+
+def _header_length(value: int | str | None, size: int) -> int | None:
+    """The checked ``Inference-Header-Content-Length`` of a body of ``size`` bytes (``None``: all JSON)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if not (text.isascii() and text.isdigit() and len(text) <= 20):
+            raise ProtocolError("bad_header_length", f"{_HEADER} must be a byte count, got {value!r:.40}")
+        value = int(text)
+    elif type(value) is not int:
+        raise ProtocolError("bad_header_length", f"{_HEADER} must be a byte count, got {type(value).__name__}")
+    if not 0 < value <= size:
+        raise ProtocolError("bad_header_length", f"{_HEADER} is {value}; the JSON header must be 1 to {size} bytes, "
+                                                 f"the length of the body")
+    return value
 
 
 def _shape(name: str, spec: dict[str, Any]) -> list[int]:
@@ -223,6 +246,16 @@ def _flat(name: str, data: Any, shape: list[int]) -> list[Any]:
     return items
 
 
+def _from_bytes(name: str, datatype: str, raw: memoryview, shape: list[int], dtype: type) -> np.ndarray:
+    """The flat, read-only array of an input's binary data: little-endian ``dtype``, ``prod(shape)`` elements."""
+    little = np.dtype(dtype).newbyteorder("<")
+    want = math.prod(shape) * little.itemsize
+    if len(raw) != want:
+        raise ProtocolError("bad_binary_data", f"input {name!r}: binary_data_size is {len(raw)} bytes; shape {shape} "
+                                               f"of {datatype} is {want} bytes")
+    return np.frombuffer(raw, dtype=little)
+
+
 def _check_types(name: str, items: list[Any], allowed: frozenset[type]) -> None:
     """Refuse elements of ``items`` that are not of the ``allowed`` JSON types (``bool`` is not ``int``);
     ``map(type)`` runs in C."""
@@ -234,35 +267,44 @@ def _check_types(name: str, items: list[Any], allowed: frozenset[type]) -> None:
                                               f"found {', '.join(bad)}")
 
 
-def _x(spec: dict[str, Any], shape: list[int]) -> np.ndarray:
+def _x(spec: dict[str, Any], shape: list[int], raw: memoryview | None) -> np.ndarray:
     datatype = spec["datatype"]
     if datatype not in _X_TYPES:
         raise ProtocolError("wrong_datatype", f"input 'x': datatype {datatype!r}; "
                                               f"allowed: {', '.join(_X_TYPES)}")
     is_int = datatype in _INT_TYPES
-    items = _flat("x", spec.get("data"), shape)
-    _check_types("x", items, _INTS if is_int else _NUMBERS)
-    try:
-        with np.errstate(over="ignore"):  # a float beyond float32 (or FP16) becomes inf: refused below
-            if is_int:
-                x = np.array(items, dtype=_INT_TYPES[datatype]).astype(np.float32)
-            else:
-                x = np.array(items, dtype=_FLOAT_TYPES[datatype]).astype(np.float32, copy=False)
-    except OverflowError:
-        raise ProtocolError("wrong_datatype" if is_int else "non_finite",
-                            f"input 'x': a value does not fit {datatype}" if is_int
-                            else "input 'x': a value does not fit float32") from None
+    if raw is not None:
+        with np.errstate(over="ignore"):  # FP64 beyond float32 becomes inf: refused below
+            x = _from_bytes("x", datatype, raw, shape, _X_TYPES[datatype]).astype(np.float32)
+    else:
+        items = _flat("x", spec.get("data"), shape)
+        _check_types("x", items, _INTS if is_int else _NUMBERS)
+        try:
+            with np.errstate(over="ignore"):  # a float beyond float32 (or FP16) becomes inf: refused below
+                if is_int:
+                    x = np.array(items, dtype=_INT_TYPES[datatype]).astype(np.float32)
+                else:
+                    x = np.array(items, dtype=_FLOAT_TYPES[datatype]).astype(np.float32, copy=False)
+        except OverflowError:
+            raise ProtocolError("wrong_datatype" if is_int else "non_finite",
+                                f"input 'x': a value does not fit {datatype}" if is_int
+                                else "input 'x': a value does not fit float32") from None
     if not np.isfinite(x).all():
         raise ProtocolError("non_finite", "input 'x' holds NaN or infinity (or a value beyond float32)")
     return x.reshape(shape)
 
 
-def _inputs(obj: dict[str, Any], sig: Signature) -> dict[str, dict[str, Any]]:
-    """The request's inputs by name, each checked to be a named, typed tensor of this model."""
+def _inputs(obj: dict[str, Any], sig: Signature, tail: memoryview,
+            header_length: int | None) -> tuple[dict[str, dict[str, Any]], dict[str, memoryview]]:
+    """The request's inputs by name, each checked to be a named, typed tensor of this model, and the
+    binary data of those that carry ``parameters.binary_data_size``: consecutive slices of ``tail``, the
+    body after the JSON header, in input order, covering all of it."""
     inputs = obj.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise ProtocolError("bad_request", "the request needs 'inputs', a non-empty list of tensors")
     out: dict[str, dict[str, Any]] = {}
+    raw: dict[str, memoryview] = {}
+    offset = 0
     for spec in inputs:
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise ProtocolError("bad_request", f"an input must be an object with a 'name', got {spec!r:.100}")
@@ -273,14 +315,35 @@ def _inputs(obj: dict[str, Any], sig: Signature) -> dict[str, dict[str, Any]]:
         if name in out:
             raise ProtocolError("duplicate_input", f"input {name!r} is given twice")
         params = spec.get("parameters")
-        if isinstance(params, dict) and "binary_data_size" in params:
-            raise ProtocolError("binary_data", f"input {name!r}: {_BINARY}")
+        if params is not None and not isinstance(params, dict):
+            raise ProtocolError("bad_request", f"input {name!r}: parameters must be an object, "
+                                               f"got {type(params).__name__}")
         if not isinstance(spec.get("datatype"), str):
             raise ProtocolError("wrong_datatype", f"input {name!r} needs a 'datatype' string")
-        if "data" not in spec:
+        size = params.get("binary_data_size") if params else None
+        if size is not None:
+            if type(size) is not int or size < 0:
+                raise ProtocolError("bad_binary_data", f"input {name!r}: binary_data_size must be a byte count, "
+                                                       f"got {size!r:.40}")
+            if spec.get("data") is not None:
+                raise ProtocolError("bad_binary_data", f"input {name!r} has both 'data' and binary_data_size")
+            if offset + size > len(tail):
+                if header_length is None:
+                    raise ProtocolError("bad_header_length", f"input {name!r} has binary_data_size {size} but the "
+                                                             f"request has no {_HEADER} header: the body is all JSON")
+                raise ProtocolError("bad_binary_data", f"input {name!r}: binary_data_size {size} runs past the end "
+                                                       f"of the body; {len(tail) - offset} bytes are left after the "
+                                                       f"JSON header ({header_length} bytes) and the inputs before")
+            raw[name] = tail[offset:offset + size]
+            offset += size
+        elif "data" not in spec:
             raise ProtocolError("bad_request", f"input {name!r} has no 'data'")
         out[name] = spec
-    return out
+    if offset != len(tail):
+        raise ProtocolError("bad_binary_data", f"{len(tail) - offset} bytes follow the JSON header "
+                                               f"({header_length} bytes, {_HEADER}) beyond the {offset} bytes "
+                                               f"the inputs' binary_data_size declare")
+    return out, raw
 
 
 def _ask(obj: dict[str, Any], sig: Signature) -> InferAsk:
@@ -291,12 +354,18 @@ def _ask(obj: dict[str, Any], sig: Signature) -> InferAsk:
     if not isinstance(params, dict):
         raise ProtocolError("bad_request", f"the request 'parameters' must be an object, "
                                            f"got {type(params).__name__}")
+    default = params.get("binary_data_output", False)
+    if not isinstance(default, bool):
+        raise ProtocolError("bad_request", f"the request parameter 'binary_data_output' must be true or false, "
+                                           f"got {default!r:.40}")
+    every = frozenset(output_names(sig)) if default else frozenset()
     if outputs is None:
-        return InferAsk(rid, None, params)
+        return InferAsk(rid, None, params, every)
     if not isinstance(outputs, list):
         raise ProtocolError("bad_request", f"'outputs' must be a list, got {type(outputs).__name__}")
     known = output_names(sig)
     names: dict[str, None] = {}
+    binary: set[str] = set()
     for spec in outputs:
         name = spec.get("name") if isinstance(spec, dict) else None
         if not isinstance(name, str):
@@ -304,8 +373,20 @@ def _ask(obj: dict[str, Any], sig: Signature) -> InferAsk:
         if name not in known:
             raise ProtocolError("unknown_output", f"unknown output {name!r:.80}; model {sig.job!r} gives "
                                                   f"{', '.join(known)}")
+        out_params = spec.get("parameters")
+        if out_params is not None and not isinstance(out_params, dict):
+            raise ProtocolError("bad_request", f"output {name!r}: parameters must be an object, "
+                                               f"got {type(out_params).__name__}")
+        flag = (out_params or {}).get("binary_data", default)
+        if not isinstance(flag, bool):
+            raise ProtocolError("bad_request", f"output {name!r}: parameter 'binary_data' must be true or false, "
+                                               f"got {flag!r:.40}")
         names[name] = None
-    return InferAsk(rid, tuple(names) or None, params)  # an empty list asks for nothing in particular: all
+        if flag:  # an output asked twice is binary when either asks so
+            binary.add(name)
+    if not names:  # an empty list asks for nothing in particular: all
+        return InferAsk(rid, None, params, every)
+    return InferAsk(rid, tuple(names), params, frozenset(binary))
 
 
 def _records(n: int, what: str, sig: Signature) -> None:
@@ -315,7 +396,8 @@ def _records(n: int, what: str, sig: Signature) -> None:
         raise ProtocolError("too_many_records", f"{what} holds {n} records; at most {sig.max_records} per request")
 
 
-def parse_infer(body: bytes, sig: Signature) -> tuple[Batch, InferAsk]:
+def parse_infer(body: bytes, sig: Signature, *,
+                header_length: int | str | None = None) -> tuple[Batch, InferAsk]:
     """The model inputs and the asks of an OIP infer request (``POST /v2/models/<job>/infer``).
 
     Inputs (JSON tensors; ``data`` flat row-major or nested, ``len == prod(shape)``):
@@ -324,14 +406,28 @@ def parse_infer(body: bytes, sig: Signature) -> tuple[Batch, InferAsk]:
     INT64 or INT32 ``[n]``, both or neither (neither: no IDs for any record). ``n`` is the same for
     all inputs, ``1 <= n <= sig.max_records``.
 
+    The binary tensor data extension (Triton's; tritonclient's default): with ``header_length``, the
+    request's ``Inference-Header-Content-Length`` (an int or the header's text), the body is that many
+    bytes of JSON followed by the raw little-endian, row-major bytes of each input whose
+    ``parameters.binary_data_size`` gives their count (instead of ``data``), in input order. JSON and
+    binary inputs mix freely; ``header_length=None`` means the body is all JSON.
+
     Raises:
         ProtocolError: the request is not one this model answers; ``code`` says why, the message
             names the input.
     """
-    obj = _load(body)
+    k = _header_length(header_length, len(body))
+    try:
+        obj = _load(body if k is None else body[:k],
+                    "the body" if k is None else f"the JSON header (the first {k} bytes, by {_HEADER})")
+    except ProtocolError:
+        if k is None and b'"binary_data_size"' in body:  # a JSON header, then tensor bytes, but no length
+            raise ProtocolError("bad_header_length", f"the body is a JSON header followed by binary tensor data "
+                                                     f"but the request has no {_HEADER} header") from None
+        raise
     if not isinstance(obj, dict):
         raise ProtocolError("bad_json", f"the body must be a JSON object, got {type(obj).__name__}")
-    inputs = _inputs(obj, sig)
+    inputs, raw = _inputs(obj, sig, memoryview(body)[len(body) if k is None else k:], k)
     ask = _ask(obj, sig)
     if sig.dense and "x" not in inputs:
         raise ProtocolError("missing_input", f"input 'x' (FP32 [n, {sig.dense}]) is missing")
@@ -369,17 +465,21 @@ def parse_infer(body: bytes, sig: Signature) -> tuple[Batch, InferAsk]:
     assert n is not None  # x or a feature is given, checked above
     _records(n, source, sig)
 
-    x = _x(inputs["x"], inputs["x"]["shape"]) if sig.dense else np.zeros((n, 0), np.float32)
-    cols = _columns(inputs, shapes, n)
+    x = _x(inputs["x"], inputs["x"]["shape"], raw.get("x")) if sig.dense else np.zeros((n, 0), np.float32)
+    cols = _columns(inputs, raw, shapes, n)
     ids = {f: cols[f] if f in cols else Jagged.empty(n) for f in sig.features}
     return Batch(x=x, ids=ids, n=n), ask
 
 
-def _id_items(name: str, spec: dict[str, Any], shape: list[int], what: str) -> list[Any]:
+def _id_items(name: str, spec: dict[str, Any], raw: dict[str, memoryview], shape: list[int],
+              what: str) -> list[Any] | np.ndarray:
+    """An ID or lengths input's elements: a list (JSON, types unchecked) or an array (binary)."""
     datatype = spec["datatype"]
     if datatype not in _ID_TYPES:
         raise ProtocolError("wrong_datatype", f"input {name!r}: datatype {datatype!r}; "
                                               f"{what} are {' or '.join(_ID_TYPES)}")
+    if name in raw:
+        return _from_bytes(name, datatype, raw[name], shape, _ID_TYPES[datatype])
     return _flat(name, spec.get("data"), shape)
 
 
@@ -390,30 +490,56 @@ def _check_int_inputs(names: list[str], items: list[list[Any]], joined: list[Any
             _check_types(name, its, _INTS)
 
 
-def _columns(inputs: dict[str, dict[str, Any]], shapes: dict[str, tuple[list[int], list[int]]],
-             n: int) -> dict[str, Jagged]:
+def _int64(name: str, datatype: str, items: list[Any] | np.ndarray) -> np.ndarray:
+    """One ID or lengths input as int64, checked (the path of requests with binary inputs)."""
+    if isinstance(items, np.ndarray):
+        return items.astype(np.int64)
+    _check_types(name, items, _INTS)
+    code = "bad_lengths" if name.endswith(_LENGTHS) else "bad_ids"
+    if datatype == "INT32" and items and not _INT32_MIN <= min(items) <= max(items) <= _INT32_MAX:
+        raise ProtocolError(code, f"input {name!r}: a value does not fit INT32")
+    try:
+        return np.array(items, dtype=np.int64)
+    except OverflowError:
+        raise ProtocolError(code, f"input {name!r}: a value does not fit INT64") from None
+
+
+def _columns(inputs: dict[str, dict[str, Any]], raw: dict[str, memoryview],
+             shapes: dict[str, tuple[list[int], list[int]]], n: int) -> dict[str, Jagged]:
     """The given features' IDs, checked and converted for all features at once (one array of all
-    lengths, one of all IDs, one ``cumsum``): a request costs a few numpy calls, not a few per feature."""
+    lengths, one of all IDs, one ``cumsum``): a request costs a few numpy calls, not a few per feature.
+    Binary inputs arrive as arrays; a request with any converts input by input, then joins."""
     if not shapes:
         return {}
     names = list(shapes)
     lengths_names = [f + _LENGTHS for f in names]
-    values_items = [_id_items(f, inputs[f], shapes[f][0], "IDs") for f in names]
-    lengths_items = [_id_items(name, inputs[name], shapes[f][1], "lengths") for f, name in zip(names, lengths_names)]
-    all_lengths = list(chain.from_iterable(lengths_items))
-    all_values = list(chain.from_iterable(values_items))
-    _check_int_inputs(lengths_names, lengths_items, all_lengths)
-    _check_int_inputs(names, values_items, all_values)
-    for name, items in chain(zip(names, values_items), zip(lengths_names, lengths_items)):
-        if inputs[name]["datatype"] == "INT32" and items and not _INT32_MIN <= min(items) <= max(items) <= _INT32_MAX:
-            code = "bad_lengths" if name.endswith(_LENGTHS) else "bad_ids"
-            raise ProtocolError(code, f"input {name!r}: a value does not fit INT32")
-    try:
-        lengths = np.array(all_lengths, dtype=np.int64).reshape(len(names), n)
-    except OverflowError:
-        raise ProtocolError("bad_lengths", "a lengths input holds a value beyond INT64") from None
-    small = len(all_lengths) <= 64  # where Python's min and max beat numpy's call overhead
-    least, most = (min(all_lengths), max(all_lengths)) if small else (int(lengths.min()), int(lengths.max()))
+    values_items = [_id_items(f, inputs[f], raw, shapes[f][0], "IDs") for f in names]
+    lengths_items = [_id_items(name, inputs[name], raw, shapes[f][1], "lengths")
+                     for f, name in zip(names, lengths_names)]
+    values: np.ndarray | None = None
+    if any(isinstance(items, np.ndarray) for items in chain(values_items, lengths_items)):
+        lengths = np.stack([_int64(name, inputs[name]["datatype"], items)
+                            for name, items in zip(lengths_names, lengths_items)])
+        values = np.concatenate([_int64(f, inputs[f]["datatype"], items) for f, items in zip(names, values_items)])
+        least, most = int(lengths.min()), int(lengths.max())
+    else:
+        json_lengths = [items for items in lengths_items if isinstance(items, list)]  # all of them, typed
+        json_values = [items for items in values_items if isinstance(items, list)]
+        all_lengths = list(chain.from_iterable(json_lengths))
+        all_values = list(chain.from_iterable(json_values))
+        _check_int_inputs(lengths_names, json_lengths, all_lengths)
+        _check_int_inputs(names, json_values, all_values)
+        for name, items in chain(zip(names, json_values), zip(lengths_names, json_lengths)):
+            if inputs[name]["datatype"] == "INT32" and items and \
+                    not _INT32_MIN <= min(items) <= max(items) <= _INT32_MAX:
+                code = "bad_lengths" if name.endswith(_LENGTHS) else "bad_ids"
+                raise ProtocolError(code, f"input {name!r}: a value does not fit INT32")
+        try:
+            lengths = np.array(all_lengths, dtype=np.int64).reshape(len(names), n)
+        except OverflowError:
+            raise ProtocolError("bad_lengths", "a lengths input holds a value beyond INT64") from None
+        small = len(all_lengths) <= 64  # where Python's min and max beat numpy's call overhead
+        least, most = (min(all_lengths), max(all_lengths)) if small else (int(lengths.min()), int(lengths.max()))
     if least < 0:
         i = int(lengths.min(axis=1).argmin())
         raise ProtocolError("bad_lengths", f"input {lengths_names[i]!r} holds a negative length")
@@ -428,12 +554,13 @@ def _columns(inputs: dict[str, dict[str, Any]], shapes: dict[str, tuple[list[int
         i = next(i for i, (t, c) in enumerate(zip(totals, counts)) if t != c)
         raise ProtocolError("bad_lengths", f"input {lengths_names[i]!r} adds up to {totals[i]} IDs, "
                                            f"input {names[i]!r} holds {counts[i]}")
-    try:
-        values = np.array(all_values, dtype=np.int64)
-    except OverflowError:
-        f = next(f for f, items in zip(names, values_items)
-                 if items and not _INT64_MIN <= min(items) <= max(items) <= _INT64_MAX)
-        raise ProtocolError("bad_ids", f"input {f!r}: an ID does not fit INT64") from None
+    if values is None:
+        try:
+            values = np.array(all_values, dtype=np.int64)
+        except OverflowError:
+            f = next(f for f, items in zip(names, json_values)
+                     if items and not _INT64_MIN <= min(items) <= max(items) <= _INT64_MAX)
+            raise ProtocolError("bad_ids", f"input {f!r}: an ID does not fit INT64") from None
     return _split(names, values, offsets, totals)
 
 
@@ -483,9 +610,16 @@ def model_outputs(sig: Signature, raw: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def infer_response(sig: Signature, ask: InferAsk, outputs: Mapping[str, np.ndarray], *,
-                   model_version: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    """The OIP infer answer: the asked outputs of ``outputs`` (name -> array, as :func:`model_outputs`
-    gives them) as flat JSON tensors, with the request's ``id`` echoed when it had one.
+                   model_version: str, parameters: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    """The OIP infer answer, as its body and the HTTP headers to send with it.
+
+    The answer holds the asked outputs of ``outputs`` (name -> array, as :func:`model_outputs` gives
+    them), with the request's ``id`` echoed when it had one. An output in ``ask.binary`` goes out as
+    binary tensor data: its JSON tensor carries ``parameters: {"binary_data_size": bytes}`` instead of
+    ``data``, and its raw little-endian, row-major bytes follow the JSON header, output after output.
+    The headers are then ``Content-Type: application/octet-stream`` and
+    ``Inference-Header-Content-Length`` (the JSON header's bytes); otherwise ``Content-Type:
+    application/json`` and the body is all JSON, flat tensors in ``data``.
 
     A NaN of a broken model goes out as JSON's ``NaN`` token (Python's ``json`` writes it).
 
@@ -494,6 +628,7 @@ def infer_response(sig: Signature, ask: InferAsk, outputs: Mapping[str, np.ndarr
     """
     specs = _output_specs(sig)
     tensors = []
+    chunks: list[bytes] = []
     for name in ask.outputs if ask.outputs is not None else output_names(sig):
         datatype, shape = specs[name]
         arr = outputs.get(name)
@@ -502,13 +637,23 @@ def infer_response(sig: Signature, ask: InferAsk, outputs: Mapping[str, np.ndarr
         arr = np.asarray(arr, dtype=np.float32 if datatype == "FP32" else np.int64)
         if arr.ndim != len(shape) or any(want != -1 and got != want for got, want in zip(arr.shape, shape)):
             raise ValueError(f"output {name!r} of model {sig.job!r} has shape {arr.shape}; expected {shape}")
-        tensors.append({"name": name, "datatype": datatype, "shape": list(arr.shape), "data": arr.ravel().tolist()})
+        tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
+        if name in ask.binary:
+            data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(order="C")
+            tensor["parameters"] = {"binary_data_size": len(data)}
+            chunks.append(data)
+        else:
+            tensor["data"] = arr.ravel().tolist()
+        tensors.append(tensor)
     answer: dict[str, Any] = {"model_name": sig.job, "model_version": model_version}
     if ask.id is not None:
         answer["id"] = ask.id
     answer["parameters"] = parameters
     answer["outputs"] = tensors
-    return answer
+    head = json.dumps(answer, separators=(",", ":")).encode()
+    if not chunks:
+        return head, {"Content-Type": "application/json"}
+    return b"".join([head, *chunks]), {"Content-Type": "application/octet-stream", _HEADER: str(len(head))}
 
 
 def model_metadata(sig: Signature, *, versions: list[str]) -> dict[str, Any]:
@@ -533,11 +678,12 @@ def error_body(exc: ProtocolError) -> dict[str, str]:
 def parse_records(body: bytes, sig: Signature) -> Batch:
     """The model inputs of ``POST /v1/predict``: ``{"records": [record, ...]}`` or a bare list of records.
 
-    A record is the training topic's JSON record, ``{"x": [numbers], "ids": {feature: [ids]}}``
-    (``y`` allowed and ignored): ``x`` holds ``sig.dense`` numbers (left out or empty when
-    ``dense == 0``), ``ids`` names features of ``sig`` only, an ID is an integer or a string hashed
-    by :func:`datastream.records.hash_id` as training hashes it, a single ID stands for a list of
-    one, and a feature left out has no IDs.
+    A record is the training topic's JSON record, ``{"x": [numbers], "ids": {feature: [ids]}, "y": label}``:
+    ``x`` holds ``sig.dense`` numbers (left out or empty when ``dense == 0``), ``ids`` names features
+    of ``sig`` only, an ID is an integer or a string hashed by :func:`datastream.records.hash_id` as
+    training hashes it, a single ID stands for a list of one, and a feature left out has no IDs.
+    ``y``, optional, is the record's label (0 or 1 for a binary model), a finite number: it fills
+    :attr:`Batch.labels` (NaN for the records without one; ``None`` when none has one).
 
     Raises:
         ProtocolError: ``code`` says why; ID problems keep the reason of
@@ -552,6 +698,8 @@ def parse_records(body: bytes, sig: Signature) -> Batch:
     xs: list[Any] = []
     cols: dict[str, list[list[int]]] = {f: [] for f in sig.features}
     empty: list[int] = []
+    ys: list[float] = []
+    labelled = False
     for i, rec in enumerate(records):
         if not isinstance(rec, dict) or not set(rec) <= {"x", "ids", "y"}:
             shown = sorted(map(str, rec)) if isinstance(rec, dict) else type(rec).__name__
@@ -562,6 +710,11 @@ def parse_records(body: bytes, sig: Signature) -> Batch:
             raise ProtocolError("missing_input" if "x" not in rec else "wrong_shape",
                                 f"record {i}: x must be a list of {sig.dense} numbers; got {got}")
         xs.append(x)
+        if "y" in rec:
+            ys.append(_label(i, rec["y"]))
+            labelled = True
+        else:
+            ys.append(math.nan)
         ids = _record_ids(i, rec["ids"], sig) if "ids" in rec else {}
         for f, col in cols.items():
             col.append(ids.get(f, empty))
@@ -577,13 +730,26 @@ def parse_records(body: bytes, sig: Signature) -> Batch:
             raise ProtocolError("non_finite", "x holds a value beyond float32") from None
         if not np.isfinite(x_arr).all():
             raise ProtocolError("non_finite", "x holds NaN or infinity (or a value beyond float32)")
+    labels = np.array(ys, np.float64) if labelled else None
     if not cols:
-        return Batch(x=x_arr, ids={}, n=n)
+        return Batch(x=x_arr, ids={}, n=n, labels=labels)
     per_record = list(chain.from_iterable(cols.values()))  # feature after feature, record after record
     lengths = np.fromiter(map(len, per_record), np.int64, count=len(per_record)).reshape(len(cols), n)
     offsets, totals = _offsets(lengths)  # parse_ids bounded every length
     values = np.fromiter(chain.from_iterable(per_record), np.int64, count=sum(totals))
-    return Batch(x=x_arr, ids=_split(list(cols), values, offsets, totals), n=n)
+    return Batch(x=x_arr, ids=_split(list(cols), values, offsets, totals), n=n, labels=labels)
+
+
+def _label(i: int, y: Any) -> float:
+    if type(y) not in _NUMBERS:
+        raise ProtocolError("wrong_datatype", f"record {i}: y must be a number, got {type(y).__name__}")
+    try:
+        label = float(y)
+    except OverflowError:  # an integer beyond float
+        raise ProtocolError("non_finite", f"record {i}: y is beyond float64") from None
+    if not math.isfinite(label):
+        raise ProtocolError("non_finite", f"record {i}: y is NaN or infinity")
+    return label
 
 
 def _record_ids(i: int, obj: Any, sig: Signature) -> dict[str, list[int]]:
