@@ -28,6 +28,7 @@ from .model_route import setup_model_route
 from .routes import error_middleware, setup_routes
 from .runtime import LEASE_CHECKER, RUNTIME, SAMPLER, SETTINGS, Runtime, apply_event, lease_checker, now_ms
 from .sampler import Sampler
+from .serving_route import setup_serving_route
 from .settings import CoordinatorSettings
 from .state import JobConfig, Store
 
@@ -101,6 +102,7 @@ def create_app(settings: CoordinatorSettings) -> web.Application:
     setup_routes(app)
     setup_model_route(app)  # GET /v1/model (imports the parameter plane and torch on first use only)
     setup_feed_routes(app)  # GET /v1/model/updates and /v1/embeddings/{table} (likewise)
+    setup_serving_route(app)  # POST /v1/serving/replicas/{name}: the serving replicas' reports (in memory)
     app.router.add_get("/v1/members/{member_id}/channel", channel)
     app.on_shutdown.append(close_channels)
     return app

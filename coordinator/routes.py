@@ -26,7 +26,7 @@ from .errors import ConflictError, MemberGoneError, UnknownMemberError
 from .membership import Drain, Event, Heartbeat, Leave, Membership, Register
 from .runtime import RUNTIME, SAMPLER, Runtime, apply_event, now_ms
 from .state import FIXED_CONFIG, JobConfig
-from .status import members_view, model_version, partitions_view, read_plane, summary
+from .status import SERVING, members_view, model_version, partitions_view, read_plane, summary
 from .tables import tables_view
 from .validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field, InvalidBody, parse_json
 
@@ -114,8 +114,10 @@ def authenticate(request: web.Request, token: str, kind: str) -> None:
         raise ApiError(401, "unauthorized", f"wrong {kind} token")
 
 
-async def _body(request: web.Request, schema: dict[str, Field], *, allow_empty: bool = False,
-                fixed: Mapping[str, str] | None = None) -> dict[str, Any]:
+async def read_body(request: web.Request, schema: dict[str, Field], *, allow_empty: bool = False,
+                    fixed: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The request's JSON body validated against ``schema`` (:func:`coordinator.validation.parse_json`); 400
+    ``invalid_body`` naming the field otherwise."""
     raw = await request.read()
     try:
         return parse_json(raw, schema, allow_empty=allow_empty, fixed=fixed)
@@ -158,7 +160,7 @@ async def register(request: web.Request) -> web.Response:
     """Register a trainer; reply with its member id, generation, partitions and config."""
     rt = _rt(request)
     authenticate(request, rt.settings.job_token, "job")
-    caps = (await _body(request, REGISTER))["capabilities"]
+    caps = (await read_body(request, REGISTER))["capabilities"]
     weight = capability_weight(caps["device"], caps.get("threads", 1))
     member_id = new_member_id(caps.get("hostname"))
     state = await _apply(rt, Register(member_id=member_id, capabilities=caps, weight=weight,
@@ -172,7 +174,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     rt = _rt(request)
     authenticate(request, rt.settings.job_token, "job")
     member_id = request.match_info["member_id"]
-    stats = (await _body(request, HEARTBEAT, allow_empty=True)).get("stats", {})
+    stats = (await read_body(request, HEARTBEAT, allow_empty=True)).get("stats", {})
     windows = stats.pop("progressive", [])  # for the history, not the membership
     state = await _apply(rt, Heartbeat(member_id=member_id, stats=stats, now_ms=now_ms(),
                                        lease_ms=rt.settings.lease_ms))
@@ -187,7 +189,7 @@ async def leave(request: web.Request) -> web.Response:
     """Leave gracefully (after committing): partitions move now and the generation bumps."""
     rt = _rt(request)
     authenticate(request, rt.settings.job_token, "job")
-    await _body(request, _EMPTY, allow_empty=True)
+    await read_body(request, _EMPTY, allow_empty=True)
     member_id = request.match_info["member_id"]
     state = await _apply(rt, Leave(member_id=member_id, now_ms=now_ms()))
     return web.json_response({"member_id": member_id, "generation": state.generation})
@@ -200,7 +202,7 @@ async def drain(request: web.Request) -> web.Response:
     """Drain a member: its partitions move now; its heartbeats say ``draining``."""
     rt = _rt(request)
     authenticate(request, rt.settings.admin_token, "admin")
-    await _body(request, _EMPTY, allow_empty=True)
+    await read_body(request, _EMPTY, allow_empty=True)
     member_id = request.match_info["member_id"]
     state = await _apply(rt, Drain(member_id=member_id, now_ms=now_ms()))
     return web.json_response({"member_id": member_id, "generation": state.generation,
@@ -210,7 +212,7 @@ async def drain(request: web.Request) -> web.Response:
 async def _set_paused(request: web.Request, paused: bool) -> web.Response:
     rt = _rt(request)
     authenticate(request, rt.settings.admin_token, "admin")
-    await _body(request, _EMPTY, allow_empty=True)
+    await read_body(request, _EMPTY, allow_empty=True)
     config = await rt.store.update_config(paused=paused)
     logger.info("job %s %s", rt.settings.job, "paused" if paused else "resumed")
     return web.json_response(config.as_json())
@@ -235,7 +237,7 @@ async def change_config(request: web.Request) -> web.Response:
     the model's layout, is refused naming the reason."""
     rt = _rt(request)
     authenticate(request, rt.settings.admin_token, "admin")
-    changes = await _body(request, CONFIG_CHANGE, fixed=FIXED_CONFIG)
+    changes = await read_body(request, CONFIG_CHANGE, fixed=FIXED_CONFIG)
     if not changes:
         raise ApiError(400, "invalid_body",
                        f"body: name at least one of {', '.join(sorted(CONFIG_CHANGE))}")
@@ -308,8 +310,9 @@ async def partitions(request: web.Request) -> web.Response:
 
 @routes.get("/v1/status")
 async def status(request: web.Request) -> web.Response:
-    """Everything at once: config, members, partitions, versions, staleness, throughput, loss, and the
-    embedding tables (rows, bytes, counters, the trainers' row cache hit rate)."""
+    """Everything at once: config, members, partitions, versions, staleness, throughput, loss, the
+    embedding tables (rows, bytes, counters, the trainers' row cache hit rate) and the serving replicas
+    (their last reports, :mod:`coordinator.serving_route`)."""
     rt = _rt(request)
     keys = rt.store.keys
     config = await rt.store.config()
@@ -324,7 +327,8 @@ async def status(request: web.Request) -> web.Response:
             "members": members_view(state, now_ms()), "partitions": parts,
             "lag": sum(p["lag"] for p in parts if p["lag"] is not None),
             **summary(state, config, versions, clocks, applied),
-            "tables": tables_view(tables, {m.member_id: m.stats for m in state.members.values()})}
+            "tables": tables_view(tables, {m.member_id: m.stats for m in state.members.values()}),
+            "serving": request.app[SERVING].view()}
     return web.json_response(body)
 
 

@@ -1,11 +1,15 @@
-"""Read-only views of a job for ``/v1/status``, ``/v1/members`` and ``/v1/partitions``."""
+"""Read-only views of a job for ``/v1/status``, ``/v1/members`` and ``/v1/partitions``, and the serving
+replicas' last reports (:class:`ServingReports`, kept in memory, shown in ``/v1/status``'s ``serving``)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
 
 from common.keys import JobKeys
 
@@ -158,3 +162,73 @@ def summary(state: Membership, config: JobConfig, versions: Sequence[bytes | Non
         "auc": _mean([s["auc"] for s in stats if "auc" in s]),
         "log_loss": _mean([s["log_loss"] for s in stats if "log_loss" in s]),
     }
+
+
+# -- serving replicas ---------------------------------------------------------------------------
+
+FORGET_AFTER_S = 10.0
+"""A replica not heard from for this long is forgotten (it reports every second)."""
+MOST_REPLICAS = 1024
+"""Replicas remembered at once: a report of a new one beyond them is refused (429), so what the
+coordinator keeps is bounded however many names callers make up (each is forgotten after
+:data:`FORGET_AFTER_S`)."""
+
+
+class TooManyReplicas(Exception):
+    """:data:`MOST_REPLICAS` replicas are known already and a report names another."""
+
+
+@dataclass
+class _Replica:
+    report: dict[str, Any]
+    at: float
+    """``clock()`` when the report arrived."""
+    requests_per_s: float | None = None
+    """From this report's and the previous one's request counts (None after the first report, or when the
+    count went down: the replica restarted under the same name)."""
+
+
+@dataclass
+class ServingReports:
+    """The last report of each serving replica (``POST /v1/serving/replicas/<name>``), in memory only:
+    a restarted coordinator knows the replicas again within a report interval."""
+
+    clock: Callable[[], float] = time.monotonic
+    replicas: dict[str, _Replica] = field(default_factory=dict)
+
+    def _forget(self, now: float) -> None:
+        for name in [n for n, r in self.replicas.items() if now - r.at > FORGET_AFTER_S]:
+            del self.replicas[name]
+
+    def observe(self, name: str, report: Mapping[str, Any]) -> None:
+        """Keep ``report`` (validated) as ``name``'s last.
+
+        Raises:
+            TooManyReplicas: ``name`` is new and :data:`MOST_REPLICAS` replicas are known already.
+        """
+        now = self.clock()
+        self._forget(now)
+        before = self.replicas.get(name)
+        if before is None and len(self.replicas) >= MOST_REPLICAS:
+            raise TooManyReplicas(f"{MOST_REPLICAS} serving replicas report already; a replica is forgotten "
+                                  f"{FORGET_AFTER_S:g} s after its last report")
+        rate = None
+        if before is not None and now > before.at and report["requests"] >= before.report["requests"]:
+            rate = (report["requests"] - before.report["requests"]) / (now - before.at)
+        self.replicas[name] = _Replica(dict(report), now, rate)
+
+    def view(self) -> dict[str, Any]:
+        """``/v1/status``'s ``serving``: each replica's last report with its ``name``, ``age_s`` (seconds since
+        it arrived) and ``requests_per_s``; the replicas' summed ``requests_per_s`` (null while no replica
+        has reported twice) and how many are ``ready``."""
+        now = self.clock()
+        self._forget(now)
+        replicas = [{"name": name, **r.report, "requests_per_s": r.requests_per_s, "age_s": round(now - r.at, 3)}
+                    for name, r in sorted(self.replicas.items())]
+        rates = [r.requests_per_s for r in self.replicas.values() if r.requests_per_s is not None]
+        return {"replicas": replicas, "requests_per_s": sum(rates) if rates else None,
+                "ready": sum(1 for r in self.replicas.values() if r.report["ready"])}
+
+
+SERVING = web.AppKey("serving_reports", ServingReports)
+"""The app's :class:`ServingReports`."""

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 
 from aiohttp import web
 
@@ -38,7 +39,9 @@ async def _serve(app: web.Application, settings: ServeSettings) -> int:
         logger.info("serving job %s (model %s) on http://%s:%d (coordinator %s, redis %s)", settings.job,
                     settings.model, settings.host, port, settings.coordinator_url, redact_url(settings.redis_url))
         replica = app[REPLICA]
-        replica.address = f"{settings.host}:{port}"
+        # a wildcard address names no host: the machine's name does (two scaled replicas differ by it)
+        host = socket.gethostname() if settings.host in ("0.0.0.0", "::", "") else settings.host
+        replica.address = f"{host}:{port}"
         while not stop.is_set() and replica.failure is None:
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)

@@ -37,6 +37,9 @@ from coordinator.settings import CoordinatorSettings
 from datastream.consumer import ConsumerStats
 from services.metrics import ServerMetrics
 from services.settings import ServerSettings
+from serving.app import create_app as create_serving_app
+from serving.metrics import ServeMetrics
+from serving.settings import ServeSettings
 from streamtrain.cli import COMMANDS, build_parser
 from trainers.evaluate import EvalResult
 from trainers.metrics import TrainerMetrics, TrainerReport
@@ -45,9 +48,9 @@ from trainers.settings import TrainerSettings
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose" / "docker-compose.yml"
 METRICS_PORT = {"coordinator": (CoordinatorSettings, "port"), "ps": (ServerSettings, "metrics_port"),
-                "trainer": (TrainerSettings, "metrics_port")}
+                "trainer": (TrainerSettings, "metrics_port"), "serve": (ServeSettings, "port")}
 """Subcommand -> (its settings, the field naming the port its /metrics is served on)."""
-OUR_PACKAGES = ("streamtrain", "services", "coordinator", "trainers", "datastream")
+OUR_PACKAGES = ("streamtrain", "services", "coordinator", "trainers", "datastream", "serving")
 SECRETS = ("STREAMTRAIN_JOB_TOKEN", "STREAMTRAIN_ADMIN_TOKEN", "STREAMTRAIN_REDIS_PASSWORD")
 """Variables compose must refuse to start without."""
 SECRET_NAME = re.compile(r"TOKEN|PASSWORD|SECRET|_AUTH$|_KEY$")
@@ -166,7 +169,7 @@ def test_infrastructure_services(compose: dict) -> None:
 
 def test_every_service_runs_a_real_cli_command(compose: dict) -> None:
     ours = _our_services(compose)
-    assert {"coordinator", "ps-0", "ps-1", "trainer", "producer"} <= set(ours)
+    assert {"coordinator", "ps-0", "ps-1", "trainer", "producer", "serve"} <= set(ours)
     for name, svc in ours.items():
         command = svc["command"]
         assert command[0] == "streamtrain", f"{name}: command must start with streamtrain"
@@ -325,10 +328,52 @@ def test_kafka_advertises_the_address_our_services_use(compose: dict) -> None:
         assert b in advertised, f"{b} is not among Kafka's advertised listeners {advertised}"
 
 
-def test_trainer_is_scalable(compose: dict) -> None:
-    trainer = compose["services"]["trainer"]
-    assert "container_name" not in trainer  # a fixed name would forbid --scale
-    assert "ports" not in trainer or all(":" not in str(p) for p in trainer["ports"])
+@pytest.mark.parametrize("service", ["trainer", "serve"])
+def test_scaled_services_are_scalable(compose: dict, service: str) -> None:
+    svc = compose["services"][service]
+    assert "container_name" not in svc and "hostname" not in svc  # fixed names would forbid --scale
+    assert "ports" not in svc or all(":" not in str(p) for p in svc["ports"])  # no fixed host port
+
+
+def _serving_routes() -> set[tuple[str, str]]:
+    """(method, path) of every route of the serving replica's application."""
+    app = create_serving_app(ServeSettings(job_token="t"), replica=SimpleNamespace())  # type: ignore[arg-type]  # its routes only: nothing runs
+    return {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource is not None}
+
+
+def test_the_serving_replicas_follow_the_job_and_check_their_health(compose: dict) -> None:
+    """``serve`` builds the model the trainers train, from the job's Redis, following the coordinator with
+    the job token; it listens on all addresses on the port its healthcheck, Prometheus and its published
+    port name, and the healthcheck asks a route the replica has."""
+    services = _our_services(compose)
+    svc = services["serve"]
+    assert svc["command"][:2] == ["streamtrain", "serve"]
+    settings = from_args(ServeSettings, build_parser("serve").parse_args(svc["command"][2:]), environ=_env(svc))
+    trainer = services["trainer"]
+    trained = from_args(TrainerSettings, build_parser("trainer").parse_args(trainer["command"][2:]),
+                        environ=_env(trainer))
+    coordinator = services["coordinator"]
+    coordinating = from_args(CoordinatorSettings, build_parser("coordinator").parse_args(coordinator["command"][2:]),
+                             environ=_env(coordinator))
+    assert settings.model == trained.model and settings.job == trained.job == coordinating.job
+    assert settings.redis_url == trained.redis_url and settings.job_token == coordinating.job_token
+    url = urlsplit(settings.coordinator_url)
+    assert url.hostname == "coordinator" and url.port == coordinating.port
+    assert settings.host == "0.0.0.0"  # other containers (Prometheus) reach it
+    # the entrypoint names each replica by its container's hostname, with flags `serve` takes
+    entrypoint = svc["entrypoint"]
+    assert entrypoint[:2] == ["sh", "-c"] and entrypoint[3] == "--" and entrypoint[2].startswith('exec "$@" ')
+    added = [arg.strip('"') for arg in entrypoint[2].split()[2:]]
+    named = from_args(ServeSettings, build_parser("serve").parse_args([*svc["command"][2:], *added]),
+                      environ=_env(svc))
+    assert named.name == f"$(hostname):{settings.port}" and named.url == f"http://$(hostname):{settings.port}"
+    assert [str(p) for p in svc["ports"]] == [str(settings.port)]
+    test = svc["healthcheck"]["test"]
+    health = re.search(r"http://127\.0\.0\.1:(\d+)(/[^'\"]*)", " ".join(test))
+    assert health and int(health[1]) == settings.port and health[2] == "/v2/health/live", test
+    assert ("GET", health[2]) in _serving_routes()
+    assert {d: c["condition"] for d, c in svc["depends_on"].items()} == {
+        "redis": "service_healthy", "coordinator": "service_healthy"}
 
 
 # -- Prometheus and Grafana ---------------------------------------------------------------------
@@ -427,14 +472,16 @@ def test_prometheus_scrapes_every_metrics_endpoint_on_its_port(compose: dict, pr
             assert served == port, f"{job['job_name']}: {host} serves metrics on {served}, not {port}"
             if services[host]["command"][1] == "coordinator":  # prometheus_client's server answers any path
                 assert path in {r.path for r in coordinator_routes if r.method == "GET"}, path
+            if services[host]["command"][1] == "serve":
+                assert ("GET", path) in _serving_routes(), path
             scraped.add(host)
     serving = {name for name, svc in services.items() if _served_metrics_port(svc)}
     assert serving == scraped, f"serving metrics but not scraped: {serving - scraped}"
-    assert {"coordinator", "ps-0", "ps-1", "trainer"} <= scraped
-    # trainers scale with --scale: they are discovered by DNS, never listed one by one
-    trainer_jobs = [j for j in prometheus_config["scrape_configs"]
-                    if any(h == "trainer" for h, _ in _targets(j))]
-    assert trainer_jobs and all(not j.get("static_configs") for j in trainer_jobs)
+    assert {"coordinator", "ps-0", "ps-1", "trainer", "serve"} <= scraped
+    # trainers and serving replicas scale with --scale: they are discovered by DNS, never listed one by one
+    for scaled in ("trainer", "serve"):
+        jobs = [j for j in prometheus_config["scrape_configs"] if any(h == scaled for h, _ in _targets(j))]
+        assert jobs and all(not j.get("static_configs") for j in jobs), scaled
 
 
 def _provisioned(svc: dict, kind: str) -> list[dict]:
@@ -484,6 +531,9 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose: dict)
         assert any(want in t.lower() for t in titles), f"no dashboard panel for {want}: {sorted(titles)}"
     for want in ("table rows", "table bytes", "row cache hit rate"):
         assert any(want in t.lower() for t in titles), f"no dashboard panel for {want}: {sorted(titles)}"
+    for want in ("serving requests/s", "serving latency p50 / p99", "serving lag", "served version", "serving rows",
+                 "serving misses", "serving reloads"):
+        assert any(want in t.lower() for t in titles), f"no dashboard panel for {want}: {sorted(titles)}"
     for d in dashboards:
         assert d["uid"] and d["title"]
         for panel in _queried(d):
@@ -500,7 +550,7 @@ def _exported_series() -> set[str]:
                            last_eval=EvalResult(1, 0.5, 0.5, 10), consumer=ConsumerStats(0, 0, 0, 0),
                            row_cache=CacheStats(hits=3, misses=1, rows=2))
     registries = [ServerMetrics(server).registry, TrainerMetrics(lambda: report).registry,
-                  CoordinatorMetrics().registry]
+                  CoordinatorMetrics().registry, ServeMetrics().registry]
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     return {f.name + s for r in registries for f in r.collect() for s in suffixes.get(f.type, ("",))}
 

@@ -6,9 +6,12 @@ One ``up`` for every check: the job trains digits to 95 % held out (the coordina
 group 0 are SIGKILLed (``docker kill``, a manual stop to Docker) and brought back by ``up --scale
 trainer=3``, which also adds a trainer, and the process of ps-1 is SIGKILLed from the host (a
 crash), which compose's restart policy restarts; afterwards the record-by-record audit is exact (run in the
-coordinator's container, on the stack's network); Prometheus has every target up (its ``up``
-series); ``GET /v1/model`` with the job token, from the host, loads into the job's PyTorch model and
-scores 95 % too; ``down -v`` leaves no container, network or volume behind. Then the engine stops.
+coordinator's container, on the stack's network); two serving replicas (``--scale serve=2``) report
+ready to the coordinator, serve the version the parameter plane ended at, and each answers an infer
+(the Open Inference Protocol, on its published port, with the job token) that scores 95 % on the
+held-out digits; Prometheus has every target up (its ``up`` series), both replicas found by DNS;
+``GET /v1/model`` with the job token, from the host, loads into the job's PyTorch model and scores 95 %
+too; ``down -v`` leaves no container, network or volume behind. Then the engine stops.
 
 Needs root (dockerd) and what ``scripts/setup_tests.sh`` prepares as root: Docker Engine, docker-compose
 1.29 and the base rootfs tar, the wheels in compose/wheels and the Kafka jars in
@@ -57,6 +60,10 @@ DIGITS_PASSES = 60
 a few minutes."""
 TARGET = 0.95
 TRAINERS_AFTER_SCALE = 3
+REPLICAS = 2
+"""Serving replicas (``--scale serve=2``)."""
+JOB = "digits"
+"""The job compose runs (STREAMTRAIN_JOB), the name its replicas serve the model under."""
 
 
 def _prepared() -> Path:
@@ -183,6 +190,25 @@ print(json.dumps({"unapplied": left, "exact": report.exact, **dataclasses.asdict
 until every pushed update is applied, then audit record by record; one line of JSON."""
 
 
+def post_json(url: str, body: Any, token: str) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+def published_port(docker: DockerEngine, container: str, port: int) -> int:
+    """The host port Docker published ``container``'s ``port`` on (compose's ``ports: ["8800"]``)."""
+    bindings = inspect(docker, container)["NetworkSettings"]["Ports"][f"{port}/tcp"]
+    return int(next(b["HostPort"] for b in bindings if b["HostIp"] in ("0.0.0.0", "")))
+
+
+def plane_version(st: dict[str, Any]) -> str:
+    """The parameter plane's version as a served version names it: the groups' versions joined by '.'."""
+    groups = st["versions"]["groups"]
+    return ".".join(str(groups[str(g)]) for g in range(len(groups)))
+
+
 def prometheus_up(url: str) -> dict[str, list[str]]:
     """Job -> the value of ``up`` of each of its targets, from Prometheus's HTTP API."""
     body = get_json(f"{url}/api/v1/query?query=up")
@@ -205,7 +231,8 @@ def test_the_offline_stack_trains_through_kills_and_scaling_and_leaves_nothing_b
     prometheus = f"http://127.0.0.1:{prometheus_port}"
 
     compose(engine, env, "build")
-    compose(engine, env, "up", "-d")  # returns once kafka, redis and the coordinator are healthy
+    # returns once kafka, redis and the coordinator are healthy
+    compose(engine, env, "up", "-d", "--scale", f"serve={REPLICAS}")
 
     # training has begun: a trainer's update applied
     wait_until(lambda: model_version(status_or_none(coordinator, job_token)) > 0, 600, interval_s=1.0,
@@ -217,7 +244,8 @@ def test_the_offline_stack_trains_through_kills_and_scaling_and_leaves_nothing_b
     for container in killed:
         engine.docker("kill", container)
         assert not inspect(engine, container)["State"]["Running"]
-    compose(engine, env, "up", "-d", "--no-recreate", "--scale", f"trainer={TRAINERS_AFTER_SCALE}")
+    compose(engine, env, "up", "-d", "--no-recreate", "--scale", f"trainer={TRAINERS_AFTER_SCALE}",
+            "--scale", f"serve={REPLICAS}")
     assert len(containers(engine, "trainer")) == TRAINERS_AFTER_SCALE
     assert all(inspect(engine, c)["State"]["Running"] for c in killed)
     # a crash (SIGKILL of the process, from the host): the restart policy (unless-stopped) restarts it
@@ -259,8 +287,35 @@ def test_the_offline_stack_trains_through_kills_and_scaling_and_leaves_nothing_b
     assert report["uncommitted"] == 0 and report["exact"], report
     assert report["applied"] == report["expected"] > 0 and report["rejected_updates"] == 0, report
 
-    # Prometheus scrapes every target, the scaled trainers found by DNS
-    want = {"coordinator": 1, "ps": 2, "trainer": TRAINERS_AFTER_SCALE}
+    # two serving replicas: each reports ready to the coordinator and serves the version the plane ended at
+    final = status_or_none(coordinator, job_token)
+    assert final is not None
+
+    def replicas_caught_up() -> dict[str, Any] | None:
+        st = status_or_none(coordinator, job_token)
+        serving = st["serving"] if st else None
+        versions = {r["version"] for r in serving["replicas"]} if serving else set()
+        done = serving and len(serving["replicas"]) == REPLICAS and serving["ready"] == REPLICAS
+        return serving if done and versions == {plane_version(st)} else None
+
+    serving = wait_until(replicas_caught_up, 300, interval_s=2.0,
+                         what=f"{REPLICAS} serving replicas ready at the plane's version {plane_version(final)}")
+    # each answers an infer (OIP, on its published port, the job token) that scores the held-out digits
+    x, y = load_source("digits", split="test").read()
+    request = {"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                           "data": x.astype("float32").ravel().tolist()}]}
+    replicas = containers(engine, "serve")
+    assert len(replicas) == REPLICAS
+    for container in replicas:
+        port = published_port(engine, container, 8800)
+        answer = post_json(f"http://127.0.0.1:{port}/v2/models/{JOB}/infer", request, job_token)
+        assert answer["model_version"] in {r["version"] for r in serving["replicas"]}, answer["model_version"]
+        classes = next(o["data"] for o in answer["outputs"] if o["name"] == "class")
+        served = sum(int(c) == int(label) for c, label in zip(classes, y, strict=True)) / len(y)
+        assert served >= TARGET, (container, served)
+
+    # Prometheus scrapes every target, the scaled trainers and serving replicas found by DNS
+    want = {"coordinator": 1, "ps": 2, "trainer": TRAINERS_AFTER_SCALE, "serve": REPLICAS}
     wait_until(lambda: {job: values.count("1") for job, values in prometheus_up(prometheus).items()} == want
                and all(v == "1" for values in prometheus_up(prometheus).values() for v in values),
                120, interval_s=2.0, what=f"Prometheus to have every target up ({want})")
@@ -271,7 +326,6 @@ def test_the_offline_stack_trains_through_kills_and_scaling_and_leaves_nothing_b
         body = response.read()
     spec = build_model("digits-mlp", seed=1)  # compose's trainers run the default model
     spec.model.load_state_dict(safetensors.torch.load(body), strict=True)
-    x, y = load_source("digits", split="test").read()
     scored = evaluate(spec.model, spec.loss_fn, torch.from_numpy(x).float(), torch.from_numpy(y).long(),
                       version=0, classification=True)
     assert scored.accuracy is not None and scored.accuracy >= TARGET, scored

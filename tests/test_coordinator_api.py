@@ -23,11 +23,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.keys import JobKeys
 from coordinator import routes
+from coordinator import status as status_module
 from coordinator.app import create_app
 from coordinator.client import CoordinatorClient
 from coordinator.errors import AuthError, BadRequestError, MemberGoneError
+from coordinator.serving_route import REPORT
 from coordinator.settings import CONSISTENCY_MODELS, OPTIMIZERS, CoordinatorSettings
 from coordinator.state import JobConfig, Store, parse_assignment
+from coordinator.status import FORGET_AFTER_S, SERVING
 from coordinator.testing import running_coordinator
 from coordinator.validation import CONFIG_CHANGE, HEARTBEAT, REGISTER, Field
 from services import FencedError, ParameterStore
@@ -626,7 +629,8 @@ def test_openapi_declares_the_enforced_limits() -> None:
               ("post", "/v1/members/{member_id}/leave"): {},
               ("post", "/v1/admin/members/{member_id}/drain"): {},
               ("post", "/v1/admin/pause"): {},
-              ("post", "/v1/admin/resume"): {}}
+              ("post", "/v1/admin/resume"): {},
+              ("post", "/v1/serving/replicas/{name}"): REPORT}
     problems = []
     for (method, path), fields in bodies.items():
         op = doc["paths"][path][method]
@@ -757,3 +761,99 @@ async def test_a_closed_presence_channel_removes_the_member_at_once_and_others_h
         assert resp.status == 401
         resp = await client.get(url.format("nobody"), headers=JOB_AUTH)
         assert resp.status == 400 and (await resp.json())["error"]["code"] == "not_a_websocket"
+
+
+def serving_report(**changes: Any) -> dict[str, Any]:
+    """A serving replica's report (``serving.replica.Replica.report``)."""
+    return {"url": "http://10.0.0.7:8800", "version": "12.7", "staleness_s": 0.25, "ready": True, "rows": 1000,
+            "misses": 3, "reloads": 0, "requests": 100, "records": 6400, "latency_p99_ms": 4.5,
+            "served_auc": 0.71, "labelled": 5000, **changes}
+
+
+async def test_serving_replicas_reports_show_in_status_with_their_rate_and_are_forgotten(
+        settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    """Each replica's last report, its age and its request rate from successive reports; the replicas'
+    summed rate and how many are ready; a replica silent for 10 s is forgotten; nothing goes to Redis."""
+    async with running_coordinator(settings) as client:
+        now = [1000.0]
+        client.server.app[SERVING].clock = lambda: now[0]
+        empty = (await (await client.get("/v1/status")).json())["serving"]
+        assert empty == {"replicas": [], "requests_per_s": None, "ready": 0}
+        before = dump(redis)
+
+        async def post(name: str, **changes: Any) -> None:
+            resp = await client.post(f"/v1/serving/replicas/{name}", headers=JOB_AUTH, json=serving_report(**changes))
+            assert resp.status == 204, await resp.text()
+            assert await resp.read() == b""
+
+        await post("serve-1:8800")
+        await post("b.2_x-Y", ready=False, version=None, staleness_s=None, latency_p99_ms=None, served_auc=None,
+                   requests=0, url="http://b:8800")
+        now[0] += 0.5
+        serving = (await (await client.get("/v1/status")).json())["serving"]
+        assert serving["requests_per_s"] is None and serving["ready"] == 1  # nobody reported twice yet
+        assert [r["name"] for r in serving["replicas"]] == ["b.2_x-Y", "serve-1:8800"]
+        assert serving["replicas"][1] == {"name": "serve-1:8800", **serving_report(), "requests_per_s": None,
+                                          "age_s": 0.5}
+        assert serving["replicas"][0]["version"] is None and serving["replicas"][0]["ready"] is False
+
+        now[0] += 0.5
+        await post("serve-1:8800", requests=150)  # 50 requests in 1 s
+        now[0] += 1.0
+        await post("b.2_x-Y", requests=40, ready=True)  # 40 in 2 s
+        serving = (await (await client.get("/v1/status")).json())["serving"]
+        rates = {r["name"]: r["requests_per_s"] for r in serving["replicas"]}
+        assert rates == {"serve-1:8800": pytest.approx(50.0), "b.2_x-Y": pytest.approx(20.0)}
+        assert serving["requests_per_s"] == pytest.approx(70.0) and serving["ready"] == 2
+        assert {r["name"]: r["age_s"] for r in serving["replicas"]} == {"serve-1:8800": 1.0, "b.2_x-Y": 0.0}
+
+        now[0] += 1.0
+        await post("b.2_x-Y", requests=5)  # restarted under the same name: no rate from a count that fell
+        serving = (await (await client.get("/v1/status")).json())["serving"]
+        assert {r["name"]: r["requests_per_s"] for r in serving["replicas"]}["b.2_x-Y"] is None
+        assert serving["requests_per_s"] == pytest.approx(50.0)
+
+        now[0] += FORGET_AFTER_S - 0.5  # serve-1 is 10.5 s silent, b 9.5 s
+        serving = (await (await client.get("/v1/status")).json())["serving"]
+        assert [r["name"] for r in serving["replicas"]] == ["b.2_x-Y"]
+        now[0] += 1.0
+        serving = (await (await client.get("/v1/status")).json())["serving"]
+        assert serving == {"replicas": [], "requests_per_s": None, "ready": 0}
+        assert dump(redis) == before  # in memory only
+
+
+@pytest.mark.parametrize(("name", "headers", "body", "status", "code", "needle"), [
+    ("r1", {}, serving_report(), 401, "unauthorized", "missing bearer job token"),
+    ("r1", ADMIN_AUTH, serving_report(), 401, "unauthorized", "wrong job token"),
+    ("a" * 129, JOB_AUTH, serving_report(), 400, "invalid_name", "1-128 characters"),
+    ("r%201", JOB_AUTH, serving_report(), 400, "invalid_name", "'r 1'"),
+    ("r1", JOB_AUTH, {k: v for k, v in serving_report().items() if k != "labelled"}, 400, "invalid_body",
+     "labelled: required field is missing"),
+    ("r1", JOB_AUTH, serving_report(ready="yes"), 400, "invalid_body", "ready: expected true or false"),
+    ("r1", JOB_AUTH, serving_report(requests=-1), 400, "invalid_body", "requests: must be >= 0"),
+    ("r1", JOB_AUTH, serving_report(served_auc=1.5), 400, "invalid_body", "served_auc: must be <= 1"),
+    ("r1", JOB_AUTH, serving_report(rows=1.5), 400, "invalid_body", "rows: expected an integer"),
+    ("r1", JOB_AUTH, serving_report(qps=3), 400, "invalid_body", "unknown field(s) 'qps'"),
+    ("r1", JOB_AUTH, serving_report(url=None), 400, "invalid_body", "url: expected a string"),
+])
+async def test_a_refused_serving_report_is_not_kept(settings: CoordinatorSettings, name: str,
+                                                    headers: dict[str, str], body: dict[str, Any], status: int,
+                                                    code: str, needle: str) -> None:
+    async with running_coordinator(settings) as client:
+        resp = await client.post(f"/v1/serving/replicas/{name}", headers=headers, json=body)
+        assert resp.status == status
+        error = (await resp.json())["error"]
+        assert error["code"] == code and needle in error["message"], error
+        assert (await (await client.get("/v1/status")).json())["serving"]["replicas"] == []
+
+
+async def test_the_replicas_kept_are_bounded(settings: CoordinatorSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(status_module, "MOST_REPLICAS", 2)
+    async with running_coordinator(settings) as client:
+        for name in ("r1", "r2", "r1"):
+            resp = await client.post(f"/v1/serving/replicas/{name}", headers=JOB_AUTH, json=serving_report())
+            assert resp.status == 204
+        resp = await client.post("/v1/serving/replicas/r3", headers=JOB_AUTH, json=serving_report())
+        assert resp.status == 429 and (await resp.json())["error"]["code"] == "too_many_replicas"
+        assert [r["name"] for r in (await (await client.get("/v1/status")).json())["serving"]["replicas"]] == \
+            ["r1", "r2"]

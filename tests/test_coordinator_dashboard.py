@@ -2,7 +2,7 @@
 
 The browser test drives Debian's headless Chromium over the DevTools protocol
 (``tests/cdp.py``) against a coordinator on the real Redis and Kafka, with two
-members heartbeating through the HTTP API. It writes the screenshot into the
+members heartbeating through the HTTP API, and then two serving replicas reporting. It writes the screenshot into the
 test's tmp_path, and also to ``docs/img/dashboard.png`` when
 ``STREAMTRAIN_DOCS_SCREENSHOT=1``.
 """
@@ -243,6 +243,35 @@ async def trainers_heartbeating(client: TestClient, redis: redis_lib.Redis, memb
             await task
 
 
+@contextlib.asynccontextmanager
+async def replicas_reporting(client: TestClient, names: list[str]) -> AsyncIterator[None]:
+    """Report like serving replicas (``POST /v1/serving/replicas/<name>``), four times a second, until the
+    block ends: each answers 50 requests more per report (200/s) and more for the later ones; the second
+    is loading (not ready, no version) for its first four reports."""
+
+    async def report() -> None:
+        for step in range(10_000):
+            for i, name in enumerate(names):
+                loading = i == 1 and step < 4
+                body = {"url": f"http://10.0.0.{7 + i}:8800", "version": None if loading else f"{1200 + 3 * step}",
+                        "staleness_s": None if loading else 0.05 + 0.01 * (step % 5) + 0.1 * i, "ready": not loading,
+                        "rows": 0 if loading else 5000 + 40 * step, "misses": 3 * step * i, "reloads": i,
+                        "requests": (50 + 10 * i) * step, "records": 64 * (50 + 10 * i) * step,
+                        "latency_p99_ms": 2.5 + i + 0.1 * (step % 3), "served_auc": None if loading else 0.7 + 0.02 * i,
+                        "labelled": 0 if loading else 500 * step}
+                resp = await client.post(f"/v1/serving/replicas/{name}", headers=JOB_AUTH, json=body)
+                assert resp.status == 204, await resp.text()
+            await asyncio.sleep(0.25)
+
+    task = asyncio.create_task(report())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed "
                                              "(scripts/setup_tests.sh installs it: apt-get install chromium)")
 async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
@@ -339,6 +368,25 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
             prog_cells = await page.wait_for("(c => c.every(v => v !== '–') && c)([...document.querySelectorAll("
                                              "'#members tr')].map(tr => tr.children[8].textContent))", timeout_s=10)
             assert all(0.5 <= float(v) <= 0.92 for v in prog_cells), prog_cells
+
+            # the serving replicas: no section until one reports; a row per replica and the line above it
+            assert await page.evaluate("document.getElementById('serving').hidden") is True
+            replicas = ["serve-a:8800", "serve-b:8800"]
+            async with replicas_reporting(client, replicas):
+                line = await page.wait_for(
+                    "(t => !document.getElementById('serving').hidden && t.startsWith('2 of 2 replicas ready') && "
+                    "!t.includes('– requests/s') && t)(document.getElementById('serving-summary').textContent)",
+                    timeout_s=30)
+                rate = re.search(r"ready · ([0-9.,]+) requests/s", line)
+                assert rate and 100 <= float(rate[1].replace(",", "")) <= 600, line  # ~4 reports/s of +50 and +60
+                assert re.search(r"latency p99 3\.[0-9]+ ms", line) and "serving lag 0.1" in line, line
+                assert re.search(r"served AUC 0\.7[0-9]* \([0-9,]+ labelled\)", line), line
+                cells = await page.evaluate("[...document.querySelectorAll('#serving-rows tr')]"
+                                            ".map(tr => [...tr.children].map(td => td.textContent))")
+            assert [c[0] for c in cells] == replicas, cells
+            for name, ready, version, lag, per_s, p99, rows, *_ in cells:
+                assert ready == "yes" and int(version) >= 1200 and 0 < float(lag) < 1, (name, ready, version, lag)
+                assert float(per_s) > 0 and 2 < float(p99) < 4 and int(rows.replace(",", "")) >= 5000, cells
             png = await page.screenshot()
             assert page.errors() == []
     assert png.startswith(b"\x89PNG\r\n\x1a\n")

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from datastream.jagged import Jagged
+from services.tables.feed import DecodedChanges
+from services.tables.rows import initial_rows
 from serving.protocol import Batch, model_outputs
 from serving.rowstore import RowStore
 from serving.state import ModuleFactory, ServedState, score, signature_of
-from services.tables.feed import DecodedChanges
-from services.tables.rows import initial_rows
 from trainers.models import build_model
 from trainers.tables import plan_lookups, pool
 
