@@ -74,7 +74,7 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
                     *config.table_bound(), config.ps_groups)
         app[RUNTIME] = rt
         app[LEASE_CHECKER] = asyncio.create_task(lease_checker(rt), name="lease-checker")
-        app[SAMPLER] = Sampler(settings)
+        app[SAMPLER] = Sampler(settings, rt.metrics)
         app[SAMPLER].start(store)
         yield
     finally:

@@ -48,6 +48,14 @@ class Metrics:
                                      "records scored on the training forward pass, before training on them)",
                                      ["member"], registry=r)
         self.heartbeats = Counter("streamtrain_heartbeats", "heartbeats accepted", registry=r)
+        self.model_version = Gauge("streamtrain_model_version", "each shard group's version in the parameter "
+                                   "plane, sampled every second (a serving replica's streamtrain_serve_version "
+                                   "trails it)", ["group"], registry=r)
+
+    def observe_versions(self, versions: Iterable[int]) -> None:
+        """The groups' versions of the newest sample."""
+        for g, v in enumerate(versions):
+            self.model_version.labels(str(g)).set(v)
 
     def observe_actions(self, actions: Iterable[Action], now_ms: int) -> None:
         """Count the membership ``actions`` committed at ``now_ms``."""

@@ -22,10 +22,11 @@ from common.tasks import cancel_and_wait
 
 from .history import SAMPLE_INTERVAL_S, History, Sample, take_sample
 from .kafka_probe import KafkaProbe
+from .metrics import Metrics
 from .progressive import ProgressiveHistory
 from .settings import CoordinatorSettings
 from .state import JobConfig, Store
-from .status import model_version, partitions_view, read_plane
+from .status import group_versions, model_version, partitions_view, read_plane
 from .tables import TableReader
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class Sampler:
     """Samples the job into :attr:`history` every :data:`SAMPLE_INTERVAL_S` from :meth:`start`
     until :meth:`close`."""
 
-    def __init__(self, settings: CoordinatorSettings) -> None:
+    def __init__(self, settings: CoordinatorSettings, metrics: Metrics | None = None) -> None:
         self.history = History(settings.history_samples)
         """The samples taken so far (the newest ``settings.history_samples``)."""
         self.progressive = ProgressiveHistory(settings.history_samples)
@@ -62,6 +63,7 @@ class Sampler:
         self.tables = TableReader(JobKeys(settings.job))
         """Reads the job's embedding tables (``/v1/status`` shares it, and its cache of the names)."""
         self._settings = settings
+        self._metrics = metrics
         self._freshness: list[float] = []
         self._dropped = 0
         self._probe = KafkaProbe(settings.kafka_bootstrap, settings.kafka_timeout_ms)
@@ -109,6 +111,8 @@ class Sampler:
         plane = await read_plane(store.redis, keys, groups, "staleness", "offsets")
         staleness, committed = plane.hashes["staleness"], plane.hashes["offsets"]
         version = model_version(plane.versions)
+        if self._metrics is not None and (groups_now := group_versions(plane.versions)) is not None:
+            self._metrics.observe_versions(groups_now)
         tables = await self.tables.read(store.redis, groups, model_exists=version is not None)
         lag = await self._lag(state, config, _ints(committed))
         freshness, self._freshness = self._freshness, []

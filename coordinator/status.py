@@ -70,7 +70,7 @@ def partitions_view(state: Membership, raw_assignment: Mapping[bytes | str, byte
     return out
 
 
-def queue_group_versions(pipe: Pipeline, keys: JobKeys, groups: int) -> None:
+def queuegroup_versions(pipe: Pipeline, keys: JobKeys, groups: int) -> None:
     """Queue on ``pipe`` a read of the version of each of the job's ``groups`` shard groups (its
     model's count, ``coordinator.state.Store.groups``); :func:`model_version` and :func:`versions_view`
     read the replies. Each group's version lives in its own hash slot, so ``pipe`` must be a
@@ -93,14 +93,14 @@ async def read_plane(redis: aioredis.Redis, keys: JobKeys, groups: int, *hashes:
     """Each of the ``groups`` groups' versions and the job's ``hashes`` (names in ``JobKeys``), in one
     non-transactional round trip (the groups' versions are in their own slots), returned by name."""
     pipe = redis.pipeline(transaction=False)
-    queue_group_versions(pipe, keys, groups)
+    queuegroup_versions(pipe, keys, groups)
     for name in hashes:
         pipe.hgetall(getattr(keys, name))
     replies = await pipe.execute()
     return PlaneRead(list(replies[:groups]), dict(zip(hashes, replies[groups:], strict=True)))
 
 
-def _group_versions(raw: Sequence[bytes | None]) -> list[int] | None:
+def group_versions(raw: Sequence[bytes | None]) -> list[int] | None:
     """Each group's version from the replies of :func:`queue_group_versions` (None while no group has
     one: the job has no model yet)."""
     if all(v is None for v in raw):
@@ -111,7 +111,7 @@ def _group_versions(raw: Sequence[bytes | None]) -> list[int] | None:
 def model_version(raw: Sequence[bytes | None]) -> int | None:
     """The model version (the sum of the groups' versions: it grows with every write of any group)
     from the replies of :func:`queue_group_versions`; None before the model exists."""
-    versions = _group_versions(raw)
+    versions = group_versions(raw)
     return None if versions is None else sum(versions)
 
 
@@ -120,7 +120,7 @@ def versions_view(raw: Sequence[bytes | None]) -> dict[str, Any]:
     (the model version, the sum of the groups'), ``groups`` (group -> its version) and the ``min``
     and ``max`` of the groups' versions (how far apart the groups are; equal with one group). All
     null, and ``groups`` empty, before the model exists."""
-    versions = _group_versions(raw)
+    versions = group_versions(raw)
     if versions is None:
         return {"model": None, "groups": {}, "min": None, "max": None}
     return {"model": sum(versions), "groups": {str(g): v for g, v in enumerate(versions)},

@@ -3,16 +3,25 @@
 :func:`produce` sends shards round-robin over the partitions with an idempotent ``acks=all`` producer,
 at most ``max_in_flight_shards`` unacknowledged, and counts a record in its :class:`ProduceReport` only
 once the broker acknowledged it. See docs/records.md, *Producing: only acknowledged records count*.
+
+With a replica's URL (``score_url``), :class:`ScoreSampler` POSTs every Nth record, with its label, to the
+replica's ``/v1/predict`` before the record is produced: the replica answers it from a model no trainer
+has trained on it yet, and computes the AUC of those answers (the served AUC). Scoring never fails
+production: a failure is counted and logged at most once a minute, and the time spent on it is bounded.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
 import os
 import signal
 import socket
 import threading
 import time
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -30,7 +39,7 @@ from .records import encode_shard
 from .sources import Source, SourceError, load_source
 from .topics import broker_reachable, ensure_topic, reliable_producer
 
-__all__ = ["ProduceReport", "default_producer_id", "iter_shards", "produce"]
+__all__ = ["ProduceReport", "ScoreSampler", "default_producer_id", "iter_shards", "produce"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +68,13 @@ class ProduceReport:
     """True when a stop request (or Ctrl-C) ended production early."""
     errors: tuple[str, ...] = field(default=())
     """The first few send errors, for the log."""
+    scored: int = 0
+    """Sampled records a replica answered before they were produced (``score_url``)."""
+    score_failed: int = 0
+    """Sampled records whose request to the replica failed (unreachable, not ready, refused)."""
+    score_skipped: int = 0
+    """Sampled records not sent to the replica: scoring was over its share of the time
+    (:data:`SCORE_TIME_SHARE`) or waiting after a failure."""
 
     @property
     def records_per_s(self) -> float:
@@ -112,6 +128,149 @@ def _join(parts: list[Examples], source: Source, y_dtype: np.dtype | None) -> Ex
     except ValueError as exc:
         raise SourceError(f"source {source.name}: blocks disagree ({exc})") from None
     return joined if joined.y.dtype == y_dtype else replace(joined, y=joined.y.astype(y_dtype))
+
+
+SCORE_TIMEOUT_S = 0.5
+"""Longest wait for the replica's answer to one request of sampled records."""
+SCORE_TIME_SHARE = 0.1
+"""Most of the producer's time scoring may take: after a request of ``t`` seconds (answered or failed),
+sampled records are skipped for ``t * (1 / share - 1)`` seconds, so a slow, hanging or absent replica
+slows production by at most this share (a paced producer's wait before a send is not counted)."""
+SCORE_LOG_EVERY_S = 60.0
+"""Scoring failures are logged at most this often (with the count since the last line)."""
+
+
+class ScoreSampler:
+    """Scores every ``every``-th record of the stream (by sequence number) on a serving replica before the
+    producer sends it: one ``POST {url}/v1/predict`` of ``{"records": [...]}`` per shard, each record in the
+    training topic's JSON form with its label (``{"x": [...], "ids": {feature: [ids]}, "y": label}``).
+
+    Only the standard library: the data plane does not depend on the serving package. A failure (refused,
+    timed out, a 503 while the replica loads its first state) is counted, never raised; ``time_share``
+    (default :data:`SCORE_TIME_SHARE`) bounds the producer's time it takes.
+
+    Raises:
+        ValueError: ``url`` is not an ``http://`` or ``https://`` URL, or ``every`` < 1.
+    """
+
+    def __init__(self, url: str, token: str = "", every: int = 10, *, timeout_s: float = SCORE_TIMEOUT_S,
+                 time_share: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"score URL must be http://host:port or https://host:port, got {url!r}")
+        if every < 1:
+            raise ValueError(f"score_every must be >= 1, got {every}")
+        time_share = SCORE_TIME_SHARE if time_share is None else time_share
+        if not 0 < time_share <= 1:
+            raise ValueError(f"time_share must be in (0, 1], got {time_share}")
+        self.url, self.every, self.timeout_s = url.rstrip("/"), every, timeout_s
+        self._parts = parts
+        self._path = parts.path.rstrip("/") + "/v1/predict"
+        self._headers = {"Content-Type": "application/json", "Connection": "keep-alive",
+                         **({"Authorization": f"Bearer {token}"} if token else {})}
+        self._pause = 1 / time_share - 1
+        self._clock = clock
+        self._conn: http.client.HTTPConnection | None = None
+        self._resume_at = 0.0
+        self._logged_at: float | None = None
+        self._unlogged = 0
+        self.scored = self.failed = self.skipped = 0
+        self.seconds = 0.0
+        """Time spent scoring (requests, answered or not)."""
+        self.last_error = ""
+
+    def sampled(self, first_seq: int, n: int) -> range:
+        """Indices in a shard of ``n`` records starting at sequence number ``first_seq`` of the records sampled."""
+        start = -first_seq % self.every
+        return range(start, n, self.every)
+
+    def before_send(self, shard: Examples, first_seq: int, idle_s: float = 0.0) -> None:
+        """Score the sampled records of ``shard`` (its first record has sequence number ``first_seq``);
+        ``idle_s``: how long the producer would wait anyway before sending it (a paced producer's time
+        ahead of its rate), which scoring may take without counting against its share."""
+        rows = self.sampled(first_seq, len(shard))
+        if not rows:
+            return
+        now = self._clock()
+        if now < self._resume_at:
+            self.skipped += len(rows)
+            return
+        body = json.dumps({"records": [_json_record(shard, i) for i in rows]}, separators=(",", ":")).encode()
+        error = self._post(body)
+        done = self._clock()
+        self.seconds += done - now
+        self._resume_at = done + max(0.0, done - now - idle_s) * self._pause
+        if error is None:
+            self.scored += len(rows)
+            return
+        self.failed += len(rows)
+        self.last_error = error
+        self._unlogged += len(rows)
+        if self._logged_at is None or self._clock() - self._logged_at >= SCORE_LOG_EVERY_S:
+            logger.warning("scoring sampled records on %s failed for %d record(s)%s: %s", self.url, self._unlogged,
+                           "" if self._logged_at is None else f" in the last {SCORE_LOG_EVERY_S:.0f} s", error)
+            self._logged_at, self._unlogged = self._clock(), 0
+
+    def _post(self, body: bytes) -> str | None:
+        """POST ``body``; None when answered 200, else why not."""
+        try:
+            if self._conn is None:
+                kind = http.client.HTTPSConnection if self._parts.scheme == "https" else http.client.HTTPConnection
+                self._conn = kind(self._parts.hostname or "", self._parts.port, timeout=self.timeout_s)
+            self._conn.request("POST", self._path, body=body, headers=self._headers)
+            resp = self._conn.getresponse()
+            answer = resp.read()
+            if resp.status == 200:
+                return None
+            try:
+                reason = str(json.loads(answer).get("error", ""))[:200]
+            except (ValueError, AttributeError):
+                reason = answer[:200].decode(errors="replace")
+            if resp.will_close:
+                self.close()
+            return f"HTTP {resp.status}" + (f": {reason}" if reason else "")
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+    def wait_ready(self, timeout_s: float, stop: threading.Event) -> bool:
+        """Wait up to ``timeout_s`` for the replica's ``GET /v2/health/ready`` to answer 200 (polled every
+        0.2 s; ``stop`` ends the wait); whether it did. Never raises: a replica that stays away only costs
+        the served AUC its first records."""
+        deadline = self._clock() + timeout_s
+        ready_url = f"{self.url}/v2/health/ready"
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(ready_url, timeout=self.timeout_s) as resp:
+                    if resp.status == 200:
+                        logger.info("the replica at %s is ready: producing", self.url)
+                        return True
+            except (OSError, http.client.HTTPException):
+                pass
+            if self._clock() >= deadline:
+                logger.warning("the replica at %s is not ready after %.0f s: producing anyway (the records "
+                               "before it is are not scored)", self.url, timeout_s)
+                return False
+            stop.wait(0.2)
+        return False
+
+    def close(self) -> None:
+        """Close the connection to the replica (the next request opens one)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _json_record(shard: Examples, i: int) -> dict[str, object]:
+    """Record ``i`` of ``shard`` in the training topic's single-record JSON form, its label included."""
+    record: dict[str, object] = {}
+    if shard.x.shape[1]:
+        record["x"] = shard.x[i].tolist()
+    if shard.ids:
+        record["ids"] = {name: col.values[col.offsets[i]:col.offsets[i + 1]].tolist()
+                         for name, col in shard.ids.items()}
+    record["y"] = shard.y[i].item()
+    return record
 
 
 class _Acks:
@@ -169,7 +328,8 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
             split: str = "all", producer_id: str | None = None, progress: bool = False,
             stop: threading.Event | None = None, max_in_flight_shards: int = 256,
             flush_timeout_s: float = 60.0, console: Console | None = None,
-            outage_limit_s: float = DEFAULT_LIMIT_S) -> ProduceReport:
+            outage_limit_s: float = DEFAULT_LIMIT_S, score_url: str = "", score_token: str = "",
+            score_every: int = 10, score_wait_s: float = 0.0) -> ProduceReport:
     """Produce ``source`` to ``topic`` as shards and return exact acknowledged counts.
 
     Args:
@@ -187,6 +347,12 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
         flush_timeout_s: how long the final flush may take.
         outage_limit_s: how long the brokers may stay unreachable (one log line when an outage
             starts, one when it ends) before ``DependencyUnavailable`` names them.
+        score_url: a serving replica's base URL: every ``score_every``-th record is scored there, with
+            its label, before it is sent (:class:`ScoreSampler`); empty: off.
+        score_token: the bearer token of the replica's model routes.
+        score_every: the share of the stream scored: every Nth record.
+        score_wait_s: wait up to this long for the replica to be ready before producing (0: not at all), so
+            the stream's first records are scored too.
 
     Raises:
         ValueError: a bad argument. SourceError: a bad source.
@@ -197,6 +363,7 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
         raise ValueError(f"limit must be >= 0, got {limit}")
     if max_in_flight_shards < 1:
         raise ValueError(f"max_in_flight_shards must be >= 1, got {max_in_flight_shards}")
+    scorer = ScoreSampler(score_url, score_token, score_every) if score_url else None  # validates the URL
     src = load_source(source, split) if isinstance(source, str) else source
     shards = iter_shards(src, shard_size, limit)  # validates shard_size
     pid = producer_id or default_producer_id()
@@ -205,6 +372,8 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
     acks = _Acks(max_in_flight_shards)
     outage = Outage(f"Kafka at {bootstrap}", outage_limit_s, logger)
     seq = 0
+    if scorer is not None and score_wait_s > 0:
+        scorer.wait_ready(score_wait_s, stop)
     started = time.monotonic()
     logger.info("producing %s to %s (%d partitions) as producer %s", src, topic, count, pid)
     with ExitStack() as stack:
@@ -212,6 +381,9 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
                                      linger_ms=5, batch_size=1 << 20)
         stack.callback(producer.close)
         stack.callback(producer.flush, flush_timeout_s)  # runs first: nothing sent is dropped
+        if scorer is not None:
+            stack.callback(scorer.close)
+            logger.info("scoring every %d-th record on %s before producing it", scorer.every, scorer.url)
         sending = threading.Event()
         stack.enter_context(_ctrl_c_sets(stop, sending))
         bar, task = _progress(stack, progress, console, topic)
@@ -227,6 +399,9 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
                         outage.failed(ConnectionError("no connection to any broker"))
                 else:
                     outage.recovered()
+                    if scorer is not None and not stop.is_set():  # before the send: no trainer trained on them
+                        ahead = started + seq / rate - time.monotonic() if rate is not None else 0.0
+                        scorer.before_send(shard, seq, idle_s=max(0.0, ahead))  # a paced producer's wait is free
                     if rate is not None:
                         stop.wait(max(0.0, started + seq / rate - time.monotonic()))
                     if stop.is_set():
@@ -253,7 +428,13 @@ def produce(bootstrap: str, topic: str, source: Source | str, *, partitions: int
         report = ProduceReport(topic=topic, producer_id=pid, records=acks.records, shards=acks.shards,
                                failed_records=acks.failed + (seq - acks.records - acks.failed),
                                next_seq=seq, partitions=count, elapsed_s=elapsed,
-                               interrupted=interrupted, errors=tuple(acks.errors))
+                               interrupted=interrupted, errors=tuple(acks.errors),
+                               scored=scorer.scored if scorer else 0, score_failed=scorer.failed if scorer else 0,
+                               score_skipped=scorer.skipped if scorer else 0)
+    if scorer is not None:
+        logger.info("scored %d sampled records on %s before producing them (%d failed, %d skipped; %.1f s "
+                    "spent scoring)%s", scorer.scored, scorer.url, scorer.failed, scorer.skipped, scorer.seconds,
+                    f"; last error: {scorer.last_error}" if scorer.last_error else "")
     logger.info("producer %s: %d records in %d shards acknowledged on %s (%d failed)%s",
                 pid, report.records, report.shards, topic, report.failed_records,
                 " after a stop request" if interrupted else "")

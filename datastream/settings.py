@@ -39,3 +39,15 @@ class ProduceSettings:
     max_in_flight_shards: int = cfg.setting(256, env="STREAMTRAIN_PRODUCE_MAX_IN_FLIGHT_SHARDS", min=1,
                                             max=65_536, help="unacknowledged shards held in memory before "
                                                              "the producer waits for the brokers")
+    score_url: str = cfg.setting("", env="STREAMTRAIN_PRODUCE_SCORE_URL",
+                                 help="a serving replica's base URL: every --score-every-th record is POSTed with its "
+                                      "label to its /v1/predict before it is produced (the served AUC, scored before "
+                                      "any trainer trains on it); empty: off")
+    score_token: str = cfg.setting("", env="STREAMTRAIN_PRODUCE_SCORE_TOKEN",
+                                   help="bearer token of the replica's model routes (the job token, unless the "
+                                        "replica has a --serve-token)")
+    score_every: int = cfg.setting(10, env="STREAMTRAIN_PRODUCE_SCORE_EVERY", min=1, max=1_000_000,
+                                   help="with --score-url, the share of the stream scored: every Nth record")
+    score_wait_s: float = cfg.setting(120.0, env="STREAMTRAIN_PRODUCE_SCORE_WAIT_S", min=0.0, max=3600.0,
+                                      help="with --score-url, wait up to this long for the replica to be ready "
+                                           "before producing, so the first records are scored too (0: do not wait)")

@@ -56,7 +56,7 @@ digits test split (``eval_every`` and the rest: the trainer's defaults)."""
 REDIS_PASSWORD_ENV = "STREAMTRAIN_REDIS_PASSWORD"
 """The variable of the Redis password a cluster runs with (compose's too)."""
 
-SECRET_FIELDS = ("admin_token", "job_token", "redis_url")
+SECRET_FIELDS = ("admin_token", "job_token", "redis_url", "score_token")
 """Settings passed to a child in their environment variables, not on its command line (``ps`` shows
 command lines to every user; a Redis URL may hold a password)."""
 
@@ -118,6 +118,14 @@ class ClusterSpec:
     (:meth:`LocalCluster.add_replica` starts more)."""
     serve: ServeSettings = ServeSettings()
     """Every serving replica (its job, model, addresses, tokens and port are the cluster's)."""
+    score_served: bool = False
+    """With ``replicas`` >= 1 and a producer: the producer scores every ``producer.score_every``-th record
+    on the first replica before producing it (its URL and the job token; the replica's served AUC).
+    A ``producer.score_url`` of the spec's own wins."""
+    metrics_ports: bool = False
+    """Give every parameter server and trainer a free ``--metrics-port`` (each its own), so that every
+    process serves Prometheus metrics (the coordinator and replicas on their own ports):
+    :meth:`LocalCluster.metrics_targets` lists them."""
 
     @property
     def partitions(self) -> int:
@@ -206,7 +214,8 @@ def service_settings(spec: ClusterSpec, at: Endpoints) -> Services:
     trainer = replace(spec.trainer, job=spec.job, coordinator_url=at.coordinator_url, job_token=at.job_token,
                       redis_url=at.redis_url, kafka_bootstrap=at.bootstrap)
     producer = None if spec.producer is None else replace(
-        spec.producer, topic=spec.topic, bootstrap=at.bootstrap, partitions=coordinator.partitions)
+        spec.producer, topic=spec.topic, bootstrap=at.bootstrap, partitions=coordinator.partitions,
+        score_token=spec.producer.score_token or (at.job_token if spec.producer.score_url else ""))
     serve = replace(spec.serve, job=spec.job, model=spec.trainer.model, coordinator_url=at.coordinator_url,
                     job_token=at.job_token, redis_url=at.redis_url, host=at.host)
     return Services(coordinator, ps, trainer, producer, serve)
@@ -250,6 +259,9 @@ class LocalCluster:
     trainers: list[ServiceProcess] = field(default_factory=list)
     replicas: list[tuple[ServiceProcess, int]] = field(default_factory=list)
     """The serving replicas and their ports."""
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    """Process name (``ps0``, a trainer's) -> the metrics port it was given (``spec.metrics_ports``); a
+    parameter server keeps its port across restarts."""
     admin_token: str = ""
     """Bearer token of admin calls: the spec's coordinator's when set, else a fresh random one."""
     job_token: str = ""
@@ -311,12 +323,14 @@ class LocalCluster:
             ensure_topic(self.bootstrap, self.spec.topic, self.spec.partitions)
             self.start_coordinator()
             self.start_ps()
+            ports = [free_port(self.spec.host) for _ in range(self.spec.replicas)]  # before the producer scores
             if self.spec.producer is not None:
-                self.start_producer()
+                scoring = self.spec.score_served and ports and not self.spec.producer.score_url
+                self.start_producer(score_url=f"http://{self.spec.host}:{ports[0]}" if scoring else "")
             for _ in range(self.spec.trainers):
                 self.add_trainer()
-            for _ in range(self.spec.replicas):
-                self.add_replica()
+            for port in ports:
+                self.add_replica(port)
         except BaseException:
             self.stop()
             raise
@@ -343,16 +357,29 @@ class LocalCluster:
     def start_ps(self, group: int | None = None) -> list[ServiceProcess]:
         """Start (or restart) the parameter server of shard ``group``, or of every group (None)."""
         if group is not None:
-            self.ps[group] = self._service(f"ps{group}", f"ps{group}-{self._next()}")
+            self.ps[group] = self._service(f"ps{group}", f"ps{group}-{self._next()}",
+                                           flags=self._metrics_flags(f"ps{group}"))
             return self.ps
         self.ps = []
         for g in range(self.spec.ps_groups):  # one at a time: stop() finds those started before a failure
-            self.ps.append(self._service(f"ps{g}", f"ps{g}-{self._next()}"))
+            self.ps.append(self._service(f"ps{g}", f"ps{g}-{self._next()}", flags=self._metrics_flags(f"ps{g}")))
         return self.ps
 
-    def start_producer(self) -> ServiceProcess:
-        """Start the producer streaming ``spec.producer.source`` into the topic."""
-        self.producer = self._service("producer", "producer")
+    def _metrics_flags(self, name: str) -> tuple[str, ...]:
+        """``--metrics-port`` of process ``name`` (a free port, kept for the name) when ``spec.metrics_ports``."""
+        if not self.spec.metrics_ports:
+            return ()
+        port = self.metrics_ports.setdefault(name, free_port(self.spec.host))
+        return ("--metrics-port", str(port))
+
+    def start_producer(self, score_url: str = "") -> ServiceProcess:
+        """Start the producer streaming ``spec.producer.source`` into the topic; with ``score_url`` (a
+        replica's base URL) it scores a sample of its records there first, with the job token."""
+        if score_url:
+            self.producer = self._service("producer", "producer", flags=("--score-url", score_url),
+                                          env={"STREAMTRAIN_PRODUCE_SCORE_TOKEN": self.job_token})
+        else:
+            self.producer = self._service("producer", "producer")
         return self.producer
 
     def add_trainer(self, netns: NetNamespace | None = None,
@@ -362,7 +389,8 @@ class LocalCluster:
         environment: it replaces what the cluster passes there (the :data:`SECRET_FIELDS`, e.g.
         ``STREAMTRAIN_REDIS_URL``); every other setting is a flag, and flags win. Its pid is the
         trainer's own (``ip netns exec`` execs it), so it stops, is killed and frozen like any other."""
-        trainer = self._service("trainer", f"trainer-{self._next()}", netns=netns, env=env)
+        name = f"trainer-{self._next()}"
+        trainer = self._service("trainer", name, netns=netns, env=env, flags=self._metrics_flags(name))
         self.trainers.append(trainer)
         return trainer
 
@@ -389,6 +417,17 @@ class LocalCluster:
                             flags=("--port", str(port)))
         self.replicas[index] = (new, port)
         return new
+
+    def metrics_targets(self) -> list[tuple[str, str, int]]:
+        """``(service, name, port)`` of every running process that serves Prometheus metrics on
+        ``spec.host``: the coordinator (``/metrics`` on its port), each parameter server and trainer
+        given a port (``spec.metrics_ports``) and each serving replica (on its port)."""
+        out = [("coordinator", "coordinator", self.coordinator_port)] if self.coordinator is not None else []
+        out += [("ps", f"ps{g}", self.metrics_ports[f"ps{g}"]) for g in range(len(self.ps))
+                if f"ps{g}" in self.metrics_ports]
+        out += [("trainer", t.name, self.metrics_ports[t.name]) for t in self.trainers if t.name in self.metrics_ports]
+        out += [("serve", proc.name, port) for proc, port in self.replicas]
+        return out
 
     def _live(self, port: int) -> bool:
         try:

@@ -47,6 +47,9 @@ class UpSettings:
                                     "with embedding tables); flags given beside it win over its settings")
     trainers: int = cfg.setting(_LOCAL.trainers, env="STREAMTRAIN_TRAINERS", min=1, max=64,
                                 help="trainer processes")
+    serve: int = cfg.setting(1, env="STREAMTRAIN_UP_SERVE", min=0, max=16,
+                             help="serving replicas (streamtrain serve), each on a free port; the first scores a "
+                                  "sample of the records before they are produced (the served AUC); 0: none")
     partitions: int = _as_in(_LOCAL.coordinator, "partitions")
     consistency: str = _as_in(_LOCAL.coordinator, "consistency", help="consistency model")
     staleness: int = _as_in(_LOCAL.coordinator, "staleness", help="SSP staleness bound")

@@ -3,15 +3,20 @@
 Starts real Kafka and Redis servers on loopback and the job's services (:class:`streamtrain.cluster.LocalCluster`),
 shows a live view, scores the parameters in Redis itself on the held-out split until a target, the stream or the
 time ends (or, with ``--forever``, Ctrl-C), hands over its credentials meanwhile, and stops everything it started.
+With ``--serve N`` (one by default) it runs serving replicas, the first scoring a sample of the records before
+they are produced, and shows what they serve (version, lag, served AUC); every process serves Prometheus
+metrics on a port of its own, listed in a file-based discovery file beside the credentials.
 See README.md, *The main job*, and docs/online.md, *Scoring and when `up` stops* (the exit status).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from enum import Enum
@@ -29,7 +34,14 @@ from datastream.sources import one_pass
 from services.local_steps import check_dense_model, check_local_steps
 
 from .cluster import ClusterSpec, LocalCluster
-from .credentials import CREDENTIALS_NAME, shell_exports, write_credentials
+from .credentials import (
+    CREDENTIALS_NAME,
+    TARGETS_NAME,
+    prometheus_targets,
+    shell_exports,
+    write_credentials,
+    write_targets,
+)
 from .examples import with_example
 from .overload import LagWindow, Trend, Verdict, sample_from_status
 from .settings import FOREVER_RATE, UpSettings
@@ -38,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 LAG_WINDOW_S = 30.0
 """Seconds of lag samples the keeping-up verdict fits (``docs/online.md``)."""
+REPLICA_TIMEOUT_S = 0.5
+"""Longest wait for a serving replica's ``GET /v1/replica`` at each refresh of the live view."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +100,7 @@ def cluster_spec(s: UpSettings, environ: Mapping[str, str] | None = None) -> Clu
     return replace(
         base, job=job, topic=job if job != base.job else base.topic, trainers=s.trainers,
         kafka_heap_mb=s.kafka_heap_mb, kafka_brokers=s.kafka_brokers,
-        redis_cluster=s.redis_cluster,
+        redis_cluster=s.redis_cluster, replicas=s.serve, score_served=True, metrics_ports=True,
         coordinator=replace(base.coordinator, partitions=s.partitions, consistency=s.consistency,
                             staleness=s.staleness, codec=s.codec, optimizer=s.optimizer, lr=s.lr,
                             ps_groups=s.ps_groups, table_consistency=s.table_consistency,
@@ -203,15 +217,27 @@ def run(args: argparse.Namespace) -> int:
         servers = "a parameter server" if settings.ps_groups == 1 else f"{settings.ps_groups} parameter servers"
         redis = "a Redis Cluster" if settings.redis_cluster else "Redis"
         kafka = "Kafka (KRaft)" if settings.kafka_brokers == 1 else f"{settings.kafka_brokers} Kafka brokers (KRaft)"
+        serving = {0: "", 1: " and a serving replica"}.get(settings.serve, f" and {settings.serve} serving replicas")
         with console.status(f"starting {kafka}, {redis}, coordinator, {servers}, "
-                            f"{settings.trainers} trainers and the producer"):
+                            f"{settings.trainers} trainers, the producer{serving}"):
             cluster.start()
         assert cluster.kafka is not None and cluster.redis is not None  # started
         console.print(f"Kafka {cluster.bootstrap} (ready in {cluster.kafka.ready_after_s:.1f}s) · "
                       f"Redis {cluster.redis.display_url} · coordinator {cluster.coordinator_url} · "
                       f"logs in {cluster.workdir}")
         assert cluster.workdir is not None
-        path = write_credentials(cluster.workdir / CREDENTIALS_NAME, shell_exports(cluster.endpoints, cluster.spec.job))
+        urls = _replica_urls(cluster)
+        for i, url in enumerate(urls):
+            console.print(f"serving replica {url} (its model routes take the job token; "
+                          f"{'STREAMTRAIN_SERVE_URL' if i == 0 else 'STREAMTRAIN_SERVE_URLS'} in the credentials)",
+                          soft_wrap=True, highlight=False)
+        targets = write_targets(cluster.workdir / TARGETS_NAME,
+                                prometheus_targets(cluster.spec.host, cluster.metrics_targets()))
+        console.print(f"prometheus targets: {targets} (file_sd: every process's /metrics)", soft_wrap=True,
+                      highlight=False)
+        final["targets"] = (targets, len(cluster.metrics_targets()))
+        path = write_credentials(cluster.workdir / CREDENTIALS_NAME,
+                                 shell_exports(cluster.endpoints, cluster.spec.job, serve_urls=urls))
         console.print(f"credentials: {path}", soft_wrap=True, highlight=False)  # one line, even when long
         console.file.flush()  # a script reading our output through a pipe sees it now
         outcome = _watch(console, cluster, settings, final, task)  # final: the score that ended it
@@ -223,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
                 outcome = Outcome.TARGET  # the last updates made it
         final["status"] = cluster.status()
         final["progressive"] = cluster.progressive()
+        final["replicas"] = _replicas(cluster)  # what they served last (they stop below)
         if settings.model_out:
             final["model_out"] = _write_model(cluster, settings.model_out)
     finally:
@@ -231,6 +258,28 @@ def run(args: argparse.Namespace) -> int:
     _print_final(console, cluster, settings, final, outcome, task)
     cluster.cleanup()
     return exit_code(outcome, settings, task)
+
+
+def _replica_urls(cluster: LocalCluster) -> list[str]:
+    """Base URLs of the cluster's serving replicas."""
+    return [cluster.replica_url(i) for i in range(len(cluster.replicas))]
+
+
+def replica_status(url: str, token: str, timeout_s: float = REPLICA_TIMEOUT_S) -> dict[str, Any] | None:
+    """A serving replica's ``GET /v1/replica`` (what it serves: ``model_version``, ``staleness_s``,
+    ``served_auc``, ``labelled``, ...), or None when it does not answer within ``timeout_s``."""
+    request = urllib.request.Request(url + "/v1/replica", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            body = json.loads(resp.read())
+    except (OSError, ValueError):  # refused, timed out, an HTTP error (URLError, HTTPError), not JSON
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _replicas(cluster: LocalCluster) -> list[tuple[str, dict[str, Any] | None]]:
+    """``(url, status or None when unreachable)`` of every serving replica."""
+    return [(url, replica_status(url, cluster.job_token)) for url in _replica_urls(cluster)]
 
 
 def _write_model(cluster: LocalCluster, path: str) -> str:
@@ -278,8 +327,9 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
                 score = _score(cluster, s, outage)
                 if score is not None:
                     latest.update(score)
+                replicas = _replicas(cluster)
                 if status is not None:
-                    live.update(_view(status, latest, time.monotonic() - t0, task, verdict))
+                    live.update(_view(status, latest, time.monotonic() - t0, task, verdict, replicas))
                     if not s.forever and reached_target(latest, s, task):
                         return Outcome.TARGET
                     if not s.forever and cluster.consumed(status):
@@ -292,21 +342,24 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
 
 
 def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float, task: Task,
-          verdict: Verdict | None) -> Group:
+          verdict: Verdict | None, replicas: list[tuple[str, dict[str, Any] | None]] | None = None) -> Group:
     """The live tables: the job (with the independent held-out score: AUC, log loss and accuracy for
     a binary model, accuracy for another classifier, loss, MAE and R² for regression; a binary model's
-    progressive AUC, the mean of the trainers' newest windows), one row per trainer, then whether
+    progressive AUC, the mean of the trainers' newest windows, and beside it the first serving replica's
+    served AUC), one row per trainer, one per serving replica (its served version and lag), then whether
     training keeps up."""
     classification = task.classification
+    replicas = replicas or []
     # a binary model's trainers report the AUC of the records they consume, scored before training on them
     progressive = [m.get("stats", {}).get("progressive_auc") for m in st.get("members", [])]
     reported = [v for v in progressive if v is not None]
     scored = bool(reported)
+    served = task.binary and bool(replicas)  # the first replica's AUC of the records it scored before training
     job = Table(title=f"job {st.get('job')} · {elapsed:.0f}s", expand=False)
     held_out = (("held-out AUC", "log loss", "acc") if task.binary else ("held-out acc",) if classification
                 else ("held-out loss", "MAE", "R²"))
-    for col in ("records/s", "loss", *held_out, *(("progressive AUC",) if scored else ()), "version", "generation",
-                "lag (msgs)", "staleness"):
+    for col in ("records/s", "loss", *held_out, *(("progressive AUC",) if scored else ()),
+                *(("served AUC",) if served else ()), "version", "generation", "lag (msgs)", "staleness"):
         job.add_column(col, justify="right")
     versions = st.get("versions", {})
     metrics = ((_fmt(score.get("auc"), ".4f"), _fmt(score.get("loss"), ".4f"), _fmt(score.get("accuracy"), ".1%"))
@@ -314,6 +367,9 @@ def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float, task: Task,
                (_fmt(score.get("loss")), _fmt(score.get("mae")), _fmt(score.get("r2"))))
     if scored:  # the mean of the trainers' newest windows
         metrics = (*metrics, _fmt(sum(reported) / len(reported)))
+    if served:
+        first = replicas[0][1]
+        metrics = (*metrics, "unreachable" if first is None else _fmt(first.get("served_auc")))
     job.add_row(f"{st.get('throughput_records_per_s', 0):,.0f}", _fmt(st.get("loss")), *metrics,
                 str(versions.get("max", "-")), str(st.get("generation")),
                 str(st.get("lag")), str(st.get("staleness", {}).get("clock_spread", "-")))
@@ -328,10 +384,38 @@ def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float, task: Task,
                         ",".join(map(str, m.get("partitions", []))),
                         f"{stats.get('records_per_s', 0):,.0f}", _fmt(stats.get("loss")), *acc,
                         *((_fmt(auc),) if scored else ()), str(stats.get("clock", "")))
-    if verdict is None:
-        return Group(job, members)
-    style = {Trend.FALLING_BEHIND: "bold red", Trend.CATCHING_UP: "yellow"}.get(verdict.trend, "green")
-    return Group(job, members, Text(verdict.line(), style=style))
+    parts: list[Table | Text] = [job, members]
+    if replicas:
+        parts.append(_serving_table(replicas, task))
+    if verdict is not None:
+        style = {Trend.FALLING_BEHIND: "bold red", Trend.CATCHING_UP: "yellow"}.get(verdict.trend, "green")
+        parts.append(Text(verdict.line(), style=style))
+    return Group(*parts)
+
+
+def _replica_state(body: dict[str, Any] | None) -> str:
+    if body is None:
+        return "unreachable"
+    if body.get("ready"):
+        return "ready"
+    return "loading" if body.get("model_version") is None else "stale"
+
+
+def _serving_table(replicas: list[tuple[str, dict[str, Any] | None]], task: Task) -> Table:
+    """One row per serving replica: its state, the version it serves, its lag behind the parameter
+    plane (seconds since it read the feed up to its head), and, for a binary model, the labelled
+    records it scored before any trainer trained on them and their AUC."""
+    table = Table(title="serving", expand=False)
+    for col in ("replica", "state", "served version", "serving lag", *(("scored", "served AUC") if task.binary
+                                                                      else ()), "requests"):
+        table.add_column(col)
+    for url, body in replicas:
+        b = body or {}
+        lag = b.get("staleness_s")
+        binary = (f"{b['labelled']:,}" if "labelled" in b else "-", _fmt(b.get("served_auc"))) if task.binary else ()
+        table.add_row(url, _replica_state(body), str(b.get("model_version") or "-"),
+                      "-" if lag is None else f"{lag:.2f} s", *binary, f"{b.get('requests', 0):,}" if b else "-")
+    return table
 
 
 def progressive_summary(progressive: Mapping[str, Any] | None) -> str | None:
@@ -394,9 +478,31 @@ def _ending(s: UpSettings, outcome: Outcome, task: Task) -> str:
     return "interrupted" + (f"; {wanted}not reached" if targets else "")
 
 
+def _served_auc_line(body: dict[str, Any] | None, paced: bool = True) -> str:
+    """The first replica's served AUC, in words (``paced``: the producer stays under a rate)."""
+    if body is None:
+        return "- (the replica did not answer)"
+    labelled = body.get("labelled") or 0
+    line = (f"{_fmt(body.get('served_auc'))} on {labelled:,} records the replica scored before any trainer "
+            "trained on them (sampled by the producer)")
+    if labelled == 0 and not paced:
+        line += "; an unpaced producer writes the stream before the replica serves a model: --rate paces it"
+    return line
+
+
+def _served_line(url: str, body: dict[str, Any] | None) -> str:
+    """A replica's served version and lag at the end, in words."""
+    if body is None:
+        return f"- ({url} did not answer)"
+    lag = body.get("staleness_s")
+    return (f"{body.get('model_version') or '-'} · serving lag {'-' if lag is None else f'{lag:.2f} s'} · "
+            f"{_replica_state(body)} · {url}")
+
+
 def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: dict[str, Any],
                  outcome: Outcome, task: Task) -> None:
     st = final.get("status") or {}
+    replicas: list[tuple[str, dict[str, Any] | None]] = final.get("replicas") or []
     parts = st.get("partitions", [])
     committed = sum(p["committed"] or 0 for p in parts)
     table = Table(title="final", show_header=False)
@@ -407,6 +513,9 @@ def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: 
         table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%"))
         if (line := progressive_summary(final.get("progressive"))) is not None:
             table.add_row("progressive AUC", line)
+        if replicas:
+            paced = cluster.spec.producer is not None and cluster.spec.producer.rate is not None
+            table.add_row("served AUC", _served_auc_line(replicas[0][1], paced))
     elif task.classification:
         table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%") + ending)
         table.add_row("held-out loss", _fmt(final.get("loss")))
@@ -415,6 +524,8 @@ def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: 
         table.add_row("held-out MAE", _fmt(final.get("mae")))
         table.add_row("held-out R²", _fmt(final.get("r2")))
     table.add_row("model version", str(final.get("version", "-")))
+    for i, (url, body) in enumerate(replicas):
+        table.add_row("served version" if len(replicas) == 1 else f"served version ({i})", _served_line(url, body))
     verdict = final.get("keeping_up")
     if isinstance(verdict, Verdict):
         table.add_row("lag trend", verdict.line())
@@ -423,4 +534,8 @@ def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: 
     table.add_row("messages committed", f"{committed:,} Kafka offsets over {len(parts)} partitions")
     table.add_row("status endpoints", f"{cluster.coordinator_url}/v1/status · /healthz · /readyz · "
                   "/metrics · / (page) — served while the job ran")
+    if "targets" in final:
+        path, count = final["targets"]
+        table.add_row("metrics", f"{count} processes' /metrics listed in {path} (Prometheus file_sd) — served "
+                                 "while the job ran")
     console.print(table)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
@@ -21,6 +24,7 @@ from datastream import (
     MAX_IDS_PER_FEATURE,
     Batch,
     Jagged,
+    ProduceReport,
     ShardConsumer,
     decode_record,
     dlq_topic,
@@ -490,3 +494,133 @@ def test_records_with_ids_mixed_with_dense_and_bad_ones(kafka) -> None:
     assert (entries[(0, 10)].producer_id, entries[(0, 10)].first_seq, entries[(0, 10)].count) == ("bad", 0, 3)
     assert "lengths add up to 4, values hold 3" in entries[(0, 10)].error
     assert str(MAX_IDS_PER_FEATURE) in entries[(0, 9)].error
+
+
+class _Replica:
+    """A stand-in for a serving replica's ``POST /v1/predict`` on loopback (``http.server``): it keeps
+    what it is sent, and answers ``status`` (after ``delay_s``); ``on_post`` runs on each request."""
+
+    def __init__(self, status: int = 200, on_post: Callable[[list[dict]], None] | None = None) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.posts: list[tuple[str, str, list[dict]]] = []  # (path, authorization, records)
+        replica = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as the producer asks
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                records = body["records"]
+                if on_post is not None:
+                    on_post(records)
+                replica.posts.append((self.path, self.headers.get("Authorization", ""), records))
+                answer = json.dumps({"predictions": [{"logit": 0.0}] * len(records)} if status == 200 else
+                                    {"error": "the replica is loading its first state", "code": "not_ready"}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> _Replica:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def test_the_producer_scores_every_nth_record_on_a_replica_before_producing_it(kafka, monkeypatch) -> None:
+    """Every 7th record of the stream, in the training topic's JSON form with its label, is POSTed to the
+    replica's ``/v1/predict`` with the token, before its shard is sent: when the request for shard k
+    arrives, the topic holds at most shards 0 .. k-1 (the replica waits a moment first, long enough for a
+    shard sent before the request to be acknowledged). Nothing else changes: every record is produced."""
+    import datastream.producer as producer_module
+
+    monkeypatch.setattr(producer_module, "SCORE_TIME_SHARE", 1.0)  # every sampled record, however slow the check
+    spec, shard_size, every = "clicks?dense=2&features=3&vocab=3000&multi=4&limit=300", 10, 7
+    topic = kafka.create_topic(partitions=2)
+    on_topic: list[int] = []  # messages (shards) on the topic when each request came
+    probe = KafkaConsumer(bootstrap_servers=kafka.bootstrap)
+    parts = [TopicPartition(topic, p) for p in range(2)]
+    source = load_source(spec).read()
+
+    def check(records: list[dict]) -> None:
+        time.sleep(0.05)  # a shard sent before this request would be acknowledged by now (linger 5 ms)
+        on_topic.append(sum(probe.end_offsets(parts).values()))
+
+    try:
+        with _Replica(on_post=check) as replica:
+            report = produce(kafka.bootstrap, topic, spec, partitions=2, shard_size=shard_size, producer_id="sc",
+                             score_url=replica.url + "/", score_token="tok", score_every=every)
+    finally:
+        probe.close()
+    assert (report.records, report.failed_records) == (300, 0)
+    assert (report.scored, report.score_failed, report.score_skipped) == (len(range(0, 300, every)), 0, 0)
+    assert {(path, auth) for path, auth, _ in replica.posts} == {("/v1/predict", "Bearer tok")}
+    posted = [r for _, _, records in replica.posts for r in records]
+    want = [{"x": source.x[s].tolist(), "ids": {name: col.to_lists()[s] for name, col in source.ids.items()},
+             "y": int(source.y[s])} for s in range(0, 300, every)]
+    assert posted == want  # exactly the sampled records, with their IDs and labels, in stream order
+    shards = sorted({s // shard_size for s in range(0, 300, every)})  # those holding a sampled record
+    assert len(replica.posts) == len(shards)  # one request per shard, in order
+    assert all(messages <= k for k, messages in zip(shards, on_topic, strict=True)), (shards, on_topic)
+    with ShardConsumer(kafka.bootstrap, topic) as consumer:  # and everything was produced, once
+        ends = consumer.end_offsets()
+        consumer.assign(dict.fromkeys(ends, 0))
+        assert seqs(drain(consumer, ends)) == Counter({("sc", s): 1 for s in range(300)})
+
+
+def test_a_replica_that_refuses_fails_or_hangs_never_stops_production(kafka, caplog) -> None:
+    """Scoring is best effort: a closed port, a replica answering 503 (not ready yet) and one that never
+    answers (0.5 s timeout, then the time share skips the samples) each leave every record produced; the
+    failures are counted and logged once (at most once a minute)."""
+    import socket
+
+    def run(url: str) -> ProduceReport:
+        topic = kafka.create_topic(partitions=1)
+        return produce(kafka.bootstrap, topic, "digits", shard_size=20, limit=1000, score_url=url, score_every=5)
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    with caplog.at_level(logging.WARNING, logger="datastream.producer"):
+        report = run(dead)
+    assert (report.records, report.failed_records, report.scored) == (1000, 0, 0)
+    assert report.score_failed > 0 and report.score_failed + report.score_skipped == 200
+    warned = [r.getMessage() for r in caplog.records if "scoring sampled records" in r.getMessage()]
+    assert len(warned) == 1 and dead in warned[0] and "ConnectionRefusedError" in warned[0], warned
+
+    with _Replica(status=503) as replica:
+        report = run(replica.url)
+    assert (report.records, report.scored) == (1000, 0) and report.score_failed > 0
+    assert report.score_failed + report.score_skipped == 200 and replica.posts
+
+    with socket.socket() as silent:  # accepts connections (the backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        started = time.monotonic()
+        report = run(f"http://127.0.0.1:{silent.getsockname()[1]}")
+        took = time.monotonic() - started
+    assert (report.records, report.scored) == (1000, 0), report
+    assert report.score_failed >= 1 and report.score_skipped > 0 and took < 5.0, (report, took)
+
+
+def test_a_score_url_that_is_not_http_is_refused_before_anything_is_produced(kafka) -> None:
+    with pytest.raises(ValueError, match="score URL must be http"):
+        produce(kafka.bootstrap, "never-made", "digits", score_url="127.0.0.1:8800")

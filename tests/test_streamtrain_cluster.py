@@ -52,7 +52,7 @@ def settings_of(which: str, spec: ClusterSpec) -> object:
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
 def test_every_command_line_parses_with_the_services_parser_into_the_specs_settings(spec: ClusterSpec) -> None:
     lines = commands(spec, AT)
-    assert set(lines) == {"coordinator", "trainer", *(f"ps{g}" for g in range(spec.ps_groups)),
+    assert set(lines) == {"coordinator", "trainer", "serve", *(f"ps{g}" for g in range(spec.ps_groups)),
                           *(["producer"] if spec.producer is not None else [])}
     for which, (args, env) in lines.items():
         command, flags = args[0], args[1:]
@@ -109,7 +109,10 @@ def up(**given: object) -> UpSettings:
 def test_up_takes_the_job_defaults_from_the_services() -> None:
     assert "--ps-groups" in build_parser("up").format_help()  # and the help (argparse %-formats it) renders
     spec = cluster_spec(up(), environ={})
-    assert spec == ClusterSpec()  # nothing re-spelt: up's defaults are the local cluster's
+    # nothing re-spelt: up's defaults are the local cluster's, but for what only up turns on (a replica
+    # that the producer scores on, a metrics port per process)
+    assert (spec.replicas, spec.score_served, spec.metrics_ports) == (1, True, True)
+    assert replace(spec, replicas=0, score_served=False, metrics_ports=False) == ClusterSpec()
     for name in ("partitions", "consistency", "staleness", "codec", "optimizer", "lr", "ps_groups",
                  "table_consistency", "table_staleness"):
         mine = next(f for f in dataclasses.fields(UpSettings) if f.name == name)

@@ -3,6 +3,8 @@ and variables keep, and which target stops a binary model's run."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from common import settings as cfg
@@ -75,3 +77,33 @@ def test_local_steps_reach_the_job_and_what_they_cannot_run_is_refused_before_an
         _up("--local-steps", "0")
     with pytest.raises(cfg.SettingsError, match=r"need a dense model; dlrm.* has embedding tables"):
         _up("--example", "movielens", "--local-steps", "4")  # the example's codec (fp16) is dense: its tables are not
+
+
+def test_serve_starts_replicas_that_score_the_stream_and_every_process_gets_a_metrics_port() -> None:
+    """``--serve N`` (one by default; ``STREAMTRAIN_UP_SERVE``) becomes the cluster's replicas, the first
+    scoring a sample of the stream; every process serves metrics; the producer's token stays off command lines."""
+    from pathlib import Path
+
+    from streamtrain.cluster import Endpoints, commands
+    from streamtrain.credentials import prometheus_targets, shell_exports
+
+    spec = cluster_spec(_up(), environ={})
+    assert (spec.replicas, spec.score_served, spec.metrics_ports) == (1, True, True)
+    assert cluster_spec(_up("--serve", "0"), environ={}).replicas == 0
+    assert cluster_spec(_up(environ={"STREAMTRAIN_UP_SERVE": "3"}), environ={}).replicas == 3
+    with pytest.raises(cfg.SettingsError, match="serve"):
+        _up("--serve", "-1")
+    at = Endpoints(redis_url="redis://:pw@127.0.0.1:1/0", bootstrap="127.0.0.1:2", coordinator_port=3,
+                   admin_token="adm", job_token="jobtok", workdir=Path("/tmp/x"))
+    scoring = replace(spec, producer=replace(spec.producer, score_url="http://127.0.0.1:9/"))
+    args, env = commands(scoring, at)["producer"]
+    assert "--score-url=http://127.0.0.1:9/" in args and not any("jobtok" in a for a in args)
+    assert env["STREAMTRAIN_PRODUCE_SCORE_TOKEN"] == "jobtok"  # the job token, in its environment
+    assert commands(spec, at)["producer"][1]["STREAMTRAIN_PRODUCE_SCORE_TOKEN"] == ""  # no URL: no token
+    text = shell_exports(at, "digits", serve_urls=["http://127.0.0.1:5", "http://127.0.0.1:6"])
+    assert "export STREAMTRAIN_SERVE_URL=http://127.0.0.1:5\n" in text
+    assert "export STREAMTRAIN_SERVE_URLS='http://127.0.0.1:5 http://127.0.0.1:6'\n" in text
+    assert "SERVE_URL" not in shell_exports(at, "digits")
+    assert prometheus_targets("127.0.0.1", [("ps", "ps0", 7), ("serve", "serve-4", 8)]) == [
+        {"targets": ["127.0.0.1:7"], "labels": {"job": "streamtrain", "service": "ps", "instance_name": "ps0"}},
+        {"targets": ["127.0.0.1:8"], "labels": {"job": "streamtrain", "service": "serve", "instance_name": "serve-4"}}]
