@@ -49,6 +49,21 @@ def _room(store: RowStore, n: int) -> int:
     return n if not store.max_rows else max(0, min(n, store.max_rows - store.rows))
 
 
+def _last_read(ids: np.ndarray) -> np.ndarray | None:
+    """Positions of the last occurrence of each ID of a piece, in order; None when no ID repeats.
+
+    A table is read with HSCAN, which may return an entry twice (a hash resized between two steps,
+    as the applies add rows and the sweeps remove them), and an export written from such a scan holds
+    it twice too; :meth:`RowStore.upsert` refuses an ID twice in one call. The later read is never older
+    than the earlier one, so it is kept."""
+    if ids.size < 2:
+        return None
+    _, first_from_end = np.unique(ids[::-1], return_index=True)
+    if first_from_end.size == ids.size:
+        return None
+    return np.sort(ids.size - 1 - first_from_end)
+
+
 def feed_position(client: redis.Redis, job: str, groups: int) -> str:
     """The feed position to read an export's rows after (each group's newest)."""
     return VersionVector(feed_heads(client, job, groups)).name()
@@ -64,11 +79,15 @@ def state_from_redis(client: redis.Redis, job: str, meta: ModelMeta, dense: Mapp
         store = state.tables[spec.name]
         for g in range(meta.groups):
             for piece in live_pieces(client, job, g, spec, _PIECE_ROWS):
-                take = _room(store, piece.ids.size)
+                ids, raw = piece.ids, piece.records
+                keep = _last_read(ids)
+                if keep is not None:
+                    ids, raw = ids[keep], raw[keep]
+                take = _room(store, ids.size)
                 if take == 0:
                     break
-                records = piece.records[:take].view(pull_dtype(spec)).reshape(-1)
-                store.upsert(piece.ids[:take], np.ascontiguousarray(records["values"]), records["version"].copy())
+                records = raw[:take].view(pull_dtype(spec)).reshape(-1)
+                store.upsert(ids[:take], np.ascontiguousarray(records["values"]), records["version"].copy())
         state.loaded[spec.name] = store.rows
     logger.info("job %s: loaded %d row(s) of %d table(s) from Redis at feed position %s", job, state.rows,
                 len(meta.tables), position)
@@ -113,9 +132,13 @@ def _from_folder(folder: str, job: str, meta: ModelMeta, dense: Mapping[str, tor
         store = state.tables[spec.name]
         for piece in entry["pieces"]:
             t = read_piece(os.path.join(folder, piece["file"]))
-            take = _room(store, t["ids"].size)
+            ids, values = t["ids"], t["values"]
+            keep = _last_read(ids)
+            if keep is not None:
+                ids, values = ids[keep], values[keep]
+            take = _room(store, ids.size)
             if take:
-                store.upsert(t["ids"][:take], t["values"][:take], np.zeros(take, np.uint64))
+                store.upsert(ids[:take], values[:take], np.zeros(take, np.uint64))
         state.loaded[spec.name] = store.rows
     logger.info("job %s: loaded %d row(s) of %d table(s) from %s at feed position %s", job, state.rows,
                 len(meta.tables), folder, position)

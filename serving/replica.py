@@ -367,6 +367,12 @@ class Replica:
                 return
             except (TimeoutError, aiohttp.ClientError, OSError, *REDIS_DOWN) as exc:
                 outage_since = self._outage(outage_since, exc, "unreachable")
+            except Exception as exc:  # anything else (a feed answer it cannot read, a Redis error): try again,
+                # serving the last state meanwhile; an exception here must not end the task silently, or the
+                # replica would serve one state for ever, its staleness growing with nothing in its log
+                if outage_since is None:
+                    logger.exception("job %s: following the feed failed", self.settings.job)
+                outage_since = self._outage(outage_since, exc, "error")
             self.publish()
             await asyncio.sleep(min(1.0, max(self.settings.poll_interval_s, 0.2)))
 
