@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from safetensors.numpy import save as save_safetensors
 
 from .protocol import ProtocolError, error_body, infer_response, model_metadata, parse_infer, parse_records
-from .replica import Replica
+from .replica import PlaneUnavailable, Replica
 from .report import served_auc
 from .settings import ServeSettings
 
@@ -84,6 +84,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except ProtocolError as exc:
         status = 400
         return web.json_response(error_body(exc), status=400)
+    except PlaneUnavailable as exc:
+        status = 503
+        return _error(503, "redis_unavailable", str(exc))
     except web.HTTPException as exc:
         status = exc.status
         if exc.status == 413:

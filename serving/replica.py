@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
 
-__all__ = ["Replica", "FeedRefused", "Prediction"]
+__all__ = ["Replica", "FeedRefused", "PlaneUnavailable", "Prediction"]
 
 MOST_ANSWERS = 10000
 """Most feed answers one catch-up gathers before it applies them (a run longer than this is applied in
@@ -61,6 +61,10 @@ class FeedRefused(Exception):
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status, self.code = status, code
+
+
+class PlaneUnavailable(Exception):
+    """A request needs rows from Redis (a bounded store's misses) and Redis cannot be reached."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,7 @@ class Replica:
 
         Raises:
             RuntimeError: no state is loaded yet.
+            PlaneUnavailable: rows it must read from Redis cannot be read.
         """
         state = self.state
         if state is None:
@@ -166,11 +171,15 @@ class Replica:
         misses = 0
         if lookup.wanted:
             wanted = lookup.wanted_ids()
-            pulled = await self._call(pull_rows, self._plane_client(), self.settings.job, state.specs,
-                                      self._groups(), wanted)
+            try:
+                pulled = await self._call(pull_rows, self._plane_client(), self.settings.job, state.specs,
+                                          self._groups(), wanted)
+            except REDIS_DOWN as exc:
+                raise PlaneUnavailable(f"rows not held by this replica (--max-rows) are read from Redis, which "
+                                       f"is unreachable: {exc}") from None
             for name, got in pulled.tables.items():
-                lookup.fill(name, got.values)
-                state.insert_read(name, got.ids, got.values, got.versions)
+                lookup.fill(name, got.ids, got.values)
+                state.insert_read(name, got.ids, got.values, got.versions, got.present)
                 misses += int(got.ids.size)
             self.metrics.misses.inc(misses)
         outputs = model_outputs(self.signature, score(lookup))

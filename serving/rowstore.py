@@ -12,7 +12,8 @@ never used sit above a high-water mark, so the free stack holds only slots freed
 An unbounded store grows by a factor of 1.25 only when no freed slot is left, so a table of ``n`` rows
 that never lost any holds less than ``1.25 * n * (4 * dim + 8) + 12 * n`` bytes (:attr:`RowStore.nbytes`);
 for ``dim >= 10`` that is under 1.5 times the ``8 + 4 * dim`` bytes of an ID and its values (dim 16:
-under 102 bytes a row against 72). Slots freed by removal stay allocated until inserts reuse them.
+under 102 bytes a row against 72). Slots freed by removal are reused by inserts; once fewer than half the
+slots hold rows, a removal compacts the store to its rows (with the growth headroom).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ __all__ = ["RowStore"]
 _GROWTH = 1.25
 """Factor by which an unbounded store's slot arrays grow (not 2: the allocation stays near the rows)."""
 _MIN_CAPACITY = 16
+_SHRINK_BELOW = 2
+"""An unbounded store whose rows fall under ``1 / _SHRINK_BELOW`` of its slots is compacted (:meth:`remove`)."""
 _MAX_SLOTS = int(np.iinfo(np.int32).max)
 """Slots are int32."""
 
@@ -294,6 +297,8 @@ class RowStore:
         pos, found = self._find(ids)
         gone = np.unique(pos[found])
         self._drop(gone)
+        if not self._max_rows and self.capacity > _MIN_CAPACITY and self.rows * _SHRINK_BELOW < self.capacity:
+            self._compact()
         return len(gone)
 
     def clear(self) -> None:
@@ -351,6 +356,21 @@ class RowStore:
         start = self._top
         self._top += fresh
         return np.concatenate([taken, np.arange(start, self._top, dtype=np.int32)])
+
+    def _compact(self) -> None:
+        """Move an unbounded store's rows into its first slots (in ID order) and reallocate the slot arrays
+        to the rows with the growth headroom: a table that lost most of its rows gives the memory back."""
+        live = self._slots
+        capacity = max(int(self.rows * _GROWTH), _MIN_CAPACITY)
+        values = np.empty((capacity, self._dim), dtype=np.float32)
+        values[:self.rows] = self._values[live]
+        versions = np.zeros(capacity, dtype=np.uint64)
+        versions[:self.rows] = self._versions[live]
+        self._values, self._versions = values, versions
+        self._slots = np.arange(self.rows, dtype=np.int32)
+        self._free = np.empty(0, dtype=np.int32)
+        self._nfree = 0
+        self._top = self.rows
 
     def _grow(self, needed: int) -> None:
         """Reallocate the slot arrays of an unbounded store to hold at least ``needed`` slots."""

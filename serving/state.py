@@ -150,9 +150,11 @@ class ServedState:
             rows[name] = out
         return Lookup(batch, self.module, lookups, rows, wanted, self.version)
 
-    def insert_read(self, name: str, ids: np.ndarray, values: np.ndarray, versions: np.ndarray) -> None:
-        """Keep rows read from the parameter plane on a request (a bounded store; never over newer ones)."""
-        self.tables[name].upsert(ids, values, versions, insert=True)
+    def insert_read(self, name: str, ids: np.ndarray, values: np.ndarray, versions: np.ndarray,
+                    present: np.ndarray) -> None:
+        """Keep the rows read from the parameter plane on a request that it has (``present``: an ID without
+        a row is not kept, so the store never holds a row the plane lacks; never over newer ones)."""
+        self.tables[name].upsert(ids[present], values[present], versions[present], insert=True)
         self.misses += int(ids.size)
 
     @property
@@ -197,12 +199,14 @@ class Lookup:
     """The state's version."""
 
     def wanted_ids(self) -> dict[str, np.ndarray]:
-        """Table -> the IDs to read from the parameter plane."""
-        return {name: self.lookups[name].ids[at] for name, at in self.wanted.items()}
+        """Table -> the IDs to read from the parameter plane (each once, ascending)."""
+        return {name: np.unique(self.lookups[name].ids[at]) for name, at in self.wanted.items()}
 
-    def fill(self, name: str, values: np.ndarray) -> None:
-        """The rows read for table ``name``, in the order of :meth:`wanted_ids`."""
-        self.rows[name][self.wanted[name]] = values
+    def fill(self, name: str, ids: np.ndarray, values: np.ndarray) -> None:
+        """The rows read for table ``name``: ``values`` of :meth:`wanted_ids`'s ``ids``, placed wherever the
+        request names them."""
+        at = self.wanted[name]
+        self.rows[name][at] = values[np.searchsorted(ids, self.lookups[name].ids[at])]
 
 
 def score(lookup: Lookup) -> np.ndarray:

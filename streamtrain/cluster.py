@@ -259,6 +259,7 @@ class LocalCluster:
     trainers: list[ServiceProcess] = field(default_factory=list)
     replicas: list[tuple[ServiceProcess, int]] = field(default_factory=list)
     """The serving replicas and their ports."""
+    _replica_flags: dict[int, tuple[str, ...]] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """Process name (``ps0``, a trainer's) -> the metrics port it was given (``spec.metrics_ports``); a
     parameter server keeps its port across restarts."""
@@ -394,12 +395,14 @@ class LocalCluster:
         self.trainers.append(trainer)
         return trainer
 
-    def add_replica(self, port: int | None = None) -> ServiceProcess:
-        """Start one more serving replica on ``port`` (a free one by default: :meth:`replica_url`);
-        it answers its liveness route once started (readiness follows its first state)."""
+    def add_replica(self, port: int | None = None, flags: tuple[str, ...] = ()) -> ServiceProcess:
+        """Start one more serving replica on ``port`` (a free one by default: :meth:`replica_url`), with
+        ``flags`` after the spec's (they win); it answers its liveness route once started (readiness
+        follows its first state)."""
         port = port or free_port(self.spec.host)
         proc = self._service("serve", f"serve-{self._next()}", ready=lambda: self._live(port),
-                             flags=("--port", str(port)))
+                             flags=("--port", str(port), *flags))
+        self._replica_flags[len(self.replicas)] = flags
         self.replicas.append((proc, port))
         return proc
 
@@ -408,13 +411,13 @@ class LocalCluster:
         return f"http://{self.spec.host}:{self.replicas[index][1]}"
 
     def restart_replica(self, index: int = 0) -> ServiceProcess:
-        """SIGKILL serving replica ``index`` and start it again on its port."""
+        """SIGKILL serving replica ``index`` and start it again on its port, with its flags."""
         proc, port = self.replicas[index]
         with contextlib.suppress(Exception):
             proc.kill()
             proc.stop()
         new = self._service("serve", f"serve-{self._next()}", ready=lambda: self._live(port),
-                            flags=("--port", str(port)))
+                            flags=("--port", str(port), *self._replica_flags.get(index, ())))
         self.replicas[index] = (new, port)
         return new
 

@@ -198,6 +198,24 @@ def assert_replica_equals_plane(cluster: LocalCluster, client: redis_lib.Redis, 
                          + "; ".join(last))
 
 
+def assert_held_rows_are_the_plane_s(cluster: LocalCluster, client: redis_lib.Redis, index: int) -> dict[str, int]:
+    """Assert that every row bounded replica ``index`` holds is the plane's (ID present there, values bit
+    for bit, version); return the rows it holds per table. The plane must stand still."""
+    tensors, _ = replica_state(cluster, index)
+    meta = read_meta(client, cluster.spec.job)
+    held = {}
+    for spec in meta.tables:
+        ids, values = tensors[f"{spec.name}.ids"], tensors[f"{spec.name}.values"]
+        p_ids, p_values, p_versions = plane_rows(client, cluster.spec.job, spec, meta.groups)
+        at = np.searchsorted(p_ids, ids)
+        assert np.all(at < p_ids.size) and np.array_equal(p_ids[np.minimum(at, p_ids.size - 1)], ids), \
+            f"{spec.name}: the replica holds rows the plane lacks"
+        assert values.tobytes() == p_values[at].tobytes(), f"{spec.name}: a held row differs from the plane's"
+        assert np.array_equal(tensors[f"{spec.name}.versions"], p_versions[at]), spec.name
+        held[spec.name] = int(ids.size)
+    return held
+
+
 def infer_body(x: np.ndarray, ids: Mapping[str, Jagged]) -> dict[str, Any]:
     """The OIP infer request (JSON tensors) of records with dense features ``x`` and ragged ``ids``."""
     inputs: list[dict[str, Any]] = []

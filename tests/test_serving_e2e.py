@@ -14,6 +14,7 @@ import pytest
 import redis as redis_lib
 import torch
 from serving_util import (
+    assert_held_rows_are_the_plane_s,
     assert_replica_equals_plane,
     call_json,
     infer_body,
@@ -38,8 +39,11 @@ pytestmark = [pytest.mark.slow]
 
 JOB = "clicks"
 SOURCE = "clicks?features=4&dense=3&vocab=5000&seed=3&limit=20000"
-MODEL = "dlrm?features=4&dense=3&dim=8&admit=1&row_lr=0.05&expire_s=6&max_rows=300"
-"""Rows unused for 6 s expire and each table keeps about 300: the sweeps remove rows all through training."""
+MODEL = "dlrm?features=4&dense=3&dim=8&admit=1&row_lr=0.05&expire_s=12&max_rows=300"
+"""Rows unused for 12 s expire and each table keeps about 300: the sweeps remove rows all through training
+(the quiesce must take less than 12 s, or every row has expired before the comparison)."""
+BOUNDED = 40
+"""Rows per table of the second, bounded replica (--max-rows): fewer than the tables hold."""
 HELD_OUT = 400
 """Held-out records scored; the producer writes 1000 records a second, so the job still trains when it quiesces."""
 
@@ -97,6 +101,8 @@ def test_a_replica_equals_the_parameter_plane_through_ps_kills_expiry_and_evicti
                          what="training to be under way")
         wait_ready(cluster)
         assert replica_status(cluster)["reloads"] == 0
+        cluster.add_replica(flags=("--max-rows", str(BOUNDED)))  # a replica smaller than the tables
+        wait_ready(cluster, 1)
         cluster.restart("ps")  # both groups' servers SIGKILLed and started again
         cluster.wait_for(lambda st: (st["versions"]["max"] or 0) >= 30, timeout_s=240,
                          what="training to go on after the servers' restart")
@@ -135,6 +141,19 @@ def test_a_replica_equals_the_parameter_plane_through_ps_kills_expiry_and_evicti
         assert code == 200, predicted
         assert predicted["model_version"] == status["model_version"] and predicted["misses"] == 0
         np.testing.assert_allclose([p["logit"] for p in predicted["predictions"]], want[:50], rtol=0, atol=1e-6)
+
+        # the bounded replica: the rows it lacks are read from Redis (one round trip a request) and counted,
+        # its scores are the same, and it never holds a row the plane lacks
+        wait_caught_up(cluster, client, 1)
+        code, bounded = call_json(cluster.replica_url(1), f"/v2/models/{JOB}/infer", token=cluster.job_token,
+                                  body=infer_body(x, held.ids))
+        assert code == 200, bounded
+        assert bounded["parameters"]["misses"] > 0, bounded["parameters"]
+        np.testing.assert_allclose(outputs_of(bounded)["logit"], want, rtol=0, atol=1e-6)
+        small = replica_status(cluster, 1)
+        assert small["misses"] >= bounded["parameters"]["misses"]
+        assert all(t["rows"] <= BOUNDED and t["max_rows"] == BOUNDED for t in small["tables"].values()), small
+        assert sum(assert_held_rows_are_the_plane_s(cluster, client, 1).values()) > 0
 
         # the servers run again: every row expires, and the replica follows every tombstone
         cluster.start_ps()

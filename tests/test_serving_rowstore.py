@@ -329,3 +329,21 @@ def test_gather_into_read_only_out_raises() -> None:
 def test_bad_construction_raises_value_error(dim, max_rows, message) -> None:
     with pytest.raises(ValueError, match=message):
         RowStore(dim, max_rows=max_rows)
+
+
+def test_a_store_that_lost_most_of_its_rows_gives_the_memory_back_and_keeps_the_rest() -> None:
+    store = RowStore(16)
+    ids = np.arange(10_000, dtype=np.int64) * 7 - 30_000
+    values = np.random.default_rng(5).standard_normal((ids.size, 16)).astype(np.float32)
+    store.upsert(ids, values, np.arange(ids.size, dtype=np.uint64))
+    full = store.nbytes
+    store.remove(ids[:9_000])
+    assert store.rows == 1_000 and store.nbytes < full / 4
+    got_ids, got_values, got_versions = store.items()
+    assert np.array_equal(got_ids, ids[9_000:]) and np.array_equal(got_values, values[9_000:])
+    assert np.array_equal(got_versions, np.arange(9_000, 10_000, dtype=np.uint64))
+    out = np.zeros((3, 16), np.float32)
+    assert store.gather(ids[[0, 9_500, 9_999]], out).tolist() == [False, True, True]
+    assert np.array_equal(out[1:], values[[9_500, 9_999]])
+    store.upsert(ids[:5], values[:5], np.zeros(5, np.uint64))  # inserts after the compaction land
+    assert store.rows == 1_005

@@ -109,14 +109,17 @@ def test_a_bounded_store_leaves_its_absent_rows_to_be_read_and_keeps_them() -> N
     # the feed updates rows held, never adds rows to a bounded store
     state.apply([answer("1", {"c1": ([5], np.ones((1, 4)), []), "c2": ([], np.zeros((0, 4)), [])})], factory)
     assert state.tables["c1"].rows == 0
-    lookup = state.lookup(batch([[5, 6]], [[]]))
+    lookup = state.lookup(batch([[6, 5, 6]], [[]]))  # an ID twice: read once
     assert lookup.wanted_ids()["c1"].tolist() == [5, 6] and "c2" not in lookup.wanted
     read = np.arange(8, dtype=np.float32).reshape(2, 4)
-    lookup.fill("c1", read)
-    state.insert_read("c1", np.array([5, 6]), read, np.array([3, 0], np.uint64))
-    assert np.array_equal(lookup.rows["c1"], read) and state.misses == 2
+    lookup.fill("c1", np.array([5, 6]), read)
+    assert np.array_equal(lookup.rows["c1"], read[[1, 0, 1]])
+    # 6 has no row in the plane (its initial value was read): not kept, so the store never holds a row
+    # the plane lacks
+    state.insert_read("c1", np.array([5, 6]), read, np.array([3, 0], np.uint64), np.array([True, False]))
+    assert state.misses == 2 and state.tables["c1"].items()[0].tolist() == [5]
     again = state.lookup(batch([[5, 6]], [[]]))
-    assert not again.wanted and np.array_equal(again.rows["c1"], read)
+    assert again.wanted_ids()["c1"].tolist() == [6] and np.array_equal(again.rows["c1"][0], read[0])
 
 
 @pytest.mark.parametrize(("spec", "kind", "classes"), [(MODEL, "binary", 0), ("digits-mlp", "classes", 10)])
