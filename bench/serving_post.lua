@@ -10,26 +10,41 @@
 -- many responses (a bound on the count; -d bounds the time). done() prints one line, "WRK_JSON {...}",
 -- latencies in microseconds; responses other than 2xx/3xx are wrk's status errors.
 
-local bodies, count = {}, 0
+-- BENCH_BINARY=1: BENCH_BODIES lists binary bodies instead, one "<json header length> <file>" a line
+-- (Triton's binary tensor extension: the JSON header, then the tensors' bytes), each sent with its
+-- Inference-Header-Content-Length.
+
+local bodies, headers, count = {}, {}, 0
 local interval = tonumber(os.getenv("BENCH_INTERVAL_MS") or "0") or 0
 local limit = tonumber(os.getenv("BENCH_LIMIT") or "0") or 0
+local binary = os.getenv("BENCH_BINARY") == "1"
 local at, answered = 0, 0
 
 function init(args)
+  local token = "Bearer " .. (os.getenv("BENCH_TOKEN") or "")
   for line in io.lines(os.getenv("BENCH_BODIES")) do
     count = count + 1
-    bodies[count] = line
+    if binary then
+      local length, path = line:match("^(%d+) (.+)$")
+      local file = assert(io.open(path, "rb"))
+      bodies[count] = file:read("*a")
+      file:close()
+      headers[count] = {["Content-Type"] = "application/octet-stream", ["Authorization"] = token,
+                        ["Inference-Header-Content-Length"] = length}
+    else
+      bodies[count] = line
+    end
   end
   math.randomseed(os.time())
   at = math.random(count) - 1
   wrk.method = "POST"
   wrk.headers["Content-Type"] = "application/json"
-  wrk.headers["Authorization"] = "Bearer " .. (os.getenv("BENCH_TOKEN") or "")
+  wrk.headers["Authorization"] = token
 end
 
 function request()
   at = at % count + 1
-  return wrk.format(nil, nil, nil, bodies[at])
+  return wrk.format(nil, nil, headers[at], bodies[at])
 end
 
 if interval > 0 then

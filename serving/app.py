@@ -7,7 +7,6 @@ serving token (the job token unless ``--serve-token``). Errors are the protocol'
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
@@ -21,7 +20,6 @@ from safetensors.numpy import save as save_safetensors
 
 from .protocol import ProtocolError, error_body, infer_response, model_metadata, parse_infer, parse_records
 from .replica import PlaneUnavailable, Replica
-from .report import served_auc
 from .settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -189,14 +187,14 @@ async def status(request: web.Request) -> web.Response:
         raw = sum(s.rows * (8 + s.dim * 4) for s in state.tables.values())
         body.update({
             "feed_position": state.position, "dense_version": state.dense_version, "rows": state.rows,
+            "loaded_from": state.source, "loaded_rows": sum(state.loaded.values()),
             "tables": {name: {"rows": s.rows, "dim": s.dim, "max_rows": s.max_rows, "evictions": s.evictions}
                        for name, s in state.tables.items()},
             "row_bytes": state.nbytes, "bytes_per_raw_row": (state.nbytes / raw) if raw else None,
             "misses": state.misses})
     body.update({"job": replica.settings.job, "model": replica.settings.model, "reloads": replica.reloads,
                  "requests": replica.requests, "records": replica.records, "labelled": replica.scores.seen,
-                 "served_auc": await asyncio.get_running_loop().run_in_executor(None, served_auc,
-                                                                                *replica.scores.arrays())})
+                 "served_auc": await replica.served_auc()})
     return web.json_response(body)
 
 

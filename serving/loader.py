@@ -97,7 +97,8 @@ def state_from_redis(client: redis.Redis, job: str, meta: ModelMeta, dense: Mapp
 def state_from_folder(folder: str, job: str, meta: ModelMeta, dense: Mapping[str, torch.Tensor],
                       dense_version: str, factory: ModuleFactory, *, max_rows: int = 0) -> ServedState:
     """A state of the tables a ``streamtrain export --tables-dir`` folder holds, at the feed position its
-    manifest names (rows carry version 0: the feed's are newer).
+    manifest names (each row with the version its piece names; 0 in an export written before pieces held
+    them: the feed's rows are newer).
 
     Raises:
         ExportFolderError: the folder is not an export of this job's tables (another job, another number
@@ -125,6 +126,7 @@ def _from_folder(folder: str, job: str, meta: ModelMeta, dense: Mapping[str, tor
         raise ExportFolderError(f"{folder}: the manifest names no feed_position (exported before the feed existed)")
     listed = {t["table"]: t for t in manifest.get("tables", [])}
     state = _state(meta, factory(dense), dense_version, position, max_rows)
+    state.source = os.path.abspath(folder)
     for spec in meta.tables:
         entry = listed.get(spec.name)
         if entry is None or int(entry.get("dim", -1)) != spec.dim:
@@ -133,12 +135,13 @@ def _from_folder(folder: str, job: str, meta: ModelMeta, dense: Mapping[str, tor
         for piece in entry["pieces"]:
             t = read_piece(os.path.join(folder, piece["file"]))
             ids, values = t["ids"], t["values"]
+            versions = t["versions"] if "versions" in t else np.zeros(ids.size, np.uint64)  # older exports: none
             keep = _last_read(ids)
             if keep is not None:
-                ids, values = ids[keep], values[keep]
+                ids, values, versions = ids[keep], values[keep], versions[keep]
             take = _room(store, ids.size)
             if take:
-                store.upsert(ids[:take], values[:take], np.zeros(take, np.uint64))
+                store.upsert(ids[:take], values[:take], versions[:take])
         state.loaded[spec.name] = store.rows
     logger.info("job %s: loaded %d row(s) of %d table(s) from %s at feed position %s", job, state.rows,
                 len(meta.tables), folder, position)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
@@ -36,7 +36,7 @@ __all__ = [
     # what a model takes and gives
     "KINDS", "PLATFORM", "Signature", "output_names",
     # parsed requests
-    "Batch", "InferAsk",
+    "Batch", "InferAsk", "join_batches",
     # routes
     "parse_infer", "infer_response", "model_metadata", "model_outputs", "parse_records",
     # errors
@@ -153,6 +153,17 @@ class Batch:
     labels: np.ndarray | None = None
     """float64 ``[n]``, the records' ``y`` (NaN for a record without one); ``None`` when no record has a
     ``y`` (always for an infer request)."""
+
+
+def join_batches(batches: Sequence[Batch]) -> Batch:
+    """The records of ``batches`` one after the other, as one batch (the features of the first; every
+    batch of one signature has them all)."""
+    n = sum(b.n for b in batches)
+    labels = None
+    if any(b.labels is not None for b in batches):
+        labels = np.concatenate([b.labels if b.labels is not None else np.full(b.n, np.nan) for b in batches])
+    return Batch(x=np.ascontiguousarray(np.concatenate([b.x for b in batches])),
+                 ids={f: Jagged.concat([b.ids[f] for b in batches]) for f in batches[0].ids}, n=n, labels=labels)
 
 
 @dataclass(frozen=True)

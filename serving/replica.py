@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from trainers.models import ModelSpec, build_model
 
 from .loader import ExportFolderError, feed_position, state_from_folder, state_from_redis
 from .metrics import ServeMetrics
-from .protocol import Batch, Signature, model_outputs
+from .protocol import Batch, Signature, join_batches, model_outputs
 from .report import LatencyWindow, ServedScores, served_auc
 from .settings import ServeSettings
 from .state import ModuleFactory, ServedState, score, signature_of
@@ -114,6 +116,11 @@ class Replica:
         """Records scored."""
         self.address = ""
         """``host:port`` the replica listens on (set once bound: its default name and URL)."""
+        self._pending: deque[tuple[Batch, asyncio.Future[Prediction]]] = deque()
+        self._batcher: asyncio.Task[None] | None = None
+        self._auc: float | None = None
+        self._auc_seen = 0
+        self._auc_at = -1e9
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -160,13 +167,49 @@ class Replica:
     async def predict(self, batch: Batch) -> Prediction:
         """Score ``batch`` from the current state (rows a bounded store lacks read from Redis, once).
 
+        Requests that arrive while one is scored wait and are scored together, in one lookup and one
+        forward pass over their records (dynamic batching: under load a request's fixed cost is shared;
+        idle, a request waits for nothing), from one state.
+
         Raises:
             RuntimeError: no state is loaded yet.
             PlaneUnavailable: rows it must read from Redis cannot be read.
         """
+        if self.state is None:
+            raise RuntimeError("the replica has no state yet")
+        done: asyncio.Future[Prediction] = asyncio.get_running_loop().create_future()
+        self._pending.append((batch, done))
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._score_pending(), name="serve-batch")
+        return await done
+
+    async def _score_pending(self) -> None:
+        """Score what waits, a batch of at most ``--max-records`` records at a time, until nothing does."""
+        while self._pending:
+            await asyncio.sleep(0)  # handlers already woken enqueue theirs first
+            taken: list[tuple[Batch, asyncio.Future[Prediction]]] = []
+            records = 0
+            while self._pending and (not taken or records + self._pending[0][0].n <= self.settings.max_records):
+                item = self._pending.popleft()
+                taken.append(item)
+                records += item[0].n
+            try:
+                answers = await self._score([b for b, _ in taken])
+            except Exception as exc:  # noqa: BLE001 - every waiting request gets the error, none is left hanging
+                for _, done in taken:
+                    if not done.done():
+                        done.set_exception(exc)
+                continue
+            for (_, done), answer in zip(taken, answers, strict=True):
+                if not done.done():
+                    done.set_result(answer)
+
+    async def _score(self, batches: list[Batch]) -> list[Prediction]:
+        """The answers of ``batches``, scored together from one state."""
         state = self.state
         if state is None:
             raise RuntimeError("the replica has no state yet")
+        batch = batches[0] if len(batches) == 1 else join_batches(batches)
         lookup = state.lookup(batch)
         misses = 0
         if lookup.wanted:
@@ -185,7 +228,22 @@ class Replica:
         outputs = model_outputs(self.signature, score(lookup))
         self.metrics.records.inc(batch.n)
         self.records += batch.n
-        return Prediction(outputs, lookup.version, misses)
+        if len(batches) == 1:
+            return [Prediction(outputs, lookup.version, misses)]
+        answers, start = [], 0
+        for b in batches:
+            answers.append(Prediction({k: v[start:start + b.n] for k, v in outputs.items()}, lookup.version, misses))
+            start += b.n
+        return answers
+
+    async def served_auc(self) -> float | None:
+        """The AUC of the labelled records answered (recomputed, off the event loop, at most every 2 s)."""
+        now = time.monotonic()
+        if self.scores.seen != self._auc_seen and now - self._auc_at >= 2.0:
+            self._auc_seen, self._auc_at = self.scores.seen, now
+            labels, logits = self.scores.arrays()
+            self._auc = await asyncio.get_running_loop().run_in_executor(None, served_auc, labels, logits)
+        return self._auc
 
     def observe_labels(self, labels: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
         """Count labelled records answered toward the served AUC (a binary model's; others ignore them)."""
@@ -217,8 +275,7 @@ class Replica:
                 continue
             try:
                 body = self.report()
-                labels, logits = self.scores.arrays()
-                body["served_auc"] = await asyncio.get_running_loop().run_in_executor(None, served_auc, labels, logits)
+                body["served_auc"] = await self.served_auc()
                 async with self._session.post(f"v1/serving/replicas/{name}", json=body) as resp:
                     if resp.status >= 300:
                         raise FeedRefused(resp.status, "report_refused", (await resp.text())[:200])
@@ -344,6 +401,9 @@ class Replica:
                     logger.info("job %s: serving %d row(s) at version %s (feed position %s, %s)", self.settings.job,
                                 state.rows, state.version, state.position, reason)
                     self.state, reason = state, None
+                    # the model, the stores and the libraries are here for good: out of the collector's
+                    # sight, so a collection walks a request's objects only (no pause of the loop for them)
+                    gc.freeze()
                 else:
                     current = self.state
                     assert current is not None

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trainers.progressive import ClosedWindow, score_window
-
 __all__ = ["ServedScores", "LatencyWindow", "served_auc"]
 
 MOST_LABELLED = 50_000
@@ -43,10 +41,24 @@ class ServedScores:
 
 
 def served_auc(labels: np.ndarray, logits: np.ndarray) -> float | None:
-    """ROC AUC of ``logits`` against ``labels`` (None while they hold one class only, or none)."""
-    if labels.size == 0:
+    """ROC AUC of ``logits`` against 0/1 ``labels`` (None while they hold one class only, or none): the
+    Mann-Whitney statistic from the scores' ranks, ties sharing their mean rank, as scikit-learn's
+    ``roc_auc_score`` computes it, in one sort (a few ms for 50,000 records; no scikit-learn import and
+    its input checks on the replica's threads)."""
+    positives = int(np.count_nonzero(labels))
+    negatives = int(labels.size) - positives
+    if positives == 0 or negatives == 0:
         return None
-    return score_window(ClosedWindow(int(labels.size), logits, labels)).auc
+    order = np.argsort(logits, kind="stable")
+    ranked = logits[order]
+    # the mean rank (1-based) of each run of equal scores
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    ends = np.r_[starts[1:], ranked.size]
+    mean_rank = (starts + ends + 1) / 2.0
+    ranks = np.empty(ranked.size, np.float64)
+    ranks[order] = np.repeat(mean_rank, ends - starts)
+    rank_sum = float(ranks[labels != 0].sum())
+    return (rank_sum - positives * (positives + 1) / 2.0) / (positives * negatives)
 
 
 @dataclass

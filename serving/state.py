@@ -26,6 +26,8 @@ from .protocol import Batch, Signature
 from .rowstore import RowStore
 
 _CPU = torch.device("cpu")
+DEDUPE_FROM = 32
+"""Records from which a request's IDs are looked up once each (sorted) rather than as they come."""
 
 __all__ = ["ServedState", "ModuleFactory", "Lookup", "Applied", "signature_of", "score"]
 
@@ -95,6 +97,8 @@ class ServedState:
     """Stores hold only the most recently used rows: an ID absent is read from the parameter plane."""
     misses: int = 0
     """Rows read from the parameter plane on a request (bounded stores only)."""
+    source: str = "redis"
+    """Where its rows were loaded from: ``redis`` (the replica's own export) or the export folder."""
     loaded: dict[str, int] = field(default_factory=dict)
     """Table -> rows loaded when the state was built."""
 
@@ -135,7 +139,8 @@ class ServedState:
     def lookup(self, batch: Batch) -> Lookup:
         """The rows ``batch`` needs from this state (its module held with them); the IDs a bounded
         store lacks are left for the caller to read (:meth:`Lookup.fill`)."""
-        lookups = plan_lookups(self.specs, batch.ids, batch.n, dedupe=False)
+        # a few records: a row per ID as it comes (a sort costs more than repeats); many: each ID once
+        lookups = plan_lookups(self.specs, batch.ids, batch.n, dedupe=batch.n >= DEDUPE_FROM)
         rows: dict[str, np.ndarray] = {}
         wanted: dict[str, np.ndarray] = {}
         for name, lk in lookups.items():

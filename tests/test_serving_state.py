@@ -128,3 +128,35 @@ def test_the_signature_follows_the_model(spec: str, kind: str, classes: int) -> 
     assert (sig.kind, sig.classes) == (kind, classes)
     assert sig.dense == (3 if spec == MODEL else 64)
     assert sig.features == (("c1", "c2") if spec == MODEL else ())
+
+
+def test_requests_that_wait_together_are_scored_together_each_getting_its_own_records() -> None:
+    import asyncio
+
+    from serving.replica import Replica
+    from serving.settings import ServeSettings
+
+    state, factory = fresh()
+    state.apply([answer("4", {"c1": ([5], np.full((1, 4), 0.5), []), "c2": ([3], np.full((1, 4), -0.2), [])})],
+                factory)
+    replica = Replica(ServeSettings(model=MODEL, job_token="t"), spec=build_model(MODEL))
+    replica.state = state
+    batches = [batch([[5]], [[3]]), batch([[5, 9], [1]], [[], [3, 3]]), batch([[]], [[7]])]
+    scored: list[int] = []
+    real = replica._score
+
+    async def counting(bs):  # the forward passes and their sizes
+        scored.append(sum(b.n for b in bs))
+        return await real(bs)
+
+    replica._score = counting  # type: ignore[method-assign]
+
+    async def main() -> list:
+        return await asyncio.gather(*(replica.predict(b) for b in batches))
+
+    together = asyncio.run(main())
+    assert scored == [4]  # one forward pass over the three requests' four records
+    for b, got in zip(batches, together, strict=True):
+        alone = model_outputs(replica.signature, score(state.lookup(b)))
+        assert got.version == "4" and got.outputs["logit"].shape == (b.n,)
+        np.testing.assert_allclose(got.outputs["logit"], alone["logit"], rtol=0, atol=1e-6)

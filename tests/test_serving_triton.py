@@ -1,23 +1,30 @@
 """Triton's own Python HTTP client (``tritonclient.http``) against a running serving replica of a job
 that trained a little: health, model metadata, and inference with ragged IDs, its scores those of
-``POST /v1/predict`` for the same records; a wrong token is refused."""
+``POST /v1/predict`` for the same records; a wrong token is refused. On the same job, a replica started
+from a ``streamtrain export --tables-dir`` folder (``--export-dir``), and one refusing another job's."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.http as http
-from serving_util import call_json, replica_status, wait_caught_up, wait_ready
+from serving_util import assert_replica_equals_plane, call_json, replica_status, wait_caught_up, wait_ready
 from tritonclient.utils import InferenceServerException
 
 from coordinator.settings import CoordinatorSettings
 from datastream import load_source
 from services import connect
+from services.snapshot.table_export import export_tables
 from streamtrain.cluster import LOCAL_STREAM, LOCAL_TRAINER, ClusterSpec, LocalCluster
 
 pytestmark = [pytest.mark.slow]
@@ -163,3 +170,39 @@ def test_tritonclient_with_a_wrong_token_is_refused(served: Served, triton: Any)
     assert replica_status(served.cluster)["model_version"] == served.version
     result = triton.infer(JOB, triton_inputs(x, ids, False), headers=served.auth())
     assert result.get_response()["model_version"] == served.version
+
+
+def test_a_replica_starts_warm_from_an_export_folder_and_follows_the_feed_from_its_position(
+        served: Served, tmp_path: Path) -> None:
+    cluster = served.cluster
+    client = connect(cluster.redis_url)
+    try:
+        exported = export_tables(client, JOB, str(tmp_path / "tables"))
+        assert exported.rows > 0
+        replica = cluster.add_replica(flags=("--export-dir", str(tmp_path / "tables")))
+        try:
+            index = len(cluster.replicas) - 1
+            wait_ready(cluster, index)
+            status = wait_caught_up(cluster, client, index)
+            assert status["loaded_from"] == str(tmp_path / "tables") and status["loaded_rows"] == exported.rows
+            assert status["reloads"] == 0
+            assert_replica_equals_plane(cluster, client, index)
+        finally:
+            replica.stop()  # the module's cluster goes on: this test's replica is its own
+    finally:
+        client.close()
+
+
+def test_a_replica_refuses_an_export_folder_that_is_not_the_job_s(served: Served, tmp_path: Path) -> None:
+    folder = tmp_path / "other"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps({"format": "streamtrain-tables-1", "job": "another",
+                                                      "groups": 2, "feed_position": "0.0", "tables": []}))
+    cluster = served.cluster
+    env = {"STREAMTRAIN_JOB_TOKEN": cluster.job_token, "STREAMTRAIN_REDIS_URL": cluster.redis_url}
+    proc = subprocess.run([sys.executable, "-m", "streamtrain.cli", "serve", f"--job={JOB}", f"--model={MODEL}",
+                           f"--coordinator-url={cluster.coordinator_url}", "--port=0", f"--export-dir={folder}",
+                           "--report-every-s=0"], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "an export of job 'another', not 'clicks'" in proc.stderr

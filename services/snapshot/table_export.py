@@ -92,8 +92,10 @@ def export_tables(client: redis.Redis, job: str, folder: str, *, rows_per_piece:
             for g in range(meta.groups):
                 for n, piece in enumerate(live_pieces(client, job, g, spec, rows_per_piece)):
                     name = f"{spec.name}-{g}-{n}.safetensors"
-                    values = piece.records.view(pull_dtype(spec)).reshape(-1)["values"]
-                    write_piece(os.path.join(tmp, name), {"ids": piece.ids, "values": np.ascontiguousarray(values)},
+                    records = piece.records.view(pull_dtype(spec)).reshape(-1)
+                    write_piece(os.path.join(tmp, name), {"ids": piece.ids,
+                                                          "values": np.ascontiguousarray(records["values"]),
+                                                          "versions": np.ascontiguousarray(records["version"])},
                                 {"streamtrain.job": job, "streamtrain.table": spec.name, "streamtrain.dim": spec.dim,
                                  "streamtrain.group": g, "streamtrain.version": piece.version})
                     listed.append({"file": name, "group": g, "rows": int(piece.ids.size), "version": piece.version})

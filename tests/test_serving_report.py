@@ -1,0 +1,42 @@
+"""The replica's own figures: the served AUC equals scikit-learn's ROC AUC (ties, one class, none), labels
+without a value are skipped, and the latency window's p99 forgets what it reported."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from serving.report import LatencyWindow, ServedScores, served_auc
+
+
+@pytest.mark.parametrize("n", [2, 7, 1000, 20_000])
+def test_the_served_auc_is_scikit_learn_s_roc_auc_ties_included(n: int) -> None:
+    rng = np.random.default_rng(n)
+    labels = rng.integers(0, 2, n)
+    labels[:2] = [0, 1]
+    logits = np.round(rng.standard_normal(n) + 0.7 * labels, 1)  # rounded: many ties
+    assert served_auc(labels, logits) == pytest.approx(roc_auc_score(labels, logits), abs=1e-12)
+
+
+def test_one_class_or_none_has_no_auc() -> None:
+    assert served_auc(np.zeros(0, np.int64), np.zeros(0)) is None
+    assert served_auc(np.ones(5, np.int64), np.arange(5.0)) is None
+    assert served_auc(np.zeros(5, np.int64), np.arange(5.0)) is None
+
+
+def test_records_without_a_label_are_skipped() -> None:
+    scores = ServedScores()
+    scores.observe(np.array([1.0, np.nan, 0.0]), np.array([2.0, 9.0, -1.0], np.float32))
+    labels, logits = scores.arrays()
+    assert labels.tolist() == [1, 0] and logits.tolist() == [2.0, -1.0] and scores.seen == 2
+    assert served_auc(labels, logits) == 1.0
+
+
+def test_the_latency_window_reports_its_p99_once() -> None:
+    window = LatencyWindow()
+    assert window.take_p99_ms() is None
+    for s in np.linspace(0.001, 0.1, 100):
+        window.observe(float(s))
+    assert window.take_p99_ms() == pytest.approx(np.percentile(np.linspace(1, 100, 100), 99), rel=1e-9)
+    assert window.take_p99_ms() is None
