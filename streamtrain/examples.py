@@ -15,10 +15,16 @@ from typing import Any
 
 from .settings import UpSettings
 
-__all__ = ["EXAMPLES", "MOVIELENS_TARGET_AUC", "with_example"]
+__all__ = ["EXAMPLES", "MOVIELENS_RATE", "MOVIELENS_TARGET_AUC", "with_example"]
 
 MOVIELENS_TARGET_AUC = 0.70
 """The held-out AUC ``up --example movielens`` stops at."""
+
+MOVIELENS_RATE = 2500.0
+"""Records/s the ``movielens`` example streams at: the ratings arrive as a stream, a little under what
+two trainers take on a 2-core machine, so the replica's served AUC (records scored before any trainer
+trained on them) is of a model that trained on what came before, as online, not of one the producer
+ran ahead of by the whole data set."""
 
 EXAMPLES: Mapping[str, Mapping[str, Any]] = {
     "digits": {},
@@ -31,6 +37,7 @@ EXAMPLES: Mapping[str, Mapping[str, Any]] = {
         "table_consistency": "asp",
         "table_staleness": 4,
         "target_auc": MOVIELENS_TARGET_AUC,
+        "rate": MOVIELENS_RATE,
     },
 }
 """Example name -> the :class:`UpSettings` fields it sets (``digits``: the defaults themselves)."""
