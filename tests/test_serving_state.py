@@ -149,7 +149,7 @@ def test_requests_that_wait_together_are_scored_together_each_getting_its_own_re
         scored.append(sum(b.n for b in bs))
         return await real(bs)
 
-    replica._score = counting  # type: ignore[method-assign]
+    replica._score = counting
 
     async def main() -> list:
         return await asyncio.gather(*(replica.predict(b) for b in batches))
