@@ -436,6 +436,9 @@ class LocalCluster:
         try:
             with urllib.request.urlopen(f"http://{self.spec.host}:{port}/v2/health/live", timeout=1.0) as resp:
                 return bool(resp.status == 200)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return False
         except (OSError, urllib.error.URLError):
             return False
 
@@ -467,8 +470,12 @@ class LocalCluster:
 
     # -- observing ----------------------------------------------------------------------------------
     def _get(self, path: str, timeout_s: float = 2.0) -> Any:
-        with urllib.request.urlopen(self.coordinator_url + path, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
+        try:
+            with urllib.request.urlopen(self.coordinator_url + path, timeout=timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            exc.close()  # its response's socket: closed now, not by the collector in some later test
+            raise
 
     def _coordinator_up(self) -> bool:
         try:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -272,6 +273,9 @@ def replica_status(url: str, token: str, timeout_s: float = REPLICA_TIMEOUT_S) -
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:  # answered, not 200 (loading): its response closed now
+        exc.close()
+        return None
     except (OSError, ValueError):  # refused, timed out, an HTTP error (URLError, HTTPError), not JSON
         return None
     return body if isinstance(body, dict) else None
