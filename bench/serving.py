@@ -512,6 +512,8 @@ def wrk(url: str, bodies: Path, token: str, *, connections: int, seconds: float,
     """One ``wrk -t1`` run of ``bench/serving_post.lua``: its summary (latencies in µs) and the rate achieved."""
     env = {**os.environ, "BENCH_BODIES": str(bodies), "BENCH_TOKEN": token, "BENCH_INTERVAL_MS": f"{interval_ms:.3f}",
            "BENCH_LIMIT": str(limit), "BENCH_BINARY": "1" if binary else "0"}
+    if shutil.which("wrk") is None:
+        raise RuntimeError("wrk is not installed: scripts/setup_tests.sh installs it (Debian's package wrk)")
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "5s", "-s", str(LUA), url]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 60, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("WRK_JSON ")), None)

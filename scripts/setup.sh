@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine; a second run reuses what the first fetched.
-#   - redis-server and wrk (Debian packages; wrk is bench/serving.py's load), Java 17 and Maven when missing
+#   - redis-server (Debian package), Java 17 and Maven when missing
 #   - the Kafka broker's jars from Maven Central, into a cache outside the repo
 #     (skipped when KAFKA_HOME points at an unpacked Kafka distribution)
 #   - a virtual environment in .venv with streamtrain and its test extras, and recbole's wheel
@@ -21,11 +21,6 @@ if ! command -v redis-server >/dev/null; then
   apt_install redis-server
   # Debian's package starts a system-wide server; we only ever use our own.
   (command -v systemctl >/dev/null && systemctl disable --now redis-server >/dev/null 2>&1) || true
-fi
-if ! command -v wrk >/dev/null; then
-  # the load generator of bench/serving.py (an HTTP benchmark tool that is not ours), 50 kB
-  log "installing wrk"
-  apt_install wrk
 fi
 if [ -z "${KAFKA_HOME:-}" ]; then
   command -v java >/dev/null || { log "installing Java 17"; apt_install openjdk-17-jre-headless; }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What only the tests use, after scripts/setup.sh (scripts/test.sh runs both; the main job needs none of it):
+# What only the tests and benches use, after scripts/setup.sh (scripts/test.sh runs both; the main job needs
+# none of it): wrk (bench/serving.py's load generator), and
 #   - Chromium (the dashboard's browser test), promtool (Debian package prometheus: every /metrics
 #     endpoint is checked with it) and iproute2 (`ip netns`, veth pairs: the network-partition test)
 # and, as root only, the compose stack's offline build (compose/offline.yml, tests/test_compose_stack.py):
@@ -25,6 +26,11 @@ if ! command -v promtool >/dev/null; then
   log "installing promtool (Debian package prometheus)"
   apt_install --no-install-recommends prometheus
   (command -v systemctl >/dev/null && systemctl disable --now prometheus >/dev/null 2>&1) || true
+fi
+if ! command -v wrk >/dev/null; then
+  # the load generator of bench/serving.py (an HTTP benchmark tool that is not ours), 50 kB
+  log "installing wrk"
+  apt_install wrk
 fi
 if ! command -v ip >/dev/null; then
   # tests/test_streamtrain_partition.py gives a trainer its own network namespace and cuts its link
