@@ -24,7 +24,11 @@ import platform
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from services.protocol import AccountingRecord
+    from streamtrain.cluster import LocalCluster
 
 __all__ = ["RESULTS_DIR", "RESULTS_ENV", "ROOT", "child_environment", "finish", "machine", "results_path", "start"]
 
@@ -107,3 +111,18 @@ def finish(name: str, results: Mapping[str, Any], lines: Iterable[str] = (), *, 
         print(line)
     sys.stdout.flush()
     return path
+
+
+def applied_entries(cluster: LocalCluster) -> list[AccountingRecord]:
+    """The accounting entries of the updates ``cluster``'s job applied (``applied_samples``), those with records."""
+    import redis as redis_lib
+
+    from common.keys import JobKeys
+    from services.protocol import AccountingRecord
+
+    client = redis_lib.Redis.from_url(cluster.redis_url)
+    try:
+        raw = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(JobKeys(cluster.spec.job).applied_samples))
+    finally:
+        client.close()
+    return [e for e in (AccountingRecord.from_fields(f) for _, f in raw) if e.batch_size > 0]

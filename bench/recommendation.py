@@ -40,24 +40,21 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import numpy as np
-import redis as redis_lib
 import torch
 from rich.console import Console
 from rich.table import Table
 from sklearn.metrics import log_loss, roc_auc_score
 
 from bench import harness
-from common.keys import JobKeys
 from coordinator.feed_copy import fetch_changes, measure_feed_lag
 from coordinator.progressive import mean_auc
 from coordinator.settings import CoordinatorSettings
 from datastream import Examples, load_source, produce
-from services.protocol import AccountingRecord
 from services.tables import initial_rows
 from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec, LocalCluster
 from streamtrain.examples import EXAMPLES
@@ -137,15 +134,6 @@ def job(name: str) -> ClusterSpec:
         trainer=replace(LOCAL_TRAINER, model=MODEL, threads=1, eval_source="", prefetch=8))
 
 
-def _applied(cluster: LocalCluster) -> list[AccountingRecord]:
-    client = redis_lib.Redis.from_url(cluster.redis_url)
-    try:
-        raw = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(JobKeys(cluster.spec.job).applied_samples))
-    finally:
-        client.close()
-    return [e for e in (AccountingRecord.from_fields(f) for _, f in raw) if e.batch_size > 0]
-
-
 def pipeline(trainers: int, workdir: Path) -> dict[str, Any]:
     """One pass of the train split, produced first, through ``trainers`` trainers: records/s applied,
     the held-out AUC and log loss of what Redis holds, and the progressive validation."""
@@ -157,7 +145,7 @@ def pipeline(trainers: int, workdir: Path) -> dict[str, Any]:
             cluster.add_trainer()
         cluster.wait_consumed(timeout_s=1200)
         cluster.quiesce()
-        entries = _applied(cluster)
+        entries = harness.applied_entries(cluster)
         progressive = cluster.progressive() or {}
         score = score_job(cluster.redis_url, spec.job, MODEL, SOURCE)
     samples = sum(e.batch_size for e in entries)
@@ -209,7 +197,7 @@ def feed_lag(trainers: int, rate: float, seconds: float, workdir: Path) -> dict[
         ended_ms = time.time() * 1000
         stop.set()
         producer.join(timeout=120)
-        entries = _applied(cluster)
+        entries = harness.applied_entries(cluster)
     applied = [e for e in entries if begun_ms <= e.applied_ms <= ended_ms]
     return {"rate": rate, "entries": int(lag.entries), "p50_ms": lag.p50_ms, "p99_ms": lag.p99_ms,
             "max_ms": lag.max_ms, "produced": produced.get("records"),

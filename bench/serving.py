@@ -81,14 +81,12 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository first (bench.harness)
 
 import numpy as np
-import redis as redis_lib
 import torch
 from rich.console import Console
 from rich.table import Table
 from safetensors.numpy import load as load_safetensors
 
 from bench import harness
-from common.keys import JobKeys
 from coordinator.progressive import mean_auc
 from coordinator.settings import CoordinatorSettings
 from datastream import Examples, encode_shard, load_source, produce, reliable_producer
@@ -253,15 +251,6 @@ def wait_replica_ready(cluster: LocalCluster, timeout_s: float = 180.0) -> None:
     raise TimeoutError(f"the replica was not ready within {timeout_s:.0f} s")
 
 
-def applied(cluster: LocalCluster) -> list[AccountingRecord]:
-    client = redis_lib.Redis.from_url(cluster.redis_url)
-    try:
-        raw = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(JobKeys(cluster.spec.job).applied_samples))
-    finally:
-        client.close()
-    return [e for e in (AccountingRecord.from_fields(f) for _, f in raw) if e.batch_size > 0]
-
-
 def quantile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -279,7 +268,7 @@ def capacity(cluster: LocalCluster, train: Examples, records: int) -> dict[str, 
                      partitions=PARTITIONS, shard_size=BATCH, producer_id="bench-capacity")
     cluster.wait_for(cluster.all_committed, timeout_s=600, what="the capacity records to be committed")
     cluster.wait_applied(120)
-    entries = applied(cluster)
+    entries = harness.applied_entries(cluster)
     span = (entries[-1].applied_ms - entries[0].applied_ms) / 1000
     done = sum(e.batch_size for e in entries)
     assert done == report.records, f"applied {done} of {report.records} records"
@@ -794,7 +783,7 @@ def main() -> None:
         stop_b.set()
         stream_b.join(120)
         cluster.quiesce(120)
-        entries = applied(cluster)
+        entries = harness.applied_entries(cluster)
         progressive = cluster.progressive() or {}
         fresh = freshness(probes, entries)
         fresh["replica_histogram"] = histogram
