@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from redis.connection import PythonRespSerializer
 
-__all__ = ["PackedArgs", "Packer", "mark_bulk", "id_args"]
+__all__ = ["PackedArgs", "Packer", "mark_bulk", "id_args", "pair_args", "arg_count"]
 
 _MARK = "_streamtrain_packs_bulk"
 
@@ -36,6 +36,24 @@ class PackedArgs:
         out["id"] = ids
         out["end"] = b"\r\n"
         return cls(len(ids), out.tobytes())
+
+    @classmethod
+    def pairs(cls, ids: np.ndarray, records: bytes, size: int) -> PackedArgs:
+        """Field/value arguments of a hash: each of ``ids`` (8 little-endian bytes), then its record of
+        ``size`` bytes (``records``: the records concatenated in ``ids`` order)."""
+        n = len(ids)
+        if len(records) != n * size:
+            raise ValueError(f"{len(records)} bytes of records for {n} IDs of {size} bytes each")
+        head = b"$%d\r\n" % size
+        out = np.empty(n, dtype=[("head", "S4"), ("id", "<i8"), ("end", "S2"), ("size", f"S{len(head)}"),
+                                 ("record", f"V{size}"), ("record_end", "S2")])
+        out["head"] = b"$8\r\n"
+        out["id"] = ids
+        out["end"] = b"\r\n"
+        out["size"] = head
+        out["record"] = np.frombuffer(records, dtype=f"V{size}")
+        out["record_end"] = b"\r\n"
+        return cls(2 * n, out.tobytes())
 
     def __repr__(self) -> str:  # redis-py names a failed command's arguments: not megabytes of them
         return f"<{self.count} packed arguments>"
@@ -69,3 +87,18 @@ def id_args(client: Any, ids: np.ndarray) -> PackedArgs | list[bytes]:
     if getattr(client, _MARK, False):
         return PackedArgs.ids(ids)
     return list(np.ascontiguousarray(ids, dtype="<i8").view("V8").tolist())
+
+
+def pair_args(client: Any, ids: np.ndarray, records: bytes, size: int) -> PackedArgs | list[bytes]:
+    """Field/value arguments of a hash (each of ``ids``, then its ``size``-byte record of ``records``) for
+    ``client``: packed at once when its packer takes them (:func:`mark_bulk`), else one bytes object each."""
+    if getattr(client, _MARK, False):
+        return PackedArgs.pairs(ids, records, size)
+    fields = list(np.ascontiguousarray(ids, dtype="<i8").view("V8").tolist())
+    values = [records[size * k:size * (k + 1)] for k in range(len(fields))]
+    return [x for kv in zip(fields, values, strict=True) for x in kv]
+
+
+def arg_count(args: PackedArgs | list[bytes]) -> int:
+    """How many command arguments ``args`` are."""
+    return args.count if isinstance(args, PackedArgs) else len(args)

@@ -22,10 +22,11 @@ from common.fence import fence_token
 from common.keys import GroupKeys, JobKeys
 
 from .protocol import AccountPlan, PlanUpdate, Update
+from .resp import PackedArgs, arg_count
 from .wire import pack
 
 __all__ = ["ScriptCall", "PushCall", "ApplyCall", "ShardPublish", "ShardPlan", "TablePublish", "TablePlan",
-           "AccountCall", "RowsReadCall", "RowsSweepCall", "TableCutCall", "RowsScanCall", "FeedReadCall",
+           "AccountCall", "RowsSweepCall", "TableCutCall", "RowsScanCall", "FeedReadCall",
            "DEFAULT_FEED_ENTRIES", "CALLS",
            "script",
            "execute_with_script"]
@@ -140,6 +141,13 @@ class ScriptCall:
         keys = self.keys()
         pipe.evalsha(sha, len(keys), *keys, *self.argv())
 
+    def queue_eval(self, pipe: redis.client.Pipeline) -> None:
+        """Queue an EVAL of this call with the script's source on ``pipe``: for a transaction whose
+        later commands must never run after a NOSCRIPT (Redis finds the script it has cached by the
+        source's SHA1, a few microseconds)."""
+        keys = self.keys()
+        pipe.execute_command("EVAL", _source(self.SCRIPT), len(keys), *keys, *self.argv())
+
 
 def _index(names: tuple[str, ...], tail: str | None, name: str, what: str) -> int:
     if name in names:
@@ -223,24 +231,24 @@ class ShardPlan(NamedTuple):
 
 
 class TablePublish(NamedTuple):
-    """What an apply writes for one embedding table (an input of :class:`ApplyCall`)."""
+    """What an apply writes for one embedding table (an input of :class:`ApplyCall`): ID blobs for the
+    script (its feed entry, a checkpoint's cut), and the same rows as command arguments for the native
+    HSET/HDEL that follow it (:meth:`ApplyCall.queue_rows`)."""
 
     table: str
     """Table name."""
     row_ids: bytes
     """IDs (8 little-endian bytes each) of the rows written."""
-    records: bytes
-    """Their stored records, concatenated."""
-    record_size: int
-    """Bytes per record."""
+    rows: PackedArgs | list[bytes]
+    """Their field/value arguments: each ID, then its stored record (:func:`services.resp.pair_args`)."""
     seen_ids: bytes
     """IDs of the sighting records written."""
-    seen: bytes
-    """Those records, concatenated."""
-    seen_size: int
-    """Bytes per sighting record."""
+    seen: PackedArgs | list[bytes]
+    """Their field/value arguments."""
     unseen_ids: bytes
     """IDs admitted by this apply whose sighting record goes."""
+    unseen: PackedArgs | list[bytes]
+    """The same IDs, one argument each (:func:`services.resp.id_args`)."""
     steps: int
     """The table's step count after the apply."""
     admitted: int
@@ -260,16 +268,8 @@ class TablePlan(NamedTuple):
     """KEYS index of its seen hash."""
     row_ids: int
     """ARGV index of the IDs of the rows written (0: none)."""
-    records: int
-    """ARGV index of their records."""
-    record_size: int
-    """Bytes per record."""
     seen_ids: int
     """ARGV index of the IDs of the sighting records written (0: none)."""
-    seen_records: int
-    """ARGV index of those records."""
-    seen_size: int
-    """Bytes per sighting record."""
     unseen: int
     """ARGV index of the IDs whose sighting record goes (0: none)."""
     steps: int
@@ -363,14 +363,9 @@ class ApplyCall(ScriptCall):
             return argv - 1
 
         for j, t in enumerate(self.tables):
-            row_ids = arg(t.row_ids)
-            records = arg(t.records) if row_ids else 0
-            seen_ids = arg(t.seen_ids)
-            seen = arg(t.seen) if seen_ids else 0
             at = first_table + 4 * j
-            tables.append(list(TablePlan(t.table, at, at + 1, row_ids, records, t.record_size, seen_ids, seen,
-                                         t.seen_size, arg(t.unseen_ids), t.steps, t.admitted, t.dropped, at + 2,
-                                         at + 3)))
+            tables.append(list(TablePlan(t.table, at, at + 1, arg(t.row_ids), arg(t.seen_ids), arg(t.unseen_ids),
+                                         t.steps, t.admitted, t.dropped, at + 2, at + 3)))
         return {"cursor": self.cursor, "last": self.last, "version": self.version, "renames": len(self.renames),
                 "shards": shards,
                 "persist": 0 if self.steps is None else {
@@ -383,17 +378,29 @@ class ApplyCall(ScriptCall):
         return {"plan": pack(self._plan()), "accounting": "" if self.accounting is None else self.accounting.pack()}
 
     def argv_tail(self) -> list[bytes]:
-        """The deltas, in the order of :attr:`shards`, then each table's non-empty IDs and records, in
-        the order the plan names them."""
+        """The deltas, in the order of :attr:`shards`, then each table's non-empty ID blobs, in the
+        order the plan names them."""
         out: list[bytes] = [s.delta for s in self.shards if s.delta is not None]
         for t in self.tables:
-            if t.row_ids:
-                out += [t.row_ids, t.records]
-            if t.seen_ids:
-                out += [t.seen_ids, t.seen]
-            if t.unseen_ids:
-                out.append(t.unseen_ids)
+            out += [blob for blob in (t.row_ids, t.seen_ids, t.unseen_ids) if blob]
         return out
+
+    def queue_rows(self, pipe: redis.client.Pipeline) -> None:
+        """Queue, after the script's EVALSHA in the same MULTI/EXEC, the native writes of the tables'
+        rows and sighting records (HSET of field/value arguments, HDEL of the IDs unseen). They are
+        not conditional: the caller runs the transaction only under a WATCH of the state the
+        script's compare-and-set reads, checked against it first (``services.server.apply``)."""
+        for t in self.tables:
+            for cmd, key, args in (("HSET", self.group.table_rows(t.table), t.rows),
+                                   ("HSET", self.group.table_seen(t.table), t.seen),
+                                   ("HDEL", self.group.table_seen(t.table), t.unseen)):
+                if arg_count(args):
+                    pipe.execute_command(cmd, key, *([args] if isinstance(args, PackedArgs) else args))
+
+    @property
+    def watched(self) -> list[str]:
+        """The keys the script's compare-and-set reads (the WATCH of :meth:`queue_rows`'s transaction)."""
+        return [self.group.cursor, self.group.versions, self.group.version]
 
 
 @dataclass(frozen=True)
@@ -421,39 +428,6 @@ class AccountCall(ScriptCall):
 
     def named_argv(self) -> dict[str, Any]:
         return {"plan": self.plan.pack()}
-
-
-@dataclass(frozen=True)
-class RowsReadCall(ScriptCall):
-    """``rows_read.lua``: a trainer's pull of rows of a group's embedding tables by ID, as of one group
-    version (the group's slot)."""
-
-    SCRIPT: ClassVar[str] = "rows_read"
-    KEYS: ClassVar[tuple[str, ...]] = ("version",)
-    KEYS_TAIL: ClassVar[str | None] = "tables"
-    ARGV: ClassVar[tuple[str, ...]] = ("width",)
-    ARGV_TAIL: ClassVar[str | None] = "asks"
-
-    group: GroupKeys
-    """The group's keys."""
-    width: int
-    """Bytes of each stored record to return (a prefix: its version and values)."""
-    asks: Sequence[tuple[str, bytes]]
-    """(table, its IDs: 8 little-endian bytes each), table by table."""
-
-    def named_keys(self) -> dict[str, str]:
-        return _named(self.group, self.KEYS)
-
-    def key_tail(self) -> list[str]:
-        """Each table's rows hash."""
-        return [self.group.table_rows(table) for table, _ in self.asks]
-
-    def named_argv(self) -> dict[str, Any]:
-        return {"width": self.width}
-
-    def argv_tail(self) -> list[Any]:
-        """Each table's IDs."""
-        return [ids for _, ids in self.asks]
 
 
 @dataclass(frozen=True)
@@ -616,6 +590,6 @@ class FeedReadCall(ScriptCall):
         return [x for name, width in self.tables for x in (name, width)]
 
 
-CALLS: tuple[type[ScriptCall], ...] = (PushCall, ApplyCall, AccountCall, RowsReadCall, RowsSweepCall, TableCutCall,
-                                       RowsScanCall, FeedReadCall)
+CALLS: tuple[type[ScriptCall], ...] = (PushCall, ApplyCall, AccountCall, RowsSweepCall, TableCutCall, RowsScanCall,
+                                       FeedReadCall)
 """The call class of every script in ``services/lua``."""

@@ -21,7 +21,7 @@ from services.slots import ModelMeta
 from services.snapshot.pieces import read_manifest, read_piece
 from services.snapshot.table_cut import live_pieces
 from services.tables.feed import feed_heads
-from services.tables.rows import pull_dtype
+from services.tables.rows import decode_values, pull_dtype
 
 from .rowstore import RowStore
 from .state import ModuleFactory, ServedState
@@ -87,7 +87,8 @@ def state_from_redis(client: redis.Redis, job: str, meta: ModelMeta, dense: Mapp
                 if take == 0:
                     break
                 records = raw[:take].view(pull_dtype(spec)).reshape(-1)
-                store.upsert(ids[:take], np.ascontiguousarray(records["values"]), records["version"].copy())
+                store.upsert(ids[:take], np.ascontiguousarray(decode_values(spec, records["values"])),
+                             records["version"].copy())
         state.loaded[spec.name] = store.rows
     logger.info("job %s: loaded %d row(s) of %d table(s) from Redis at feed position %s", job, state.rows,
                 len(meta.tables), position)

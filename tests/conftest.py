@@ -117,6 +117,20 @@ def redis(redis_url: str) -> Iterator[redis_lib.Redis]:
 
 
 @pytest.fixture
+def fresh(redis_server) -> Iterator[tuple[redis_lib.Redis, str]]:
+    """Another flushed database of the session's Redis (the "empty Redis" a checkpoint is restored into) and
+    its URL."""
+    url = redis_server.url_for(redis_server.next_db())
+    client = redis_lib.Redis.from_url(url)
+    client.flushdb()
+    try:
+        yield client, url
+    finally:
+        client.flushdb()
+        client.close()
+
+
+@pytest.fixture
 def silent_broker() -> Iterator[str]:
     """``host:port`` of a TCP listener that never answers: a Kafka broker that is down."""
     server = socket.create_server(("127.0.0.1", 0))

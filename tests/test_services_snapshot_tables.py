@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -42,19 +41,6 @@ CALM = "calm"
 """A job fed the same pushes and never saved or restored."""
 GROUPS = 2
 UPDATES = 10
-
-
-@pytest.fixture
-def fresh(redis_server) -> Iterator[tuple[redis_lib.Redis, str]]:
-    """Another flushed database (the "empty Redis" to restore into) and its URL."""
-    url = redis_server.url_for(redis_server.next_db())
-    client = redis_lib.Redis.from_url(url)
-    client.flushdb()
-    try:
-        yield client, url
-    finally:
-        client.flushdb()
-        client.close()
 
 
 def push(redis: redis_lib.Redis, jobs: tuple[str, ...], clocks: range) -> None:

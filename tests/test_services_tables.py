@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +18,11 @@ from plane_util import accounting_left, gradient_blobs, set_membership, small_mo
 from common.keys import JobKeys
 from services import OptimizerConfig, ParameterServer, ParameterStore, Pusher, ServerSettings, ServerStatus
 from services.errors import BadGradientError, LayoutError
+from services.server.apply import write_batch
+from services.store import connect
 from services.tables import RowGrads, RowOptimizerConfig, TableSpec, group_of_ids, initial_rows, step_rows
-from services.tables.rows import row_dtype
+from services.tables.apply import TableWrites
+from services.tables.rows import SEEN_DTYPE, row_dtype
 from services.tables.store import pull_rows
 from streamtrain.launcher import wait_until
 
@@ -57,9 +60,12 @@ def push_rows(redis: redis_lib.Redis, clocks: range, job: str = JOB, row_dtype_:
                     samples=[("prod", 10 * (c - 1), 10)], batch_size=10, rows=batch_rows(c))
 
 
-def expected_rows(clocks: list[int], tables: tuple[TableSpec, ...] = (USER, ITEM)
+def expected_rows(clocks: Sequence[int], tables: tuple[TableSpec, ...] = (USER, ITEM), *,
+                  rounding: Callable[[np.ndarray, str], np.ndarray] | None = None
                   ) -> dict[str, dict[int, np.ndarray]]:
-    """What applying the updates of ``clocks`` one by one gives, row by row (admission included)."""
+    """What applying the updates of ``clocks`` one by one gives, row by row (admission included);
+    ``rounding(x, dtype)``: each step's values and state as a table of that ``value_dtype`` and
+    ``state_dtype`` stores them (None: float32, unrounded)."""
     rows: dict[str, dict[int, np.ndarray]] = {t.name: {} for t in tables}
     state: dict[str, dict[int, np.ndarray]] = {t.name: {} for t in tables}
     seen: dict[str, dict[int, int]] = {t.name: {} for t in tables}
@@ -74,6 +80,8 @@ def expected_rows(clocks: list[int], tables: tuple[TableSpec, ...] = (USER, ITEM
                     state[t.name][i] = np.zeros(t.slots, dtype=np.float32)
                 v, s = rows[t.name][i][None].copy(), state[t.name][i][None].copy()
                 step_rows(t.optimizer, v, s, g[None], step)
+                if rounding is not None:
+                    v, s = rounding(v, t.value_dtype), rounding(s, t.state_dtype)
                 rows[t.name][i], state[t.name][i] = v[0], s[0]
     return rows
 
@@ -172,8 +180,8 @@ def test_a_pull_moves_the_rows_asked_for_only(redis: redis_lib.Redis, redis_url:
     assert rows.present.tolist() == [True] * 6 + [False]
     for j, i in enumerate(ids[:6].tolist()):
         np.testing.assert_array_equal(rows.values[j], want[i])
-    # what moved: one mask byte per ID, and version + values of each row found (never its optimizer state)
-    assert got.wire_bytes == ids.size + 6 * (8 + 4 * USER.dim)
+    # what moved: the whole record of each row found (native HMGETs: Redis cuts no prefix), nothing for the others
+    assert got.wire_bytes == 6 * row_dtype(USER).itemsize
     assert set(got.group_versions) <= {0, 1}
     with pytest.raises(LayoutError, match="no embedding table 'colour'"):
         pull_rows(redis, JOB, {"user": USER}, 2, {"colour": ids})
@@ -301,3 +309,65 @@ def test_rows_expire_and_the_row_cap_evicts_the_least_recently_written(redis: re
     calm = TableSpec("t", 2)
     assert sweep_rows(redis, "sweep", 0, calm, 1, now_ms=now + 10**9) == \
         type(step)("0", "0", 0, 0, 0, 25)
+
+
+def _writes(spec: TableSpec, ids: np.ndarray, version: int, seen_ids: np.ndarray, unseen_ids: np.ndarray,
+            rng: np.random.Generator) -> tuple[TableWrites, np.ndarray, np.ndarray]:
+    """What a batch writes: rows of ``ids`` stamped ``version``, sighting records of ``seen_ids``."""
+    records = np.zeros(ids.size, dtype=row_dtype(spec))
+    records["version"] = version
+    records["values"] = rng.standard_normal((ids.size, spec.dim))
+    records["state"] = rng.standard_normal((ids.size, spec.slots))
+    seen = np.zeros(seen_ids.size, dtype=SEEN_DTYPE)
+    seen["count"] = rng.integers(1, 5, seen_ids.size)
+    seen["seen_ms"] = rng.integers(1, 2**40, seen_ids.size)
+    return (TableWrites(spec.name, row_dtype(spec).itemsize, ids, records.tobytes(), seen_ids, seen.tobytes(),
+                        unseen_ids, 3, 0, 0), records, seen)
+
+
+def _hash(client: redis_lib.Redis, key: str) -> dict[int, bytes]:
+    return {int(np.frombuffer(k, "<i8")[0]): v for k, v in client.hgetall(key).items()}
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-args", "redis-py-args"])
+def test_an_apply_of_thousands_of_rows_writes_them_their_sightings_and_its_feed_entry(
+        redis: redis_lib.Redis, redis_url: str, packed: bool) -> None:
+    """The group's half writes rows and sighting records with native HSET/HDEL after the script, in its
+    MULTI/EXEC: every record as sent, the feed entry naming the IDs written, nothing when the group
+    version moved, and, while a checkpoint holds the cut, the old records in the shadows first (more
+    IDs than one of the script's 4000-field HMGETs)."""
+    client = connect(redis_url) if packed else redis
+    job, spec = f"rows-many-{packed}", TableSpec("user", 4, admit_after=2)
+    gk, rng = JobKeys(job).group(0), np.random.default_rng(11)
+    sighted = np.arange(6000, dtype=np.int64) * 3 + 2**40
+    old_ids = np.arange(9000, dtype=np.int64) * 5 - 7
+    first, old, seen1 = _writes(spec, old_ids, 1, sighted, np.zeros(0, np.int64), rng)
+    assert write_batch(client, job, group=0, groups=1, cursor="", outcomes=[], shards=[], version=0,
+                       tables=[first]).ok
+    # the next batch overwrites 4500 rows, adds 4500, sights 4500 IDs and admits 4200 sighted ones
+    ids = np.concatenate([old_ids[::2], np.arange(4500, dtype=np.int64) * 5 + 10**6])
+    unseen, newly = sighted[:4200], np.arange(4500, dtype=np.int64) + 2**41
+    writes, records, seen2 = _writes(spec, ids, 2, newly, unseen, rng)
+    moved = write_batch(client, job, group=0, groups=1, cursor="", outcomes=[], shards=[], version=0,
+                        tables=[writes])
+    assert not moved.ok and moved.conflict == "GROUP 1" and redis.hlen(gk.table_rows("user")) == 9000
+    redis.set(gk.table_cut, "1 save-1 0")  # a checkpoint's cut at version 1
+    assert write_batch(client, job, group=0, groups=1, cursor="", outcomes=[], shards=[], version=1,
+                       tables=[writes]).ok
+    rows = _hash(redis, gk.table_rows("user"))
+    want = {int(i): r.tobytes() for i, r in zip(old_ids, old, strict=True)}
+    want |= {int(i): r.tobytes() for i, r in zip(ids, records, strict=True)}
+    assert rows == want
+    seen = _hash(redis, gk.table_seen("user"))
+    want_seen = {int(i): r.tobytes() for i, r in zip(sighted[4200:], seen1[4200:], strict=True)}
+    assert seen == want_seen | {int(i): r.tobytes() for i, r in zip(newly, seen2, strict=True)}
+    (_, entry), = redis.xrevrange(gk.feed, count=1)
+    assert entry[b"w:user"] == ids.astype("<i8").tobytes() and int(entry[b"v"]) == 2
+    # the cut's shadows: the old record of each row overwritten, '' for each ID newly sighted, the
+    # old sighting record of each ID admitted
+    shadow = _hash(redis, gk.table_shadow("user"))
+    assert shadow == {int(i): r.tobytes() for i, r in zip(old_ids[::2], old[::2], strict=True)}
+    seen_shadow = _hash(redis, gk.seen_shadow("user"))
+    assert seen_shadow == {int(i): b"" for i in newly} | {int(i): r.tobytes()
+                                                          for i, r in zip(unseen, seen1[:4200], strict=True)}
+    assert int(redis.hget(gk.table_stats, "user:steps")) == 3

@@ -304,3 +304,11 @@ def test_ids_packed_at_once_are_the_bytes_redis_py_would_send() -> None:
     assert got == want
     assert Packer(6000, encode).pack("GET", "k") == PythonRespSerializer(6000, encode).pack("GET", "k")
     assert repr(PackedArgs.ids(ids)) == "<5 packed arguments>"
+    # field/value pairs (an apply's rows): each ID, then its record, as redis-py would send them
+    records = bytes(range(5 * 13))
+    pairs = [x for k, f in enumerate(fields) for x in (f, records[13 * k:13 * (k + 1)])]
+    want = b"".join(PythonRespSerializer(6000, encode).pack("HSET", "st:{j:g0}:rows:t", *pairs))
+    got = b"".join(Packer(6000, encode).pack("HSET", "st:{j:g0}:rows:t", PackedArgs.pairs(ids, records, 13)))
+    assert got == want and PackedArgs.pairs(ids, records, 13).count == 10
+    with pytest.raises(ValueError, match="64 bytes of records for 5 IDs of 13 bytes"):
+        PackedArgs.pairs(ids, records[:64], 13)

@@ -17,7 +17,7 @@ from torch import nn
 from common.options import SpecOptions
 from datastream.movielens import MULTI as MOVIELENS_MULTI
 from datastream.movielens import SINGLE as MOVIELENS_SINGLE
-from services.tables import RowOptimizerConfig, TableSpec
+from services.tables import VALUE_DTYPES, RowOptimizerConfig, TableSpec
 
 __all__ = ["SCHEMAS", "Dlrm", "dlrm_from_options", "binary_logistic_loss"]
 
@@ -94,17 +94,20 @@ def dlrm_from_options(options: Mapping[str, str]) -> Dlrm:
     row_opt_name, row_lr = opts.text("row_optimizer", "lazyadam"), opts.number("row_lr", 0.01, lo=0)
     admit, expire = opts.integer("admit", 1, lo=1), opts.number("expire_s", 0.0, lo=0)
     cap, scale = opts.integer("max_rows", 0), opts.number("init_scale", 0.05, lo=0)
+    value_dtype = opts.text("value_dtype", "float32")
     bottom, top = _ints(opts.text("bottom", "64"), "bottom"), _ints(opts.text("top", "64-32"), "top")
     opts.refuse_unread()
     if schema not in SCHEMAS:
         raise ValueError(f"dlrm option schema: one of {', '.join(SCHEMAS)}, got {schema!r}")
     if fixed:
         raise ValueError(f"dlrm: schema={schema} fixes the features; drop {', '.join(fixed)}")
+    if value_dtype not in VALUE_DTYPES:
+        raise ValueError(f"dlrm option value_dtype: one of {', '.join(VALUE_DTYPES)}, got {value_dtype!r}")
     row_opt = RowOptimizerConfig(row_opt_name, lr=row_lr)
 
     def table(name: str, pooling: str = "sum") -> TableSpec:
         return TableSpec(name, dim, pooling=pooling, init_scale=scale, optimizer=row_opt, admit_after=admit,
-                         expire_after_s=expire, max_rows=cap)
+                         expire_after_s=expire, max_rows=cap, value_dtype=value_dtype)
 
     if schema == "movielens":
         tables = [table(name) for name in MOVIELENS_SINGLE] + [table(MOVIELENS_MULTI, pooling="mean")]

@@ -26,8 +26,7 @@
 --                         rows shadow and seen shadow hashes, which the plan names by KEYS index
 -- ARGV[1] plan            msgpack, below
 -- ARGV[2] accounting      the accounting plan to keep in `unaccounted` ('' for none)
--- ARGV[3..] deltas        the deltas, then the tables' IDs and records, that the plan names by ARGV
---                         index
+-- ARGV[3..] deltas        the deltas, then the tables' ID blobs, that the plan names by ARGV index
 -- The plan:
 --   cursor   the cursor the server read ('' when none)
 --   last     the cursor after the batch (its last update; = cursor when the batch has none)
@@ -44,11 +43,18 @@
 --   rows     rows written in all (a call that writes rows bumps the version)
 --   feed     entries the group's feed keeps (about: MAXLEN ~)
 --   tables   per table touched, a TablePlan {name, KEYS index of its rows hash, KEYS index of its
---            seen hash, ARGV index of the IDs of the rows written (0: none), ARGV index of their
---            records, bytes per record, ARGV index of the IDs of the seen records written (0: none),
---            ARGV index of those records, bytes per seen record, ARGV index of the IDs whose seen
---            record goes (0: none), the table's step count, rows admitted, gradient rows dropped,
---            KEYS index of its rows shadow, KEYS index of its seen shadow}
+--            seen hash, ARGV index of the IDs of the rows written (0: none), ARGV index of the IDs of
+--            the seen records written (0: none), ARGV index of the IDs whose seen record goes (0:
+--            none), the table's step count, rows admitted, gradient rows dropped, KEYS index of its
+--            rows shadow, KEYS index of its seen shadow}; each blob of IDs holds 8 little-endian
+--            bytes per ID
+--
+-- The rows and sighting records themselves are not written here: Redis spends about twice as much
+-- CPU on a script's arguments (each becomes a Lua string, then a Redis string again) as on the
+-- writes. They follow this script in the same MULTI/EXEC as native HSET/HDEL commands of
+-- field/value arguments (services.server.apply.write_batch), a transaction that only runs under a
+-- WATCH of `cursor`, `versions` and `version` after the server has checked them against the plan,
+-- so this script's compare-and-set cannot fail when they run (a state that moved aborts the EXEC).
 --
 -- While a checkpoint holds the group's table cut (`table_cut` = "<version> <owner> <blobs>",
 -- services.snapshot.checkpoint), the old record of each row this call overwrites is first copied into the
@@ -95,17 +101,13 @@ local T_NAME = 1
 local T_ROWS = 2
 local T_SEEN = 3
 local T_ROW_IDS = 4
-local T_RECORDS = 5
-local T_RECORD_SIZE = 6
-local T_SEEN_IDS = 7
-local T_SEEN_RECORDS = 8
-local T_SEEN_SIZE = 9
-local T_UNSEEN = 10
-local T_STEPS = 11
-local T_ADMITTED = 12
-local T_DROPPED = 13
-local T_ROWS_SHADOW = 14
-local T_SEEN_SHADOW = 15
+local T_SEEN_IDS = 5
+local T_UNSEEN = 6
+local T_STEPS = 7
+local T_ADMITTED = 8
+local T_DROPPED = 9
+local T_ROWS_SHADOW = 10
+local T_SEEN_SHADOW = 11
 
 local plan = cmsgpack.unpack(ARGV[A_PLAN])
 local function drop_staging(reply)
@@ -133,36 +135,6 @@ if #plan.tables > 0 then
   end
 end
 
--- field/value pairs of fixed-size records, `ids` 8 bytes each, in calls of at most 4000 arguments
--- (Lua's unpack has a stack limit)
-local function hset_records(hash, ids, records, size)
-  local n = #ids / 8
-  local i = 0
-  while i < n do
-    local j = math.min(i + 2000, n)
-    local args = {}
-    for k = i, j - 1 do
-      args[#args + 1] = string.sub(ids, 8 * k + 1, 8 * k + 8)
-      args[#args + 1] = string.sub(records, size * k + 1, size * (k + 1))
-    end
-    redis.call('HSET', hash, unpack(args))
-    i = j
-  end
-end
-local function hdel_ids(hash, ids)
-  local n = #ids / 8
-  local i = 0
-  while i < n do
-    local j = math.min(i + 4000, n)
-    local args = {}
-    for k = i, j - 1 do
-      args[#args + 1] = string.sub(ids, 8 * k + 1, 8 * k + 8)
-    end
-    redis.call('HDEL', hash, unpack(args))
-    i = j
-  end
-end
-
 -- the old records a checkpoint's cut needs, copied before anything is overwritten or deleted
 local first_row_blob, row_blobs = plan.row_blobs[1], plan.row_blobs[2]
 local cut_version, cut_blobs = -1, false
@@ -173,7 +145,8 @@ if #plan.tables > 0 or row_blobs > 0 then
     cut_version, cut_blobs = tonumber(v), b == '1'
   end
 end
--- the records of `ids` (8 bytes each) in `hash`, in calls of at most 4000 fields: fn(id, record or false)
+-- the records of `ids` (8 bytes each) in `hash`, in calls of at most 4000 fields: fn(id, record or
+-- false) (per row, but only while a checkpoint holds the cut)
 local function each_old(hash, ids, fn)
   local n = #ids / 8
   for i = 0, n - 1, 4000 do
@@ -247,15 +220,6 @@ for _, sh in ipairs(plan.shards) do
   end
 end
 for _, t in ipairs(plan.tables) do
-  if t[T_ROW_IDS] > 0 then
-    hset_records(KEYS[t[T_ROWS]], ARGV[t[T_ROW_IDS]], ARGV[t[T_RECORDS]], t[T_RECORD_SIZE])
-  end
-  if t[T_SEEN_IDS] > 0 then
-    hset_records(KEYS[t[T_SEEN]], ARGV[t[T_SEEN_IDS]], ARGV[t[T_SEEN_RECORDS]], t[T_SEEN_SIZE])
-  end
-  if t[T_UNSEEN] > 0 then
-    hdel_ids(KEYS[t[T_SEEN]], ARGV[t[T_UNSEEN]])
-  end
   redis.call('HSET', KEYS[K_TABLE_STATS], t[T_NAME] .. ':steps', t[T_STEPS])
   if t[T_ADMITTED] > 0 then
     redis.call('HINCRBY', KEYS[K_TABLE_STATS], t[T_NAME] .. ':admitted', t[T_ADMITTED])

@@ -23,6 +23,7 @@ from common.keys import JobKeys
 
 from ..errors import ParameterPlaneError
 from ..protocol import AccountingRecord, AccountPlan, PlanUpdate, Status, Update
+from ..resp import id_args, pair_args
 from ..scripts import DEFAULT_FEED_ENTRIES, AccountCall, ApplyCall, ShardPublish, TablePublish, execute_with_script
 from ..tables.apply import TableWrites
 from ..tables.rows import SEEN_DTYPE, id_bytes
@@ -185,9 +186,13 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
                      accounting=account, steps=None if persist is None else persist.steps,
                      blobs=[k for _, keys in persist.covered for k in keys] if persist is not None else [],
                      version=-1 if version is None else version,
-                     tables=[TablePublish(w.table, id_bytes(w.row_ids), w.rows, w.record_size, id_bytes(w.seen_ids),
-                                          w.seen, SEEN_DTYPE.itemsize, id_bytes(w.unseen_ids), w.steps, w.admitted,
-                                          w.dropped) for w in tables],
+                     tables=[TablePublish(w.table, id_bytes(w.row_ids),
+                                          pair_args(client, w.row_ids, w.rows, w.record_size),
+                                          id_bytes(w.seen_ids),
+                                          pair_args(client, w.seen_ids, w.seen, SEEN_DTYPE.itemsize),
+                                          id_bytes(w.unseen_ids), id_args(client, w.unseen_ids), w.steps, w.admitted,
+                                          w.dropped)
+                             for w in tables],
                      row_blobs=row_blobs, feed_entries=feed_entries)
 
     def build(pipe: redis.client.Pipeline, sha: str) -> None:
@@ -196,12 +201,58 @@ def write_batch(client: redis.Redis, job: str, *, group: int, groups: int, curso
         before_exec()
         call.queue(pipe, sha)
 
-    res = execute_with_script(client, call.SCRIPT, build)[-1]
+    res = _write_rows(client, call, staged, before_exec) if call.tables else execute_with_script(
+        client, call.SCRIPT, build)[-1]
     tag = res[0].decode() if isinstance(res[0], bytes) else str(res[0])
     if tag != "OK":
         return WriteResult(ok=False, conflict=" ".join(x.decode() if isinstance(x, bytes) else str(x)
                                                        for x in res))
     return _account(client, job, account, version=int(res[1]))
+
+
+def _write_rows(client: redis.Redis, call: ApplyCall, staged: Sequence[tuple[str, memoryview]],
+                before_exec: Callable[[], None]) -> list:
+    """The group's half of a write of rows: the script (compare-and-set, shards, version, feed entry,
+    counters), then the rows and sighting records as native HSET/HDEL (``ApplyCall.queue_rows``: Redis
+    spends a fraction of a script's CPU on them), in one MULTI/EXEC under a WATCH of the state the
+    compare-and-set reads, checked here first: a state that moved is a conflict before anything is
+    sent, or aborts the EXEC, so the unconditional writes after the script run only when its
+    compare-and-set holds. Returns the script's reply (or a conflict in its form)."""
+    gk = call.group
+    with client.pipeline(transaction=True) as pipe:
+        pipe.watch(*call.watched)
+        moved = _moved(pipe, call)
+        if moved is not None:
+            return moved
+        pipe.multi()
+        for key, value in staged:
+            pipe.set(key, value)
+        before_exec()
+        call.queue_eval(pipe)  # EVAL, not EVALSHA: a NOSCRIPT must never leave the rows written alone
+        call.queue_rows(pipe)
+        try:
+            replies = pipe.execute()
+        except redis.WatchError:
+            return ["MOVED", f"{gk.cursor} {gk.versions} {gk.version}"]
+    return list(replies[len(staged)])
+
+
+def _moved(pipe: redis.client.Pipeline, call: ApplyCall) -> list | None:
+    """What of the state ``call``'s compare-and-set reads moved since the server read it, in the
+    script's form (``['CURSOR', cursor]``, ...), read on a watching ``pipe``; None when nothing did."""
+    gk = call.group
+    cursor = pipe.get(gk.cursor) or b""
+    if (cursor.decode() if isinstance(cursor, bytes) else str(cursor)) != call.cursor:
+        return ["CURSOR", cursor]
+    if call.shards:
+        read = pipe.hmget(gk.versions, [s.index for s in call.shards])
+        for s, v in zip(call.shards, read, strict=True):
+            if int(v or 0) != s.version_read:
+                return ["VERSION", s.index, v]
+    version = int(pipe.get(gk.version) or 0)
+    if version != call.version:
+        return ["GROUP", version]
+    return None
 
 
 def _account_plan(group: int, groups: int, cursor: str, last: str, outcomes: Sequence[Outcome],

@@ -66,15 +66,18 @@ def _record(kind: str, spec: TableSpec) -> np.dtype:
     return row_dtype(spec) if kind == "rows" else SEEN_DTYPE
 
 
-def _layout(dtype: np.dtype) -> str:
-    """A record's fields, for a piece's metadata: ``version <u8 | values <f4[4] | ...``."""
+def _layout(dtype: np.dtype, spec: TableSpec | None = None) -> str:
+    """A record's fields, for a piece's metadata: ``version <u8 | values <f4[4] | ...``; a row's values
+    or state kept as bfloat16 (``spec``'s types) read ``bfloat16``, not the ``<u2`` that holds them."""
     out = []
     fields = dtype.fields
     assert dtype.names is not None and fields is not None, "a record dtype has fields"
+    named = {"values": spec.value_dtype, "state": spec.state_dtype} if spec is not None else {}
     for name in dtype.names:
         sub = fields[name][0]
         shape = f"[{', '.join(map(str, sub.shape))}]" if sub.shape else ""
-        out.append(f"{name} {sub.base.str}{shape}")
+        kind = "bfloat16" if named.get(name) == "bfloat16" else sub.base.str
+        out.append(f"{name} {kind}{shape}")
     return " | ".join(out)
 
 
@@ -108,7 +111,7 @@ def save_tables(client: redis.Redis, job: str, meta: ModelMeta, versions: Sequen
                     write_piece(os.path.join(folder, name), {"ids": piece.ids, "records": piece.records},
                                 {"streamtrain.job": job, "streamtrain.table": spec.name, "streamtrain.group": g,
                                  "streamtrain.kind": kind, "streamtrain.version": version,
-                                 "streamtrain.record": _layout(dtype)})
+                                 "streamtrain.record": _layout(dtype, spec if kind == "rows" else None)})
                     pieces.append({"file": name, "records": int(piece.ids.size)})
                     renew()
                     if progress is not None:

@@ -20,7 +20,7 @@ from ..errors import ParameterPlaneError
 from ..slot_types import VersionVector
 from ..slots import read_meta
 from ..tables.feed import feed_heads
-from ..tables.rows import pull_dtype
+from ..tables.rows import decode_values, pull_dtype
 from .pieces import (
     MANIFEST,
     install_folder,
@@ -94,7 +94,7 @@ def export_tables(client: redis.Redis, job: str, folder: str, *, rows_per_piece:
                     name = f"{spec.name}-{g}-{n}.safetensors"
                     records = piece.records.view(pull_dtype(spec)).reshape(-1)
                     write_piece(os.path.join(tmp, name), {"ids": piece.ids,
-                                                          "values": np.ascontiguousarray(records["values"]),
+                                                          "values": decode_values(spec, records["values"]),
                                                           "versions": np.ascontiguousarray(records["version"])},
                                 {"streamtrain.job": job, "streamtrain.table": spec.name, "streamtrain.dim": spec.dim,
                                  "streamtrain.group": g, "streamtrain.version": piece.version})

@@ -8,8 +8,16 @@ and updated by a row optimizer where a gradient touches them.
 
 from .grads import RowGrads, decode_row_grads, encode_row_grads, split_by_group
 from .optim import step_rows
-from .rows import group_of_ids, initial_rows, pull_dtype, row_dtype
-from .spec import POOLINGS, ROW_OPTIMIZERS, RowOptimizerConfig, TableSpec, tables_from_json, tables_to_json
+from .rows import decode_values, encode_values, group_of_ids, initial_rows, pull_dtype, row_dtype
+from .spec import (
+                   POOLINGS,
+                   ROW_OPTIMIZERS,
+                   VALUE_DTYPES,
+                   RowOptimizerConfig,
+                   TableSpec,
+                   tables_from_json,
+                   tables_to_json,
+)
 
 __all__ = [
     # declaring tables
@@ -17,11 +25,14 @@ __all__ = [
     "RowOptimizerConfig",
     "ROW_OPTIMIZERS",
     "POOLINGS",
+    "VALUE_DTYPES",
     "tables_to_json",
     "tables_from_json",
     # rows
     "row_dtype",
     "pull_dtype",
+    "decode_values",
+    "encode_values",
     "group_of_ids",
     "initial_rows",
     "step_rows",

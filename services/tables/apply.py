@@ -16,7 +16,16 @@ import numpy as np
 
 from .grads import RowGrads
 from .optim import step_rows
-from .rows import SEEN_DTYPE, initial_rows, row_dtype
+from .rows import (
+    SEEN_DTYPE,
+    decode_state,
+    decode_values,
+    encode_state,
+    encode_values,
+    initial_rows,
+    round_stored,
+    row_dtype,
+)
 from .spec import TableSpec
 from .store import LoadedRows
 
@@ -55,11 +64,11 @@ class TableWrites:
 
 
 def kinds(tables: Sequence[TableSpec]) -> list[tuple[TableSpec, ...]]:
-    """``tables`` grouped by what their math shares (dimension, row optimizer, admission): each group
-    is applied by one :class:`RowBatch`, whatever the number of tables in it."""
+    """``tables`` grouped by what their math and records share (dimension, row optimizer, admission,
+    stored type): each group is applied by one :class:`RowBatch`, whatever the number of tables in it."""
     out: dict[tuple[Any, ...], list[TableSpec]] = {}
     for t in tables:
-        out.setdefault((t.dim, t.optimizer, t.admit_after), []).append(t)
+        out.setdefault((t.dim, t.optimizer, t.admit_after, t.value_dtype), []).append(t)
     return [tuple(group) for group in out.values()]
 
 
@@ -74,6 +83,9 @@ class RowBatch:
     round k applies every row's k-th pair at once (a row appears at most once in a round), with each
     pair's own step count (its table's count at its update). That is the math of the updates one by
     one, bit for bit: each row's steps keep their order, and the rows of one update never interact.
+    Rows are held in float32 (decoded on load); in a narrow table (``value_dtype``) each step's result
+    is rounded to what its record stores, so a row stepped twice in one batch is, bit for bit, a row
+    stepped, stored, loaded and stepped again.
     """
 
     specs: tuple[TableSpec, ...]
@@ -118,8 +130,8 @@ class RowBatch:
         rb.state = np.zeros((n, spec.slots), dtype=np.float32)
         rb.written_ms = np.zeros(n, dtype=np.uint64)
         records = np.concatenate([p.records for p in parts])
-        rb.values[rb.present] = records["values"]
-        rb.state[rb.present] = records["state"]
+        rb.values[rb.present] = decode_values(spec, records["values"])
+        rb.state[rb.present] = decode_state(spec, records["state"])
         rb.written_ms[rb.present] = records["written_ms"]
         for j, t in enumerate(specs):
             lo, hi = int(bounds[j]), int(bounds[j + 1])
@@ -195,8 +207,10 @@ class RowBatch:
         if not rows.size:
             return
         values, state = self.values[rows], self.state[rows]
-        step_rows(self.specs[0].optimizer, values, state, grads, t)
-        self.values[rows], self.state[rows] = values, state
+        spec = self.specs[0]
+        step_rows(spec.optimizer, values, state, grads, t)
+        self.values[rows] = round_stored(values, spec.value_dtype)
+        self.state[rows] = round_stored(state, spec.state_dtype)
         self.written_ms[rows] = now_ms
         self.changed[rows] = True
 
@@ -210,9 +224,9 @@ class RowBatch:
             rows_at = np.flatnonzero(self.changed[lo:hi]) + lo
             records = np.empty(rows_at.size, dtype=dtype)
             records["version"] = version
-            records["values"] = self.values[rows_at]
+            records["values"] = encode_values(spec, self.values[rows_at])
             records["written_ms"] = self.written_ms[rows_at]
-            records["state"] = self.state[rows_at]
+            records["state"] = encode_state(spec, self.state[rows_at])
             seen_at = np.flatnonzero(self.seen_changed[lo:hi] & ~self.present[lo:hi]) + lo
             seen = np.empty(seen_at.size, dtype=SEEN_DTYPE)
             seen["count"] = self.seen_count[seen_at]

@@ -24,7 +24,7 @@ from common.keys import JobKeys
 from ..errors import LayoutError, ParameterPlaneError
 from ..scripts import FeedReadCall, execute_with_script
 from ..slot_types import VersionVector
-from .rows import ids_from_bytes, pull_dtype
+from .rows import decode_values, ids_from_bytes, pull_dtype
 from .spec import TableSpec
 
 __all__ = ["TableChanges", "GroupChanges", "Changes", "FeedError", "FeedGoneError", "FeedAheadError",
@@ -162,7 +162,8 @@ def read_group(client: redis.Redis, job: str, group: int, tables: Sequence[Table
         rows = np.frombuffer(records, dtype=pull_dtype(spec))
         if rows.size * 8 != len(ids):
             raise LayoutError(f"job {job} group {group}: table {spec.name}: {len(ids) // 8} IDs for {rows.size} rows")
-        out[spec.name] = TableChanges(ids_from_bytes(ids), rows["values"], rows["version"], ids_from_bytes(removed))
+        out[spec.name] = TableChanges(ids_from_bytes(ids), decode_values(spec, rows["values"]), rows["version"],
+                                      ids_from_bytes(removed))
     return GroupChanges(since, int(res[1]), int(res[4]), int(res[2]), bool(int(res[3])),
                         np.array([int(x) for x in res[5]], dtype=np.int64), out)
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["RowOptimizerConfig", "TableSpec", "ROW_OPTIMIZERS", "POOLINGS", "tables_to_json",
+__all__ = ["RowOptimizerConfig", "TableSpec", "ROW_OPTIMIZERS", "POOLINGS", "VALUE_DTYPES", "tables_to_json",
            "tables_from_json", "validate_tables"]
 
 ROW_OPTIMIZERS = ("lazyadam", "adagrad")
@@ -22,6 +22,10 @@ and ``adagrad`` (row-wise Adagrad as TorchRec's ``ROWWISE_ADAGRAD``: one accumul
 
 POOLINGS = ("sum", "mean")
 """How the rows of a multi-hot feature's IDs become one vector per record."""
+
+VALUE_DTYPES = ("float32", "float16", "bfloat16")
+"""How a table stores its rows' values (``services.tables.rows``: the arithmetic is float32 whatever
+the table stores; ``bfloat16`` is kept as the top 16 bits of the float32, in a ``uint16``)."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
@@ -87,6 +91,10 @@ class TableSpec:
     """Remove a row not written for this long (0: never)."""
     max_rows: int = 0
     """Most rows the table keeps; beyond it the least recently written are evicted (0: no cap)."""
+    value_dtype: str = "float32"
+    """How the rows' values are stored, one of :data:`VALUE_DTYPES` (the optimizer state's type
+    follows: :attr:`state_dtype`). Servers and trainers compute in float32, decoding on read and
+    rounding to nearest even on write."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -116,16 +124,34 @@ class TableSpec:
                              f"got {self.expire_after_s!r}")
         if not isinstance(self.max_rows, int) or isinstance(self.max_rows, bool) or self.max_rows < 0:
             raise ValueError(f"table {self.name}: max_rows must be an int >= 0, got {self.max_rows!r}")
+        if self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"table {self.name}: value_dtype must be one of {', '.join(VALUE_DTYPES)}, "
+                             f"got {self.value_dtype!r}")
 
     @property
     def slots(self) -> int:
-        """float32 values of optimizer state per row."""
+        """Values of optimizer state per row (each of :attr:`state_dtype`)."""
         return self.optimizer.slots(self.dim)
 
+    @property
+    def state_dtype(self) -> str:
+        """How the optimizer state is stored: ``float32`` in a ``float32`` table and for ``adagrad``'s
+        one accumulator (a sum of squared gradients that bfloat16 would stop growing after a few hundred
+        steps, and 2 bytes a row at most); ``bfloat16`` for lazy Adam's m and v in a ``float16`` or
+        ``bfloat16`` table: 2 bytes a value, as the values, and float32's exponent range, which v
+        (about g**2: 1e-8 for gradients of 1e-4) needs and float16 lacks (below 6e-8 it is zero).
+        See docs/embeddings.md, *Where a row lives*."""
+        if self.value_dtype == "float32" or self.optimizer.name == "adagrad":
+            return "float32"
+        return "bfloat16"
+
     def to_dict(self) -> dict:
-        """JSON-ready form (what the model's meta stores)."""
+        """JSON-ready form (what the model's meta stores; ``value_dtype`` only when not ``float32``, so a
+        float32 table's meta is as it was before tables had the field)."""
         d = asdict(self)
         d["features"] = list(self.features)
+        if self.value_dtype == "float32":
+            del d["value_dtype"]
         return d
 
     @classmethod

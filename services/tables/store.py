@@ -1,10 +1,12 @@
 """Reading rows from Redis by ID: a trainer's pull and a server's load (one round trip per group).
 
-A trainer's pull (:func:`pull_rows`) runs ``lua/rows_read.lua`` in each
-group's slot, which returns, as of one version of the group, a byte per ID
-asked (a row or none) and each row's version and values (never its optimizer
-state) concatenated: bulk bytes that numpy views without a Python object per
-row. An ID without a row reads as its initial value (``rows.initial_rows``).
+A trainer's pull (:func:`pull_rows`) is one MULTI/EXEC in each group's slot:
+the group's version and one native ``HMGET`` per table of whole records, so
+every row is as of that version (a transaction runs atomically) and Redis does
+no per-row work but the lookup (a script's per-row Lua cost Redis about three
+times as much CPU). hiredis parses the replies; numpy takes each row's version
+and values from the records joined (their optimizer state travels too, and is
+dropped). An ID without a row reads as its initial value (``rows.initial_rows``).
 A server (:func:`load_rows`) reads whole records of its own group's rows, and
 the sighting records of IDs not admitted yet, with plain HMGETs.
 """
@@ -22,8 +24,8 @@ from common.keys import JobKeys
 
 from ..errors import LayoutError
 from ..resp import PackedArgs, id_args
-from ..scripts import DEFAULT_FEED_ENTRIES, RowsReadCall, RowsSweepCall, execute_with_script
-from .rows import SEEN_DTYPE, group_of_ids, id_bytes, initial_rows, pull_dtype, row_dtype
+from ..scripts import DEFAULT_FEED_ENTRIES, RowsSweepCall, execute_with_script
+from .rows import SEEN_DTYPE, decode_values, group_of_ids, initial_rows, row_dtype
 from .spec import TableSpec
 
 __all__ = ["PulledRows", "RowPull", "LoadedRows", "pull_rows", "load_rows", "SweepStep", "sweep_rows"]
@@ -52,7 +54,7 @@ class RowPull:
     group_versions: dict[int, int]
     """Version of each group read (every row of group g is as group version g left it)."""
     wire_bytes: int
-    """Bytes of rows and masks the pull read from Redis."""
+    """Bytes of the records the pull read from Redis (whole records: version, values, optimizer state)."""
 
 
 @dataclass(frozen=True)
@@ -71,22 +73,17 @@ class LoadedRows:
     """``SEEN_DTYPE`` records of those IDs (in order: ``ids[seen]``)."""
 
 
-def _read(client: redis.Redis, job: str, group: int, width: int, asks: Sequence[tuple[TableSpec, np.ndarray]]
-          ) -> tuple[int, list[tuple[bytes, bytes]], int]:
-    """One ``rows_read.lua`` call in ``group``'s slot: (group version, per ask (mask, rows), bytes read).
-    ``asks``: (table, IDs); ``width``: the bytes of each record returned."""
-    call = RowsReadCall(JobKeys(job).group(group), width, [(spec.name, id_bytes(ids)) for spec, ids in asks])
-    res = execute_with_script(client, call.SCRIPT, call.queue)[-1]
-    parts = [(res[1 + 2 * j], res[2 + 2 * j]) for j in range(len(asks))]
-    nbytes = sum(len(m) + len(r) for m, r in parts)
-    return int(res[0]), parts, nbytes
-
-
-def _check(mask: bytes, n: int, what: str) -> np.ndarray:
-    m = np.frombuffer(mask, dtype=np.uint8)
-    if m.size != n:
-        raise LayoutError(f"{what}: {m.size} mask bytes for {n} IDs")
-    return m
+def _read(client: redis.Redis, job: str, group: int, asks: Sequence[tuple[TableSpec, np.ndarray]]
+          ) -> tuple[int, list[list[bytes | None]]]:
+    """One MULTI/EXEC in ``group``'s slot: its version, then per ask (table, IDs) the HMGET reply of the
+    table's rows hash (a whole record or None per ID)."""
+    gk = JobKeys(job).group(group)
+    pipe = client.pipeline(transaction=True)
+    pipe.get(gk.version)
+    for spec, ids in asks:
+        pipe.execute_command("HMGET", gk.table_rows(spec.name), *_spread(id_args(client, ids)))
+    res = pipe.execute()
+    return int(res[0] or 0), res[1:]
 
 
 def pull_rows(client: redis.Redis, job: str, tables: Mapping[str, TableSpec], groups: int,
@@ -108,12 +105,8 @@ def pull_rows(client: redis.Redis, job: str, tables: Mapping[str, TableSpec], gr
            for name, ids in wanted.items()}
     versions: dict[int, int] = {}
     wire = 0
-    kinds: dict[int, list[str]] = {}  # one call per group and record width (tables of one dim share it)
-    for name in wanted:
-        kinds.setdefault(pull_dtype(tables[name]).itemsize, []).append(name)
     for g in range(groups):
-        for width, names in kinds.items():
-            wire += _pull_group(client, job, g, width, names, tables, wanted, owners, out, versions)
+        wire += _pull_group(client, job, g, tables, wanted, owners, out, versions)
     for name, got in out.items():  # IDs without a row: their initial values, one pass per table
         absent = np.flatnonzero(~got.present)
         if absent.size:
@@ -121,28 +114,29 @@ def pull_rows(client: redis.Redis, job: str, tables: Mapping[str, TableSpec], gr
     return RowPull(out, versions, wire)
 
 
-def _pull_group(client: redis.Redis, job: str, g: int, width: int, names: Sequence[str],
-                tables: Mapping[str, TableSpec], wanted: Mapping[str, np.ndarray], owners: Mapping[str, np.ndarray],
-                out: dict[str, PulledRows], versions: dict[int, int]) -> int:
-    """Group ``g``'s rows of tables ``names`` (records ``width`` bytes) into ``out`` and its version into
-    ``versions``; returns the bytes read."""
+def _pull_group(client: redis.Redis, job: str, g: int, tables: Mapping[str, TableSpec],
+                wanted: Mapping[str, np.ndarray], owners: Mapping[str, np.ndarray], out: dict[str, PulledRows],
+                versions: dict[int, int]) -> int:
+    """Group ``g``'s rows of ``wanted`` into ``out`` and its version into ``versions``; returns the bytes
+    read."""
     asks, picks = [], []
-    for name in names:
+    for name in wanted:
         pick = np.flatnonzero(owners[name] == g)
         if pick.size:
             asks.append((tables[name], wanted[name][pick]))
             picks.append((name, pick))
     if not asks:
         return 0
-    versions[g], parts, nbytes = _read(client, job, g, width, asks)
-    for (spec, ids), (name, pick), (mask, rows) in zip(asks, picks, parts, strict=True):
-        found = _check(mask, len(ids), f"rows of table {name}") == 1
-        records = np.frombuffer(rows, dtype=pull_dtype(spec))
-        if records.size != int(found.sum()):
-            raise LayoutError(f"job {job}: table {name}: {records.size} rows for {int(found.sum())} found")
+    versions[g], replies = _read(client, job, g, asks)
+    nbytes = 0
+    for (spec, ids), (name, pick), got in zip(asks, picks, replies, strict=True):
+        if len(got) != len(ids):
+            raise LayoutError(f"job {job}: table {name}: {len(got)} replies for {len(ids)} IDs")
+        found, records = _records(got, row_dtype(spec), f"job {job}: table {name}")
+        nbytes += records.nbytes
         dest = out[name]
         at = pick[found]
-        dest.values[at] = records["values"]
+        dest.values[at] = decode_values(spec, records["values"])
         dest.versions[at] = records["version"]
         dest.present[at] = True
     return nbytes
