@@ -1,11 +1,16 @@
-"""The trainer's row cache: bounded, least recently used out, and never staler than its table allows."""
+"""The trainer's row cache: bounded, least recently used out, and never staler than its table allows; what
+rows are fetched ahead, and how they merge into it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from datastream import Batch
+from datastream.jagged import Jagged
 from services.tables import TableSpec
+from trainers.rowahead import ahead_depth, wanted_ahead
 from trainers.rowcache import RowCache, TableBound
 
 TABLES = {"t": TableSpec("t", 2)}
@@ -68,3 +73,38 @@ def test_a_cache_of_no_rows_serves_nothing_and_clear_forgets() -> None:
         RowCache(TABLES, -1)
     with pytest.raises(ValueError, match="bsp, ssp or asp"):
         TableBound("eventual", 1)
+
+
+def test_an_older_read_never_replaces_a_newer_one() -> None:
+    cache = RowCache(TABLES, 10)
+    asp = TableBound("asp", 1)
+    ids, values = _rows([1, 2])
+    cache.insert("t", ids, values, clock=5, covers=4, as_of=np.array([7, 7]))
+    # a read as of group version 6 (older) for ID 1, as of 9 (newer) for ID 2, both made at clock 3
+    cache.insert("t", ids, values * 10, clock=3, covers=2, as_of=np.array([6, 9]))
+    hit, got = cache.lookup("t", ids, clock=6, bound=asp, required=None)
+    assert hit.tolist() == [True, True] and got[:, 0].tolist() == [1, 20]
+    # the newer read keeps the later clocks of the read it replaced: still fresh at clock 6 under S = 1
+    assert cache.holds("t", ids, at=np.array([6, 6]), bound=asp).tolist() == [True, True]
+    assert cache.holds("t", ids, at=np.array([7, 7]), bound=asp).tolist() == [False, False]
+    assert cache.holds("t", ids, at=np.array([7, 8]), bound=SSP2).tolist() == [True, False]  # both cover 4
+    assert cache.stats().hits == 2  # holds counts nothing
+
+
+def test_rows_wanted_ahead_are_deduplicated_across_batches_and_against_the_cache() -> None:
+    tables = {"t": TableSpec("t", 2, features=("a", "b")), "u": TableSpec("u", 2)}
+
+    def batch(a: list[int], b: list[int]) -> Batch:
+        ids = {"a": Jagged(np.array(a, dtype=np.int64), np.arange(len(a) + 1, dtype=np.int64)),
+               "b": Jagged(np.array(b, dtype=np.int64), np.arange(len(b) + 1, dtype=np.int64))}
+        return Batch(torch.zeros(len(a), 1), torch.zeros(len(a)), {}, [], 0, 0, ids)
+
+    cache = RowCache(tables, 10)
+    asp = TableBound("asp", 2)
+    cache.insert("t", *_rows([5, 6]), clock=9, covers=0)  # at clock 10 both serve until clock 11
+    batches = [batch([3, 5, 3], [4, 4, 9]), batch([6, 3, 1], [9, 9, 9])]
+    wanted = wanted_ahead(tables, batches, cache, clock=10, bound=asp)
+    # 5 is used at clock 11 only: the cache serves it; 6 is used last at clock 12: fetched anew
+    assert list(wanted) == ["t"] and wanted["t"].tolist() == [1, 3, 4, 6, 9]
+    assert ahead_depth(asp, 4) == 2 and ahead_depth(TableBound("bsp", 0), 4) == 0
+    assert ahead_depth(TableBound("ssp", 3), 2) == 2 and ahead_depth(TableBound("asp", 0), 2) == 0

@@ -68,6 +68,8 @@ class _TableCache:
         self.values = np.full((capacity, dim), 0.0, dtype=np.float32)
         self.covers = np.full(capacity, 0, dtype=np.int64)
         self.clock = np.full(capacity, 0, dtype=np.int64)
+        self.as_of = np.full(capacity, -1, dtype=np.int64)
+        """The group version each row was read as of (-1: not known)."""
         self.used = np.full(capacity, -1, dtype=np.int64)
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self.nfree = capacity
@@ -124,6 +126,23 @@ class RowCache:
         self.capacity = capacity
         self._tables = {name: _TableCache(spec.dim, capacity) for name, spec in tables.items()} if capacity else {}
         self._hits = self._misses = 0
+        self.epoch = 0
+        """Bumped by every :meth:`clear`: rows fetched ahead under an earlier epoch are dropped, not merged."""
+
+    def holds(self, table: str, ids: np.ndarray, *, at: np.ndarray, bound: TableBound) -> np.ndarray:
+        """Which of ``ids`` the cache could serve at the clocks ``at`` (one per ID) under ``bound``, as
+        :meth:`lookup` would; counts nothing and changes nothing (what rows to fetch ahead)."""
+        t = self._tables.get(table)
+        if t is None:
+            return np.zeros(ids.size, dtype=bool)
+        slots = t.find(ids)
+        hit = slots >= 0
+        s, when = slots[hit], at[hit]
+        if bound.mode == "asp":
+            hit[hit] = t.clock[s] >= when - bound.staleness
+        else:
+            hit[hit] = t.covers[s] >= when - (0 if bound.mode == "bsp" else bound.staleness) - 1
+        return hit
 
     def lookup(self, table: str, ids: np.ndarray, *, clock: int, bound: TableBound,
                required: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -152,16 +171,39 @@ class RowCache:
         self._misses += ids.size - int(s.size)
         return hit, t.values[s]
 
-    def insert(self, table: str, ids: np.ndarray, values: np.ndarray, *, clock: int, covers: int) -> None:
-        """Keep the rows of ``ids`` (unique), pulled at ``clock`` after a wait that observed ``covers``."""
+    def insert(self, table: str, ids: np.ndarray, values: np.ndarray, *, clock: int, covers: int,
+               as_of: np.ndarray | None = None, used: int | None = None) -> None:
+        """Keep the rows of ``ids`` (unique), pulled at ``clock`` after a wait that observed ``covers``.
+
+        ``as_of``: the group version each row was read as of (``RowPull.group_versions`` of its group).
+        With it, an older read never replaces a newer one: a row held as of a later version stays, and a
+        row replaced by a read at least as new keeps the larger of the two reads' clocks and covers (the
+        newer read holds all the older one did). ``used``: the step the rows count as used at (rows
+        fetched ahead are merged at a later step than they were read at; default ``clock``).
+        """
         t = self._tables.get(table)
         if t is None or ids.size == 0:
             return
+        used = clock if used is None else used
         slots = t.find(ids)
-        new = slots < 0
+        held = slots >= 0
+        clocks = np.full(ids.size, clock, dtype=np.int64)
+        covered = np.full(ids.size, covers, dtype=np.int64)
+        if as_of is not None and held.any():
+            h = slots[held]
+            older = t.as_of[h] > as_of[held]
+            if older.any():  # keep the newer read held: drop these from the insert
+                keep = np.ones(ids.size, dtype=bool)
+                keep[np.flatnonzero(held)[older]] = False
+                ids, values, as_of, slots = ids[keep], values[keep], as_of[keep], slots[keep]
+                clocks, covered, held = clocks[keep], covered[keep], held[keep]
+                h = slots[held]
+            clocks[held] = np.maximum(clocks[held], t.clock[h])
+            covered[held] = np.maximum(covered[held], t.covers[h])
+        new = ~held
         need = int(new.sum())
         if need > t.nfree:
-            t.evict(need, clock)
+            t.evict(need, used)
         take = min(need, t.nfree)
         if take < need:  # more new rows in one step than the cache holds: keep the first ones
             keep = np.flatnonzero(new)[take:]
@@ -174,14 +216,16 @@ class RowCache:
         s = slots[ok]
         t.ids[s] = ids[ok]
         t.values[s] = values[ok]
-        t.covers[s] = covers
-        t.clock[s] = clock
-        t.used[s] = clock
+        t.covers[s] = covered[ok]
+        t.clock[s] = clocks[ok]
+        t.as_of[s] = -1 if as_of is None else as_of[ok]
+        t.used[s] = np.maximum(t.used[s], used)
 
     def clear(self) -> None:
         """Forget every row (after an outage, or a resync: nothing cached is trusted)."""
         for t in self._tables.values():
             t.clear()
+        self.epoch += 1
 
     def stats(self) -> CacheStats:
         """Hits and misses so far, and the rows held."""

@@ -55,6 +55,7 @@ from .metrics import TrainerMetrics, TrainerReport
 from .models import build_model
 from .progress import PHASE_REPORT_STEPS, Progress
 from .progressive import ClosedWindow, ProgressiveWindow, WindowScore, score_window
+from .rowahead import RowsAhead
 from .rowcache import RowCache, TableBound
 from .settings import TrainerSettings
 from .state import Adopt, Instruction, Move, Outcome, Resync, TrainerState
@@ -182,6 +183,9 @@ class Trainer:
         """The model's embedding tables (their rows live in the parameter plane only)."""
         self.row_cache = RowCache(self.tables, settings.row_cache_rows)
         """The rows this trainer keeps between steps (at most ``row_cache_rows`` per table)."""
+        self._decoded: collections.deque[Batch] = collections.deque()
+        """Batches taken from the consumer ahead of their step (with ``--row-prefetch``: their rows are
+        fetched while the step before them computes), in order; stepped on before any other."""
         self.steps: Steps | None = None
         """How this trainer steps, chosen on joining the first time (:mod:`trainers.steps`): a push per
         step, or windows of local steps; it holds the tables' rows and progressive validation."""
@@ -284,8 +288,10 @@ class Trainer:
             self.store.init_model, self.replica.initial_tensors(),
             optimizer=server_optimizer(config), tables=self.replica.spec.tables)
         if self.steps is None:  # chosen once: a window's inner optimizer state lives on through a new member id
+            ahead = (RowsAhead(self.redis, self.settings.job, self.tables, meta.groups, self.row_cache,
+                               self.settings.row_prefetch) if self.settings.row_prefetch else None)
             rows = (TableRows(self.tables, RowFetcher(self.redis, self.settings.job, self.tables, meta.groups,
-                                                      self.row_cache)) if self.tables else None)
+                                                      self.row_cache), ahead) if self.tables else None)
             self.steps = choose_steps(config, self.redis, self.settings, self.store, self.replica, rows=rows,
                                       progressive=self.progressive)
         options = {"density": self.settings.topk_density} if "topk" in config.codec else {}
@@ -403,6 +409,7 @@ class Trainer:
         wanted = self.state.wanted
         assert self.consumer is not None and wanted is not None
         positions = await asyncio.to_thread(committed_offsets, self.redis, self.settings.job, wanted.partitions)
+        self._decoded.clear()  # taken under the previous assignment, as the consumer drops its own
         await asyncio.to_thread(self.consumer.assign, positions)
         self.state.assigned(wanted)
         logger.info("member %s generation %d: consuming %s", wanted.member_id, wanted.generation,
@@ -490,7 +497,7 @@ class Trainer:
             await asyncio.sleep(IDLE_S)
             return
         assert self.consumer is not None
-        batch = await next_batch(self.consumer)
+        batch = self._decoded.popleft() if self._decoded else await next_batch(self.consumer)
         window = self.local
         if batch is None and window is not None and window.open:
             await self._push_window()  # the stream ran dry: push the steps in hand
@@ -504,6 +511,8 @@ class Trainer:
         """Up to ``most`` batches the consumer has decoded already (none waited for)."""
         assert self.consumer is not None
         ready: list[Batch] = []
+        while len(ready) < most and self._decoded:
+            ready.append(self._decoded.popleft())
         while len(ready) < most and (batch := self.consumer.poll(0)) is not None:
             ready.append(batch)
         return ready
@@ -526,7 +535,8 @@ class Trainer:
                            known=state.last_wait, covers=state.covers,
                            base=self.snapshot if state.covers is not None else None,
                            dense=Consistency(config.consistency, config.staleness),
-                           bound=TableBound(*config.table_bound()) if self.tables else None)
+                           bound=TableBound(*config.table_bound()) if self.tables else None,
+                           upcoming=() if tick else self._upcoming())
         if tick:
             computed = [await asyncio.to_thread(steps.tick, batches[0], given)]
         else:
@@ -534,6 +544,15 @@ class Trainer:
         each = (time.monotonic() - t0) / len(batches)
         for batch, done in zip(batches, computed, strict=True):
             await self._stepped(batch, done, generation, each, tick=tick)
+
+    def _upcoming(self) -> tuple[Batch, ...]:
+        """The batches decoded after the one in hand, up to ``--row-prefetch`` of them, taken from the
+        consumer without waiting (a model with tables only: their rows are fetched ahead)."""
+        most = min(self.settings.row_prefetch, self.settings.prefetch) if self.tables else 0
+        assert self.consumer is not None
+        while len(self._decoded) < most and (batch := self.consumer.poll(0)) is not None:
+            self._decoded.append(batch)
+        return tuple(self._decoded)
 
     async def _stepped(self, batch: Batch, done: Computed, generation: int, elapsed: float, *, tick: bool) -> None:
         """What follows the computation of one step on the event loop: the state learns of its wait

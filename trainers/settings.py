@@ -57,6 +57,10 @@ class TrainerSettings:
     row_cache_rows: int = setting(32768, env="STREAMTRAIN_ROW_CACHE_ROWS", min=0, max=1 << 28,
                                   help="rows of each embedding table kept between steps (least recently used "
                                        "out; 0: pull every row every step); bounds the trainer's memory")
+    row_prefetch: int = setting(2, env="STREAMTRAIN_ROW_PREFETCH", min=0, max=64,
+                                help="fetch the embedding rows of the next N decoded batches while this step "
+                                     "computes, into the row cache (used only as the tables' bound allows: "
+                                     "at most S batches ahead, none under BSP; at most --prefetch; 0: off)")
     row_dtype: str = setting("float16", env="STREAMTRAIN_ROW_DTYPE", choices=("float16", "float32"),
                              help="how gradient rows of embedding tables travel")
     seed: int = setting(0, env="STREAMTRAIN_SEED", help="seed of the initial weights")

@@ -35,6 +35,7 @@ from services.tables import TableSpec
 from .local import LocalSteps, inner_optimizer
 from .prefetch import PullAhead, overlaps
 from .progressive import ClosedWindow, ProgressiveWindow
+from .rowahead import RowsAhead
 from .rowcache import TableBound
 from .settings import TrainerSettings
 from .state import low_covered, needs_pull
@@ -67,6 +68,9 @@ class StepInputs:
     """The dense part's consistency model."""
     bound: TableBound | None
     """The embedding tables' bound (None: the model has none)."""
+    upcoming: tuple[Batch, ...] = ()
+    """Batches decoded after this hand-off's, in the order they will be stepped on: their rows may be
+    fetched ahead (``--row-prefetch``, :mod:`trainers.rowahead`)."""
 
 
 @dataclass(frozen=True)
@@ -92,21 +96,38 @@ class Computed:
 
 class TableRows:
     """The embedding-table part of a step: the batch's lookups, and their rows from the row cache or
-    pulled (:mod:`trainers.tables`)."""
+    pulled (:mod:`trainers.tables`); with ``ahead``, the rows of the next batches fetched while the
+    step computes (:mod:`trainers.rowahead`)."""
 
-    def __init__(self, tables: Mapping[str, TableSpec], fetcher: RowFetcher) -> None:
+    def __init__(self, tables: Mapping[str, TableSpec], fetcher: RowFetcher, ahead: RowsAhead | None = None) -> None:
         self.tables = dict(tables)
         self.fetcher = fetcher
+        self.ahead = ahead
+        """Fetches the rows of the next batches (None: ``--row-prefetch 0``)."""
 
-    def fetch(self, batch: Batch, clock: int, bound: TableBound, wait: ClockWait | None
+    def fetch(self, batch: Batch, clock: int, bound: TableBound, wait: ClockWait | None, *,
+              upcoming: Sequence[Batch] = (), member_id: str = ""
               ) -> tuple[dict[str, TableLookup], dict[str, np.ndarray]]:
-        """The lookups of ``batch`` at ``clock`` and their rows: cached ones while ``bound`` allows, the
-        others pulled and cached as covering what ``wait`` observed."""
-        lookups = plan_lookups(self.tables, batch.ids, len(batch), groups=self.fetcher.groups)
+        """The lookups of ``batch`` at ``clock`` and their rows: cached ones while ``bound`` allows (rows
+        fetched ahead merged into the cache first), the others pulled and cached as covering what
+        ``wait`` observed; then the fetch of ``upcoming``'s rows begins (read as ``member_id``)."""
         covered = wait.min_applied if wait is not None and wait.min_applied is not None else -1
+        if self.ahead is not None and (ahead := self.ahead.take()) is not None:
+            self.ahead.merge(ahead, clock)
+            self.fetcher.pulled_bytes += ahead.wire_bytes
+        lookups = plan_lookups(self.tables, batch.ids, len(batch), groups=self.fetcher.groups)
         fetched = self.fetcher.fetch(lookups, clock=clock, bound=bound, required=table_required(bound, clock),
                                      covers=covered)
+        if self.ahead is not None and upcoming:
+            self.ahead.start(upcoming, clock=clock, bound=bound, covers=covered, member_id=member_id)
         return lookups, fetched.rows
+
+    def close(self) -> None:
+        """Stop fetching ahead."""
+        if self.ahead is not None:
+            self.ahead.close()
+            logger.info("rows fetched ahead: %d rows in %d of %d fetches merged", self.ahead.rows,
+                        self.ahead.merged, self.ahead.started)
 
 
 class Steps(abc.ABC):
@@ -166,7 +187,8 @@ class Steps(abc.ABC):
         lookups: dict[str, TableLookup] | None = None
         rows: dict[str, np.ndarray] | None = None
         if self.rows is not None and given.bound is not None:
-            lookups, rows = self.rows.fetch(batch, given.clock, given.bound, wait)
+            lookups, rows = self.rows.fetch(batch, given.clock, given.bound, wait, upcoming=given.upcoming,
+                                            member_id=given.member_id)
         t3 = time.monotonic()
         result = self.replica.step(batch.x, batch.y, lookups, rows, inner=window.inner if window is not None else None)
         seconds = {**phases, "compute": time.monotonic() - t3}
@@ -225,6 +247,8 @@ class PlainSteps(Steps):
         if self.ahead is not None:
             self.ahead.close()
             logger.info("%d of %d pulls ahead were taken by the next step", self.ahead.taken, self.ahead.started)
+        if self.rows is not None:
+            self.rows.close()
 
 
 class WindowSteps(Steps):

@@ -135,16 +135,18 @@ class RowFetcher:
                 wanted[name] = lk.ids[miss]
         wire = 0
         if wanted:
-            owners = {name: owned[miss] for name, miss in misses.items()
-                      if (owned := lookups[name].owners) is not None}
-            pulled = pull_rows(self.client, self.job, self.tables, self.groups, wanted,
-                               owners=owners if len(owners) == len(wanted) else None)
+            owners = {name: owned[miss] if (owned := lookups[name].owners) is not None
+                      else group_of_ids(wanted[name], self.groups) for name, miss in misses.items()}
+            pulled = pull_rows(self.client, self.job, self.tables, self.groups, wanted, owners=owners)
             wire = pulled.wire_bytes
             self.pulled_bytes += wire
+            versions = np.zeros(self.groups, dtype=np.int64)  # each row's read: as of its group's version
+            for g, v in pulled.group_versions.items():
+                versions[g] = v
             for name, miss in misses.items():
                 got = pulled.tables[name]
                 rows[name][miss] = got.values
-                self.cache.insert(name, got.ids, got.values, clock=clock, covers=covers)
+                self.cache.insert(name, got.ids, got.values, clock=clock, covers=covers, as_of=versions[owners[name]])
         return Fetched(rows, hits, sum(m.size for m in misses.values()), wire)
 
     def pull(self, wanted: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
