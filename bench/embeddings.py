@@ -27,22 +27,41 @@ Adam (the rows' ``SparseAdam``), the dense part by Adam.
 4. Quality: held-out AUC and log loss, on the test-split records of the last 10 % of
    the stream, of the pipeline's parameters (dense snapshot and rows read from Redis)
    and of the local loop's.
+5. CPU: each process's CPU (user + system, all its threads and children, from
+   ``/proc/<pid>/stat``: ``bench.harness.CpuSampler``) over the window samples/s
+   counts, per 1,000 records applied: every trainer, the parameter server, the
+   coordinator, Redis and the Kafka broker, and their sum; against the local loop's
+   process CPU over its timed loop (``ratio pipeline CPU / local loop CPU``). And
+   Redis's CPU per applied update, and where it went: Redis's own account of its
+   commands (``INFO commandstats``, from the trainers' start to the last record
+   consumed), the costliest per applied update.
+6. Configurations: the runs above are of the default one (``--value-dtype``: the
+   rows' values in Redis, the model's ``value_dtype`` option; ``--row-prefetch D``:
+   the trainers' setting, batches whose rows they fetch ahead), and the ratios are
+   its. ``--dtype-sweep float32,float16`` and ``--prefetch-sweep 0,1,2,4`` also run
+   one trainer on every other configuration of the two lists (their product), against
+   the same local loop, and print per configuration samples/s, held-out AUC and its
+   gap, Redis bytes per row and CPU per 1,000 records (a configuration that fails is
+   reported and skipped); without them the run is the default's alone, as fast as
+   before.
 
 Writes ``bench/results/embeddings.json``; prints the ratios last.
 
     .venv/bin/python bench/embeddings.py [--records 200000] [--vocab 10000000]
+        [--value-dtype float32] [--row-prefetch D] [--dtype-sweep D,D] [--prefetch-sweep N,N]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import shutil
 import sys
 import threading
 import time
 import urllib.request
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -77,14 +96,32 @@ GROUPS = 1
 TABLE_S = 4
 
 DENSE_LR = 0.001
+DTYPES = ("float32", "float16", "bfloat16")
+"""The rows' value dtypes the bench compares (the model's ``value_dtype`` option)."""
 
 
 def source_spec(vocab: int, limit: int) -> str:
     return f"clicks?features=26&dense=13&vocab={vocab}&zipf=1.1&seed=7&limit={limit}"
 
 
-def model_spec() -> str:
-    return f"dlrm?features=26&dense=13&dim={DIM}&row_lr={ROW_LR}"
+def model_spec(value_dtype: str = "float32") -> str:
+    """The ranking model; ``value_dtype`` other than float32 is its ``value_dtype`` option (rows' values in Redis)."""
+    dtype = "" if value_dtype == "float32" else f"&value_dtype={value_dtype}"
+    return f"dlrm?features=26&dense=13&dim={DIM}&row_lr={ROW_LR}{dtype}"
+
+
+@dataclass(frozen=True)
+class Config:
+    """A configuration of the pipeline's tables the bench compares."""
+
+    value_dtype: str = "float32"
+    """The rows' values in Redis: the model's ``value_dtype`` option."""
+    row_prefetch: int = LOCAL_TRAINER.row_prefetch
+    """The trainers' ``row_prefetch`` (``--row-prefetch``): batches whose rows are fetched ahead."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.value_dtype}, row prefetch {self.row_prefetch}"
 
 
 def held_out(vocab: int, limit: int) -> Examples:
@@ -121,7 +158,7 @@ def local_loop(vocab: int, limit: int, threads: int) -> dict[str, Any]:
     sparse = torch.optim.SparseAdam([b.weight for b in bags.values()], lr=ROW_LR)
     dense = torch.optim.Adam(model.parameters(), lr=DENSE_LR)
     n = len(train)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for start in range(0, n - BATCH + 1, BATCH):
         stop = start + BATCH
         pooled = {}
@@ -135,11 +172,11 @@ def local_loop(vocab: int, limit: int, threads: int) -> dict[str, Any]:
         loss.backward()
         sparse.step()
         dense.step()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     steps = n // BATCH
     auc, logloss = _score_local(model, bags, maps, names, evals, spec)
     return {"samples": steps * BATCH, "samples_per_s": steps * BATCH / seconds, "seconds": seconds, "rows": rows,
-            "auc": auc, "log_loss": logloss}
+            "auc": auc, "log_loss": logloss, "cpu_s": cpu, "cpu_ms_per_1k": cpu * 1e6 / (steps * BATCH)}
 
 
 @torch.no_grad()
@@ -155,12 +192,13 @@ def _score_local(model: torch.nn.Module, bags: dict, maps: dict, names: list[str
 
 # -- the pipeline ---------------------------------------------------------------------------------
 
-def job(name: str, threads: int, metrics_port: int) -> ClusterSpec:
+def job(name: str, threads: int, metrics_port: int, config: Config) -> ClusterSpec:
+    trainer = replace(LOCAL_TRAINER, model=model_spec(config.value_dtype), batch_size=BATCH, threads=threads,
+                      eval_source="", prefetch=8, metrics_port=metrics_port, row_prefetch=config.row_prefetch)
     return ClusterSpec(job=name, topic=name, trainers=0, producer=None,
                        coordinator=CoordinatorSettings(partitions=4, ps_groups=GROUPS, optimizer="adam", lr=DENSE_LR,
                                                        codec="none", table_consistency="asp", table_staleness=TABLE_S),
-                       trainer=replace(LOCAL_TRAINER, model=model_spec(), batch_size=BATCH, threads=threads,
-                                       eval_source="", prefetch=8, metrics_port=metrics_port))
+                       trainer=trainer)
 
 
 def _metrics(port: int) -> dict[str, float]:
@@ -212,10 +250,12 @@ def _rows(cluster: LocalCluster, *, usage: bool = True) -> tuple[int, int]:
     return sum(got[0::2]), sum(v or 0 for v in got[1::2])
 
 
-def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path) -> dict[str, Any]:
-    """Samples/s the servers applied with ``trainers`` trainers on pre-produced records, and what it moved."""
+def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path,
+             config: Config = Config()) -> dict[str, Any]:
+    """Samples/s the servers applied with ``trainers`` trainers on pre-produced records, what it moved, and
+    the CPU each process spent over the same window (from the first to the last applied update)."""
     port = free_port() if trainers == 1 else 0  # trainers of one cluster share their settings: one port
-    spec = job("emb", threads, port)
+    spec = job("emb", threads, port, config)
     with LocalCluster(spec, workdir=workdir) as cluster:
         report = produce(cluster.bootstrap, spec.topic, source_spec(vocab, limit), partitions=spec.partitions,
                          shard_size=BATCH, split="train")
@@ -224,11 +264,14 @@ def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path)
         memory: list[tuple[float, int, float]] = []  # (seconds, rows, the first trainer's RSS MB)
         watch = threading.Thread(target=_watch_memory, args=(cluster, memory), daemon=True)
         watch.start()
-        cluster.wait_consumed(timeout_s=1800)
-        metrics = _metrics(port) if port else {}
-        rss = _rss_mb(cluster.trainers[0].pid or 0)
-        phases = step_phases(cluster)
-        cluster.quiesce()
+        commands = harness.redis_commands(cluster.redis_url)
+        with harness.CpuSampler(harness.cluster_pids(cluster)) as cpu:
+            cluster.wait_consumed(timeout_s=1800)
+            commands = harness.command_usage(commands, harness.redis_commands(cluster.redis_url))
+            metrics = _metrics(port) if port else {}
+            rss = _rss_mb(cluster.trainers[0].pid or 0)
+            phases = step_phases(cluster)
+            cluster.quiesce()
         client = redis_lib.Redis.from_url(cluster.redis_url)
         try:
             raw = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(JobKeys(spec.job).applied_samples))
@@ -237,28 +280,34 @@ def pipeline(vocab: int, limit: int, trainers: int, threads: int, workdir: Path)
             client.close()
         entries = [e for e in entries if e.batch_size > 0]
         rows, redis_bytes = _rows(cluster)
-        score = _score_pipeline(cluster, held_out(vocab, limit)) if trainers == 1 else None
+        score = _score_pipeline(cluster, held_out(vocab, limit), config) if trainers == 1 else None
     samples = sum(e.batch_size for e in entries)
     span = (entries[-1].applied_ms - entries[0].applied_ms) / 1000
+    cpu_s = cpu.between(entries[0].applied_ms / 1000, entries[-1].applied_ms / 1000)
     lookups = metrics.get("streamtrain_row_cache_hits_total", 0) + metrics.get("streamtrain_row_cache_misses_total", 0)
     out: dict[str, Any] = {
         "trainers": trainers, "samples": samples, "produced": report.records, "samples_per_s": samples / span,
         "span_s": span, "updates": len(entries), "rows": rows, "redis_bytes": redis_bytes,
         "pull_bytes": metrics.get("streamtrain_row_pull_bytes_total", 0.0), "row_lookups": lookups,
         "cache_hit_rate": metrics.get("streamtrain_row_cache_hit_rate"), "trainer_peak_rss_mb": rss,
-        "step_ms": phases, "memory": memory}
+        "step_ms": phases, "memory": memory, "config": config.label, "cpu_s": cpu_s,
+        "cpu_ms_per_1k": {name: s * 1e6 / samples for name, s in cpu_s.items()},
+        "cpu_ms_per_1k_sum": sum(cpu_s.values()) * 1e6 / samples,
+        "redis_cpu_ms_per_update": cpu_s.get("redis", math.nan) * 1000 / len(entries),
+        "redis_commands": {name: {"calls": c, "usec": u, "ms_per_update": u / 1000 / len(entries)}
+                           for name, (c, u) in commands.items()}}
     if score is not None:
         out.update(auc=score[0], log_loss=score[1])
     return out
 
 
 @torch.no_grad()
-def _score_pipeline(cluster: LocalCluster, evals: Examples) -> tuple[float, float]:
+def _score_pipeline(cluster: LocalCluster, evals: Examples, config: Config) -> tuple[float, float]:
     """AUC and log loss of the parameters the job stores (a dense snapshot, and the rows of the held-out
     records' IDs as they are now), scored like the local loop's."""
     from sklearn.metrics import log_loss, roc_auc_score
 
-    spec = build_model(model_spec())
+    spec = build_model(model_spec(config.value_dtype))
     tables = {t.name: t for t in spec.tables}
     client = connect(cluster.redis_url)
     try:
@@ -275,6 +324,57 @@ def _score_pipeline(cluster: LocalCluster, evals: Examples) -> tuple[float, floa
     return float(roc_auc_score(evals.y, logits)), float(log_loss(evals.y, p, labels=[0, 1]))
 
 
+def sweep_configs(default: Config, dtypes: list[str], depths: list[int]) -> list[Config]:
+    """Every listed value dtype with every listed prefetch depth (the default's where a list is empty);
+    none when both are empty (no sweep)."""
+    if not dtypes and not depths:
+        return []
+    pairs = itertools.product(dtypes or [default.value_dtype], depths or [default.row_prefetch])
+    return [Config(d, p) for d, p in pairs]
+
+
+def _cpu_table(local: dict[str, Any], runs: dict[str, dict[str, Any]]) -> Table:
+    """CPU ms per 1,000 records of every process of each run, their sum, and Redis's per applied update."""
+    order = list(dict.fromkeys(n for r in runs.values() for n in r["cpu_ms_per_1k"]))
+    names = sorted(order, key=lambda n: (not n.startswith("trainer"), order.index(n)))
+    table = Table(title="CPU ms per 1,000 records (pipeline: from the first to the last applied update; "
+                        "local loop: its timed loop)")
+    for col in ("", "local loop", *(f"pipeline {name}" for name in runs)):
+        table.add_column(col)
+    for n in names:
+        table.add_row(n, "", *(f"{r['cpu_ms_per_1k'][n]:.1f}" if n in r["cpu_ms_per_1k"] else ""
+                               for r in runs.values()))
+    table.add_row("sum", f"{local['cpu_ms_per_1k']:.1f}", *(f"{r['cpu_ms_per_1k_sum']:.1f}" for r in runs.values()))
+    table.add_row("Redis ms per applied update", "", *(f"{r['redis_cpu_ms_per_update']:.1f}" for r in runs.values()))
+    return table
+
+
+def _sweep_table(local: dict[str, Any], runs: dict[str, dict[str, Any]]) -> Table:
+    """One row per configuration (one trainer each): throughput, quality, Redis bytes and CPU."""
+    table = Table(title="configurations, 1 trainer each (CPU: ms per 1,000 records; Redis: ms per applied update)")
+    table.add_column("", no_wrap=True)
+    for col in ("samples/s", "/ loop", "AUC", "AUC gap", "Redis B/row", "CPU", "trainer", "Redis"):
+        table.add_column(col)
+    for label, r in runs.items():
+        table.add_row(label, f"{r['samples_per_s']:,.0f}", f"{r['samples_per_s'] / local['samples_per_s']:.3f}",
+                      f"{r['auc']:.4f}", f"{local['auc'] - r['auc']:.4f}", f"{r['redis_bytes'] / r['rows']:.0f}",
+                      f"{r['cpu_ms_per_1k_sum']:.0f}", f"{r['cpu_ms_per_1k'].get('trainer 1', math.nan):.0f}",
+                      f"{r['redis_cpu_ms_per_update']:.1f}")
+    return table
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _dtypes(text: str) -> list[str]:
+    out = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in out if v not in DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"value dtypes are {', '.join(DTYPES)}, not {', '.join(bad)}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=250_000,
@@ -282,8 +382,17 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=10_000_000, help="IDs in all, over the 26 features")
     ap.add_argument("--small", type=int, default=50_000, help="records of the short run (the smaller tables)")
     ap.add_argument("--threads", type=int, default=1, help="threads of the local loop and of each trainer")
+    ap.add_argument("--value-dtype", default="float32", choices=DTYPES,
+                    help="the rows' values in Redis (the model's value_dtype option), default configuration")
+    ap.add_argument("--row-prefetch", type=int, default=LOCAL_TRAINER.row_prefetch,
+                    help="the trainers' --row-prefetch, default configuration")
+    ap.add_argument("--dtype-sweep", type=_dtypes, default=[], metavar="D,D",
+                    help="also run one trainer with each of these value dtypes (x --prefetch-sweep)")
+    ap.add_argument("--prefetch-sweep", type=_ints, default=[], metavar="N,N",
+                    help="also run one trainer with each of these --row-prefetch depths (x --dtype-sweep)")
     ap.add_argument("--workdir", default="/tmp/streamtrain-bench-embeddings")
     args = ap.parse_args()
+    default = Config(args.value_dtype, args.row_prefetch)
     harness.start()
     workdir = Path(args.workdir)
     shutil.rmtree(workdir, ignore_errors=True)
@@ -294,8 +403,20 @@ def main() -> None:
     runs = {}
     for name, trainers, limit in (("small", 1, args.small), ("one", 1, args.records), ("two", 2, args.records)):
         console.print(f"[bold]pipeline[/] {name}: {trainers} trainer(s), {limit:,} records")
-        runs[name] = pipeline(args.vocab, limit, trainers, args.threads, workdir / name)
+        runs[name] = pipeline(args.vocab, limit, trainers, args.threads, workdir / name, default)
         console.print(runs[name])
+    sweep, failed = {}, {}  # the configurations other than the default, one trainer each
+    for i, config in enumerate(sweep_configs(default, args.dtype_sweep, args.prefetch_sweep)):
+        if config != default:
+            console.print(f"[bold]pipeline[/] {config.label}: 1 trainer, {args.records:,} records")
+            try:
+                sweep[config.label] = pipeline(args.vocab, args.records, 1, args.threads, workdir / f"sweep{i}",
+                                               config)
+            except Exception as exc:  # noqa: BLE001 - one configuration failing leaves the others
+                failed[config.label] = f"{type(exc).__name__}: {exc}"
+                console.print(f"[red]{config.label} failed:[/] {failed[config.label][-2000:]}")
+                continue
+            console.print(sweep[config.label])
     one, two, small = runs["one"], runs["two"], runs["small"]
     spec0 = build_model(model_spec()).tables[0]
     raw_bytes = 4 * (spec0.dim + spec0.slots)  # a row's values and optimizer state
@@ -305,6 +426,7 @@ def main() -> None:
         "two_over_one": two["samples_per_s"] / one["samples_per_s"],
         "one_over_local": one["samples_per_s"] / local["samples_per_s"],
         "auc_gap": local["auc"] - one["auc"],
+        "pipeline_cpu_over_local": one["cpu_ms_per_1k_sum"] / local["cpu_ms_per_1k"],
     }
     table = Table(title="embeddings: the pipeline against a plain local loop (one run)")
     for col in ("", "samples/s", "rows", "AUC", "log loss", "peak RSS MB", "cache hits"):
@@ -317,12 +439,21 @@ def main() -> None:
                       f"{r['log_loss']:.4f}" if r.get("log_loss") is not None else "",
                       f"{r['trainer_peak_rss_mb']:.0f}", f"{r['cache_hit_rate']:.2f}" if r["cache_hit_rate"] else "")
     console.print(table)
+    console.print(_cpu_table(local, runs))
+    if sweep:
+        console.print(_sweep_table(local, {f"{default.label} (default)": one, **sweep}))
     console.print(f"one trainer, ms per step: { {k: round(v, 1) for k, v in one['step_ms'].items()} }")
+    for name, run in runs.items():  # where Redis's time went (its own account, from the trainers' start)
+        top = list(run["redis_commands"].items())[:8]
+        console.print(f"Redis, pipeline {name}, ms per applied update by command: " + ", ".join(
+            f"{cmd} {v['ms_per_update']:.1f} ({v['calls'] / run['updates']:.1f} calls)" for cmd, v in top))
     curve = one["memory"]
     if curve:
         console.print("one trainer's resident memory as the tables grow: " + ", ".join(
             f"{rows:,} rows {rss:.0f} MB" for _, rows, rss in curve[::max(1, len(curve) // 8)]))
-    harness.finish("embeddings", {"records": args.records, "vocab": args.vocab, "local": local, "runs": runs,
+    cpu_one = ", ".join(f"{n} {v:.0f}" for n, v in one["cpu_ms_per_1k"].items())
+    harness.finish("embeddings", {"records": args.records, "vocab": args.vocab, "config": default.label,
+                                  "local": local, "runs": runs, "sweep": sweep, "sweep_failed": failed,
                                   "ratios": ratios}, [
         f"trainer peak RSS: {small['trainer_peak_rss_mb']:.0f} MB at {small['rows']:,} rows",
         f"trainer peak RSS: {one['trainer_peak_rss_mb']:.0f} MB at {one['rows']:,} rows",
@@ -330,9 +461,13 @@ def main() -> None:
         f"redis bytes per row / raw row bytes: {ratios['redis_bytes_per_raw_row']:.3f}",
         (f"held-out AUC: pipeline {one['auc']:.4f}, local loop {local['auc']:.4f}; "
          f"log loss: pipeline {one['log_loss']:.4f}, local loop {local['log_loss']:.4f}"),
+        (f"CPU ms per 1,000 records: pipeline (1 trainer) {one['cpu_ms_per_1k_sum']:.0f} ({cpu_one}); "
+         f"local loop {local['cpu_ms_per_1k']:.0f}"),
+        f"Redis CPU per applied update (1 trainer): {one['redis_cpu_ms_per_update']:.1f} ms",
         f"auc gap, local loop - pipeline, embeddings: {ratios['auc_gap']:.4f}",
         f"ratio 2 trainers / 1 trainer, embeddings: {ratios['two_over_one']:.3f}",
         f"ratio 1 trainer / local loop, embeddings: {ratios['one_over_local']:.3f}",
+        f"ratio pipeline CPU / local loop CPU, embeddings: {ratios['pipeline_cpu_over_local']:.3f}",
     ])
     shutil.rmtree(workdir, ignore_errors=True)
     assert math.isfinite(ratios["one_over_local"])

@@ -86,17 +86,9 @@ T = TypeVar("T")
 MODEL = "mlp-2m"
 SOURCE = "synthetic?features=784&classes=10&seed=1"  # the mlp-2m's stream in bench/pipeline.py
 SHARD_RECORDS = 256  # `streamtrain produce --shard-size` default
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 # -- measuring -------------------------------------------------------------------------------------
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
 class Masters:
     """Direct clients to each master of the cluster, to read its INFO before and after a phase."""
 
@@ -304,13 +296,13 @@ def throughput(cluster: RedisCluster, client: redis.Redis, masters: Masters,
                 for k, v in d.items():
                     push_nodes.setdefault(n, {})[k] = push_nodes.get(n, {}).get(k, 0.0) + v
             pushed += args.updates
-            before, cpu0 = masters.sample(), [proc_cpu_s(pid) for pid in pids]
+            before, cpu0 = masters.sample(), [harness.cpu_seconds(pid) for pid in pids]
             t = time.perf_counter()
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
             wait_applied(client, job, procs, timeout_s=600, poll_s=0.005)
             elapsed = time.perf_counter() - t
-            after, cpu1 = masters.sample(), [proc_cpu_s(pid) for pid in pids]
+            after, cpu1 = masters.sample(), [harness.cpu_seconds(pid) for pid in pids]
             for n, d in Masters.delta(before, after).items():
                 for k, v in d.items():
                     apply_nodes.setdefault(n, {})[k] = apply_nodes.get(n, {}).get(k, 0.0) + v
@@ -431,15 +423,15 @@ def kafka_costs(records: int, warmup: int) -> dict:
         produce(broker.bootstrap, "warmup", load_source(SOURCE), partitions=4, shard_size=SHARD_RECORDS,
                 limit=warmup)
         time.sleep(2.0)
-        c0, t0 = proc_cpu_s(pid), time.monotonic()
+        c0, t0 = harness.cpu_seconds(pid), time.monotonic()
         time.sleep(3.0)
-        idle = (proc_cpu_s(pid) - c0) / (time.monotonic() - t0)  # the broker's background CPU per second
+        idle = (harness.cpu_seconds(pid) - c0) / (time.monotonic() - t0)  # the broker's background CPU per second
 
         def window(fn: Callable[[], T]) -> tuple[T, float, float, float]:
-            b, c, t = proc_cpu_s(pid), time.process_time(), time.monotonic()
+            b, c, t = harness.cpu_seconds(pid), time.process_time(), time.monotonic()
             got = fn()
             wall = time.monotonic() - t
-            return got, max(0.0, proc_cpu_s(pid) - b - idle * wall), time.process_time() - c, wall
+            return got, max(0.0, harness.cpu_seconds(pid) - b - idle * wall), time.process_time() - c, wall
 
         report, b_prod, c_prod, w_prod = window(lambda: produce(
             broker.bootstrap, "scale", load_source(SOURCE), partitions=4, shard_size=SHARD_RECORDS, limit=records))

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -160,6 +161,37 @@ def test_the_harness_writes_results_with_the_machine_and_prints_the_ratio_last(
     assert written["bench"] == "example" and written["ratio"] == 0.5
     assert {"cpu", "cores", "torch_threads", "python", "torch", "redis_py"} <= set(written["machine"])
     assert capsys.readouterr().out.splitlines()[-3:] == [f"wrote {path}", "first", "ratio example: 0.50"]
+
+
+def test_the_harness_reads_a_processs_cpu_with_its_childrens(monkeypatch: pytest.MonkeyPatch) -> None:
+    harness = _bench_module("harness", monkeypatch)
+    # a shell that spends nothing itself, waiting on a child that spins: the child's CPU is the shell's
+    shell = subprocess.Popen(["bash", "-c", f"{sys.executable} -c 'while True: pass' & wait"], start_new_session=True)
+    try:
+        sampler = harness.CpuSampler({"shell": shell.pid}, interval_s=0.05).start()
+        deadline = time.monotonic() + 60
+        while harness.cpu_seconds(shell.pid) < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert harness.cpu_seconds(shell.pid) >= 0.2
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+    sampler.stop()  # after its process is gone: its last reading stays
+    with pytest.raises(OSError):
+        harness.cpu_seconds(shell.pid)
+    spent = [s["shell"] for s in sampler.samples]
+    assert spent == sorted(spent) and spent[-1] >= 0.2
+    assert sampler.between(sampler.times[0], sampler.times[-1]) == {"shell": spent[-1] - spent[0]}
+
+
+def test_the_cpu_sampler_reads_a_window_between_its_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    harness = _bench_module("harness", monkeypatch)
+    sampler = harness.CpuSampler({"a": 1, "b": 2})
+    sampler.times, sampler.samples = [10.0, 12.0, 14.0], [{"a": 1.0, "b": 0.0}, {"a": 3.0, "b": 0.0},
+                                                          {"a": 3.0, "b": 4.0}]
+    assert sampler.at(11.0) == {"a": 2.0, "b": 0.0}
+    assert sampler.at(5.0) == sampler.samples[0] and sampler.at(20.0) == sampler.samples[-1]  # outside: the ends
+    assert sampler.between(11.0, 13.0) == {"a": 1.0, "b": 2.0}
 
 
 @contextlib.contextmanager
