@@ -38,12 +38,12 @@ Adam (the rows' ``SparseAdam``), the dense part by Adam.
 6. Configurations: the runs above are of the default one (``--value-dtype``: the
    rows' values in Redis, the model's ``value_dtype`` option; ``--row-prefetch D``:
    the trainers' setting, batches whose rows they fetch ahead), and the ratios are
-   its. ``--dtype-sweep float32,float16`` and ``--prefetch-sweep 0,1,2,4`` also run
-   one trainer on every other configuration of the two lists (their product), against
-   the same local loop, and print per configuration samples/s, held-out AUC and its
-   gap, Redis bytes per row and CPU per 1,000 records (a configuration that fails is
-   reported and skipped); without them the run is the default's alone, as fast as
-   before.
+   its. ``--dtype-sweep float16,bfloat16`` and ``--prefetch-sweep 0,1,4`` also run
+   one trainer per configuration that changes one knob from the default (each dtype
+   at the default depth, each depth at the default dtype), against the same local
+   loop, and print per configuration samples/s, held-out AUC and its gap, Redis
+   bytes per row and CPU per 1,000 records (a configuration that fails is reported
+   and skipped); without them the run is the default's alone, as fast as before.
 
 Writes ``bench/results/embeddings.json``; prints the ratios last.
 
@@ -54,7 +54,6 @@ Writes ``bench/results/embeddings.json``; prints the ratios last.
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import shutil
 import sys
@@ -81,6 +80,7 @@ from datastream import load_source, produce
 from datastream.examples import Examples
 from services import ParameterStore, connect
 from services.protocol import AccountingRecord
+from services.tables.rows import row_dtype
 from services.tables.store import pull_rows
 from streamtrain.cluster import LOCAL_TRAINER, ClusterSpec, LocalCluster
 from streamtrain.launcher import free_port
@@ -325,12 +325,10 @@ def _score_pipeline(cluster: LocalCluster, evals: Examples, config: Config) -> t
 
 
 def sweep_configs(default: Config, dtypes: list[str], depths: list[int]) -> list[Config]:
-    """Every listed value dtype with every listed prefetch depth (the default's where a list is empty);
-    none when both are empty (no sweep)."""
-    if not dtypes and not depths:
-        return []
-    pairs = itertools.product(dtypes or [default.value_dtype], depths or [default.row_prefetch])
-    return [Config(d, p) for d, p in pairs]
+    """One knob at a time from the default: every listed value dtype at the default prefetch depth, and
+    every listed depth at the default dtype (none when both lists are empty: no sweep)."""
+    configs = [Config(d, default.row_prefetch) for d in dtypes] + [Config(default.value_dtype, p) for p in depths]
+    return list(dict.fromkeys(configs))
 
 
 def _cpu_table(local: dict[str, Any], runs: dict[str, dict[str, Any]]) -> Table:
@@ -387,9 +385,9 @@ def main() -> None:
     ap.add_argument("--row-prefetch", type=int, default=LOCAL_TRAINER.row_prefetch,
                     help="the trainers' --row-prefetch, default configuration")
     ap.add_argument("--dtype-sweep", type=_dtypes, default=[], metavar="D,D",
-                    help="also run one trainer with each of these value dtypes (x --prefetch-sweep)")
+                    help="also run one trainer with each of these value dtypes (at the default depth)")
     ap.add_argument("--prefetch-sweep", type=_ints, default=[], metavar="N,N",
-                    help="also run one trainer with each of these --row-prefetch depths (x --dtype-sweep)")
+                    help="also run one trainer with each of these --row-prefetch depths (at the default dtype)")
     ap.add_argument("--workdir", default="/tmp/streamtrain-bench-embeddings")
     args = ap.parse_args()
     default = Config(args.value_dtype, args.row_prefetch)
@@ -418,8 +416,8 @@ def main() -> None:
                 continue
             console.print(sweep[config.label])
     one, two, small = runs["one"], runs["two"], runs["small"]
-    spec0 = build_model(model_spec()).tables[0]
-    raw_bytes = 4 * (spec0.dim + spec0.slots)  # a row's values and optimizer state
+    stored = row_dtype(build_model(model_spec(default.value_dtype)).tables[0])
+    raw_bytes = stored["values"].itemsize + stored["state"].itemsize  # a row's values and optimizer state, as stored
     ratios = {
         "pull_bytes_per_needed": one["pull_bytes"] / (one["row_lookups"] * DIM * 4),
         "redis_bytes_per_raw_row": one["redis_bytes"] / one["rows"] / raw_bytes,
@@ -452,6 +450,11 @@ def main() -> None:
         console.print("one trainer's resident memory as the tables grow: " + ", ".join(
             f"{rows:,} rows {rss:.0f} MB" for _, rows, rss in curve[::max(1, len(curve) // 8)]))
     cpu_one = ", ".join(f"{n} {v:.0f}" for n, v in one["cpu_ms_per_1k"].items())
+    narrow = [(label, r) for label, r in sweep.items()  # the other dtypes at the default depth
+              if not label.startswith(f"{default.value_dtype},") and label.endswith(f" {default.row_prefetch}")]
+    lines = [f"redis bytes per row, {label.split(',')[0]} / {default.value_dtype}: "
+             f"{(r['redis_bytes'] / r['rows']) / (one['redis_bytes'] / one['rows']):.3f} "
+             f"(held-out AUC {r['auc']:.4f} against {one['auc']:.4f})" for label, r in narrow]
     harness.finish("embeddings", {"records": args.records, "vocab": args.vocab, "config": default.label,
                                   "local": local, "runs": runs, "sweep": sweep, "sweep_failed": failed,
                                   "ratios": ratios}, [
@@ -459,6 +462,7 @@ def main() -> None:
         f"trainer peak RSS: {one['trainer_peak_rss_mb']:.0f} MB at {one['rows']:,} rows",
         f"pull bytes per step / (unique ids x dim x 4): {ratios['pull_bytes_per_needed']:.3f}",
         f"redis bytes per row / raw row bytes: {ratios['redis_bytes_per_raw_row']:.3f}",
+        *lines,
         (f"held-out AUC: pipeline {one['auc']:.4f}, local loop {local['auc']:.4f}; "
          f"log loss: pipeline {one['log_loss']:.4f}, local loop {local['log_loss']:.4f}"),
         (f"CPU ms per 1,000 records: pipeline (1 trainer) {one['cpu_ms_per_1k_sum']:.0f} ({cpu_one}); "

@@ -28,7 +28,7 @@ steps, dense part SSP s = 2, batch 64 (the trainers' default).
 
 Writes ``bench/results/recommendation.json``; prints the AUC gap last.
 
-    .venv/bin/python bench/recommendation.py [--seeds 3] [--repeats 3] [--lag-s 40]
+    .venv/bin/python bench/recommendation.py [--seeds 3] [--repeats 3] [--lag-s 40] [--row-prefetch D]
 """
 
 from __future__ import annotations
@@ -123,21 +123,23 @@ def local_loop(seed: int) -> dict[str, float]:
 
 # -- the pipeline ---------------------------------------------------------------------------------
 
-def job(name: str) -> ClusterSpec:
-    """The example's job, with no trainer and no producer started (the bench adds them)."""
+def job(name: str, row_prefetch: int = LOCAL_TRAINER.row_prefetch) -> ClusterSpec:
+    """The example's job, with no trainer and no producer started (the bench adds them); ``row_prefetch``:
+    the trainers' ``--row-prefetch``."""
     return ClusterSpec(
         job=name, topic=name, trainers=0, producer=None,
         coordinator=CoordinatorSettings(partitions=PARTITIONS, optimizer=str(EXAMPLE["optimizer"]),
                                         lr=float(EXAMPLE["lr"]), codec=str(EXAMPLE["codec"]),
                                         table_consistency=str(EXAMPLE["table_consistency"]),
                                         table_staleness=int(EXAMPLE["table_staleness"])),
-        trainer=replace(LOCAL_TRAINER, model=MODEL, threads=1, eval_source="", prefetch=8))
+        trainer=replace(LOCAL_TRAINER, model=MODEL, threads=1, eval_source="", prefetch=8,
+                        row_prefetch=row_prefetch))
 
 
-def pipeline(trainers: int, workdir: Path) -> dict[str, Any]:
+def pipeline(trainers: int, workdir: Path, row_prefetch: int = LOCAL_TRAINER.row_prefetch) -> dict[str, Any]:
     """One pass of the train split, produced first, through ``trainers`` trainers: records/s applied,
     the held-out AUC and log loss of what Redis holds, and the progressive validation."""
-    spec = job("movielens")
+    spec = job("movielens", row_prefetch)
     with LocalCluster(spec, workdir=workdir) as cluster:
         report = produce(cluster.bootstrap, spec.topic, SOURCE, partitions=spec.partitions, shard_size=BATCH,
                          split="train")
@@ -209,6 +211,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the local loop (its AUC is their mean)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each pipeline (its figures are their means)")
     ap.add_argument("--lag-s", type=float, default=40.0, help="seconds the feed's lag is measured")
+    ap.add_argument("--row-prefetch", type=int, default=LOCAL_TRAINER.row_prefetch,
+                    help="the trainers' --row-prefetch (batches whose rows they fetch ahead)")
     ap.add_argument("--workdir", default="/tmp/streamtrain-bench-recommendation")
     args = ap.parse_args()
     harness.start()
@@ -224,7 +228,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         for trainers in (1, 2):
             console.print(f"[bold]pipeline[/], {trainers} trainer(s), run {repeat + 1} of {args.repeats}")
-            repeats[trainers].append(pipeline(trainers, workdir / f"t{trainers}-{repeat}"))
+            repeats[trainers].append(pipeline(trainers, workdir / f"t{trainers}-{repeat}", args.row_prefetch))
             console.print(repeats[trainers][-1])
     runs = {trainers: _mean(got) for trainers, got in repeats.items()}
     half = runs[2]["records_per_s"] / 2
