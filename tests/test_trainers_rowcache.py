@@ -108,3 +108,13 @@ def test_rows_wanted_ahead_are_deduplicated_across_batches_and_against_the_cache
     assert list(wanted) == ["t"] and wanted["t"].tolist() == [1, 3, 4, 6, 9]
     assert ahead_depth(asp, 4) == 2 and ahead_depth(TableBound("bsp", 0), 4) == 0
     assert ahead_depth(TableBound("ssp", 3), 2) == 2 and ahead_depth(TableBound("asp", 0), 2) == 0
+
+
+def test_a_row_an_insert_replaces_is_not_evicted_to_make_room_for_it() -> None:
+    cache = RowCache(TABLES, 4)
+    cache.insert("t", *_rows([0, 1, 2, 3]), clock=1, covers=100)
+    cache.lookup("t", np.array([0, 1, 2]), clock=2, bound=SSP2, required=0)  # 3 is now the least recently used
+    cache.insert("t", *_rows([3, 10]), clock=3, covers=100)  # full: 3 is read again, 10 needs a slot
+    hit, got = cache.lookup("t", np.array([3, 10]), clock=3, bound=SSP2, required=0)
+    assert hit.tolist() == [True, True] and got.tolist() == [[3, -3], [10, -10]]
+    assert cache.stats().rows == 4

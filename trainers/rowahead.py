@@ -28,6 +28,7 @@ from services.tables import TableSpec, group_of_ids
 from services.tables.store import pull_rows
 
 from .rowcache import RowCache, TableBound
+from .tables import sort_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -79,27 +80,24 @@ def wanted_ahead(tables: Mapping[str, TableSpec], batches: Sequence[Batch], cach
     """The IDs to fetch ahead for ``batches`` (the ``k``-th used at ``clock + k``, ``k`` from ``first``):
     per table, the unique IDs of every feature of every batch, less those the cache will still serve at
     their last use. Tables with none are left out."""
-    out: dict[str, np.ndarray] = {}
-    for name, spec in tables.items():
-        parts = [(k, col.values) for k, b in enumerate(batches, start=first) for f in spec.features
-                 if (col := b.ids.get(f)) is not None and col.values.size]
-        if not parts:
-            continue
-        ids = np.concatenate([v for _, v in parts]).astype(np.int64, copy=False)
-        if len({k for k, _ in parts}) == 1:  # one batch: a plain sort
-            ids = np.unique(ids)
-            when = np.full(ids.size, parts[0][0], dtype=np.int64)
-        else:
-            when = np.repeat(np.array([k for k, _ in parts], dtype=np.int64), [v.size for _, v in parts])
-            order = np.lexsort((when, ids))  # by ID, then by batch: each ID's last batch ends its run
-            ids, when = ids[order], when[order]
-            last = np.ones(ids.size, dtype=bool)
-            last[:-1] = ids[1:] != ids[:-1]
-            ids, when = ids[last], when[last]
-        ids = ids[~cache.holds(name, ids, at=clock + when, bound=bound)]
-        if ids.size:
-            out[name] = ids
-    return out
+    parts = [(i, k, col.values) for i, spec in enumerate(tables.values()) for k, b in enumerate(batches, start=first)
+             for f in spec.features if (col := b.ids.get(f)) is not None and col.values.size]
+    if not parts:
+        return {}
+    sizes = [v.size for _, _, v in parts]
+    ids = np.concatenate([v for _, _, v in parts]).astype(np.int64, copy=False)
+    number = np.repeat(np.array([i for i, _, _ in parts], dtype=np.int64), sizes)
+    order, starts = sort_pairs(number, ids)  # one sort for every table and batch
+    runs = np.flatnonzero(starts)
+    last = np.maximum.reduceat(np.repeat(np.array([k for _, k, _ in parts], dtype=np.int64), sizes)[order], runs)
+    ids, number = ids[order][runs], number[order][runs]  # each table's unique IDs, with their last batch
+    bounds = np.searchsorted(number, np.arange(len(tables) + 1))
+    names = [name for i, name in enumerate(tables) if bounds[i + 1] > bounds[i]]
+    have = {name: ids[bounds[i]:bounds[i + 1]] for i, name in enumerate(tables) if bounds[i + 1] > bounds[i]}
+    at = {name: clock + last[bounds[i]:bounds[i + 1]] for i, name in enumerate(tables) if bounds[i + 1] > bounds[i]}
+    held = cache.holds_all(have, at, bound=bound)
+    out = {name: have[name][~held[name]] for name in names}
+    return {name: v for name, v in out.items() if v.size}
 
 
 class RowsAhead:
@@ -183,9 +181,8 @@ class RowsAhead:
 
     def merge(self, ahead: Ahead, clock: int) -> None:
         """Put ``ahead``'s rows into the cache at the step at ``clock`` (never over a newer read)."""
-        for name, got in ahead.tables.items():
-            self._cache.insert(name, got.ids, got.values, clock=ahead.clock, covers=ahead.covers,
-                               as_of=got.as_of, used=clock)
+        self._cache.insert_all({name: (got.ids, got.values, got.as_of) for name, got in ahead.tables.items()},
+                               clock=ahead.clock, covers=ahead.covers, used=clock)
         self.merged += 1
         self.rows += ahead.rows
 

@@ -24,8 +24,8 @@ from services.tables.store import pull_rows
 
 from .rowcache import RowCache, TableBound
 
-__all__ = ["FeatureLookup", "TableLookup", "plan_lookups", "RowFetcher", "Fetched", "pool", "row_gradients",
-           "wait_consistency", "table_required", "table_inputs"]
+__all__ = ["FeatureLookup", "TableLookup", "plan_lookups", "sort_pairs", "RowFetcher", "Fetched", "pool",
+           "row_gradients", "wait_consistency", "table_required", "table_inputs"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ def plan_lookups(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged], n: 
         ValueError: a feature's column does not have ``n`` records.
     """
     out = {}
+    planned = []
     for name, spec in tables.items():
         columns = []
         for f in spec.features:
@@ -72,18 +73,41 @@ def plan_lookups(tables: Mapping[str, TableSpec], ids: Mapping[str, Jagged], n: 
             elif col.n != n:
                 raise ValueError(f"feature {f!r} has {col.n} records, the batch {n}")
             columns.append((f, col))
-        values = np.concatenate([c.values for _, c in columns]) if columns else np.empty(0, np.int64)
-        if dedupe:
-            unique, inverse = np.unique(values, return_inverse=True)
-        else:
-            unique, inverse = values, np.arange(values.size, dtype=np.int64)
-        feats, at = [], 0
+        planned.append((name, spec, columns))
+    parts = [c.values for _, _, columns in planned for _, c in columns]
+    values = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.empty(0, np.int64)
+    sizes = [sum(c.nnz for _, c in columns) for _, _, columns in planned]
+    starts = np.zeros(len(planned) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    if dedupe:  # one sort for every table: by table, then ID
+        order, first = sort_pairs(np.repeat(np.arange(len(planned)), sizes), values)
+        unique = values[order][first]
+        inverse = np.empty(values.size, dtype=np.int64)
+        inverse[order] = np.cumsum(first) - 1
+        bounds = np.concatenate(([0], np.cumsum(first)))[starts]
+    else:
+        unique, inverse, bounds = values, np.arange(values.size, dtype=np.int64), starts
+    owners = None if groups is None else group_of_ids(unique, groups)
+    for i, (name, spec, columns) in enumerate(planned):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        feats, at = [], int(starts[i])
         for f, col in columns:
-            feats.append(FeatureLookup(f, inverse[at:at + col.nnz].astype(np.int64, copy=False), col.offsets[:-1]))
+            feats.append(FeatureLookup(f, inverse[at:at + col.nnz] - lo, col.offsets[:-1]))
             at += col.nnz
-        out[name] = TableLookup(spec, unique, tuple(feats),
-                                None if groups is None else group_of_ids(unique, groups))
+        out[name] = TableLookup(spec, unique[lo:hi], tuple(feats), None if owners is None else owners[lo:hi])
     return out
+
+
+def sort_pairs(tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The order that sorts the (table number, ID) pairs by table, then by ID, and which of the sorted
+    pairs start a run of equal ones (bool): one sort for all of a step's tables, not one per table."""
+    order = np.argsort(ids)
+    small = tables.astype(np.int16 if tables.size == 0 or tables.max() < 2 ** 15 else np.int64)
+    order = order[np.argsort(small[order], kind="stable")]  # a radix sort: 16-bit keys
+    t, v = small[order], ids[order]
+    first = np.ones(v.size, dtype=bool)
+    first[1:] = (v[1:] != v[:-1]) | (t[1:] != t[:-1])
+    return order, first
 
 
 @dataclass(frozen=True)
@@ -122,11 +146,12 @@ class RowFetcher:
         wanted: dict[str, np.ndarray] = {}
         misses: dict[str, np.ndarray] = {}
         hits = 0
+        served = self.cache.lookup_all({name: lk.ids for name, lk in lookups.items()}, clock=clock, bound=bound,
+                                       required=required)
         for name, lk in lookups.items():
-            hit, values = self.cache.lookup(name, lk.ids, clock=clock, bound=bound, required=required)
-            out = np.empty((lk.ids.size, lk.spec.dim), dtype=np.float32)
-            if values.size:
-                out[hit] = values
+            hit, out = served[name]  # the cached rows in place: the misses filled below
+            if out.shape[1] != lk.spec.dim:  # a table the cache does not hold
+                out = np.empty((lk.ids.size, lk.spec.dim), dtype=np.float32)
             rows[name] = out
             hits += int(hit.sum())
             miss = np.flatnonzero(~hit)
@@ -144,9 +169,9 @@ class RowFetcher:
             for g, v in pulled.group_versions.items():
                 versions[g] = v
             for name, miss in misses.items():
-                got = pulled.tables[name]
-                rows[name][miss] = got.values
-                self.cache.insert(name, got.ids, got.values, clock=clock, covers=covers, as_of=versions[owners[name]])
+                rows[name][miss] = pulled.tables[name].values
+            self.cache.insert_all({name: (got.ids, got.values, versions[owners[name]])
+                                   for name, got in pulled.tables.items()}, clock=clock, covers=covers)
         return Fetched(rows, hits, sum(m.size for m in misses.values()), wire)
 
     def pull(self, wanted: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
