@@ -26,7 +26,7 @@ from .slots import GroupSlot
 
 if TYPE_CHECKING:
     from .server.apply import Outcome
-    from .tables.writes import TableWrites
+    from .tables.apply import TableWrites
 
 logger = logging.getLogger(__name__)
 

@@ -62,10 +62,6 @@ class ServerSettings:
                                      "one per apply that writes rows or shards, one per sweep step that removes "
                                      "rows; each holds 8 bytes per row it names): a consumer that falls further "
                                      "behind reloads the tables")
-    row_memory_rows: int = setting(262_144, env="STREAMTRAIN_PS_ROW_MEMORY_ROWS", min=0, max=1 << 30,
-                                   help="rows of each embedding table the server keeps in memory as it last "
-                                        "loaded or wrote them, so a load reads only the others from Redis "
-                                        "(dropped whenever anyone else may have changed the group; 0: off)")
     sweep_grace_s: float = setting(120.0, env="STREAMTRAIN_PS_SWEEP_GRACE_S", min=1.0,
                                    help="delete an orphaned gradient blob once no logged update has named it "
                                         "for this long (longer than a push can take, backpressure waits included)")

@@ -21,9 +21,9 @@ from services.errors import BadGradientError, LayoutError
 from services.server.apply import write_batch
 from services.store import connect
 from services.tables import RowGrads, RowOptimizerConfig, TableSpec, group_of_ids, initial_rows, step_rows
+from services.tables.apply import TableWrites
 from services.tables.rows import SEEN_DTYPE, row_dtype
 from services.tables.store import pull_rows
-from services.tables.writes import TableWrites
 from streamtrain.launcher import wait_until
 
 JOB = "tables"

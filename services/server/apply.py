@@ -25,8 +25,8 @@ from ..errors import ParameterPlaneError
 from ..protocol import AccountingRecord, AccountPlan, PlanUpdate, Status, Update
 from ..resp import id_args, pair_args
 from ..scripts import DEFAULT_FEED_ENTRIES, AccountCall, ApplyCall, ShardPublish, TablePublish, execute_with_script
+from ..tables.apply import TableWrites
 from ..tables.rows import SEEN_DTYPE, id_bytes
-from ..tables.writes import TableWrites
 
 __all__ = ["Outcome", "ShardWrite", "Persist", "Housekeeping", "WriteResult", "AccountingError", "write_batch",
            "finish_accounting"]

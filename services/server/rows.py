@@ -17,10 +17,8 @@ from ..protocol import Update
 from ..settings import ServerSettings
 from ..store import ModelMeta
 from ..tables import RowGrads, TableSpec, decode_row_grads, group_of_ids
-from ..tables.apply import RowBatch, kinds
-from ..tables.memory import RowMemory
+from ..tables.apply import RowBatch, TableWrites, kinds
 from ..tables.store import load_rows, sweep_rows
-from ..tables.writes import TableWrites
 
 __all__ = ["validate_rows", "row_steps", "sweep_tables"]
 
@@ -58,20 +56,18 @@ def validate_rows(meta: ModelMeta, update: Update, *, group: int, groups: int, m
 
 
 def row_steps(client: redis.Redis, job: str, group: int, meta: ModelMeta, table_steps: Mapping[str, int],
-              version: int, updates: Sequence[tuple[Update, Mapping[str, RowGrads]]],
-              memory: RowMemory | None = None) -> list[TableWrites]:
+              version: int, updates: Sequence[tuple[Update, Mapping[str, RowGrads]]]) -> list[TableWrites]:
     """Apply the gradient rows of ``updates`` (accepted, in log order) to group ``group``'s rows, at
     group version ``version``: load every row they touch in one round trip, step each update in
     turn (admission included), and return what to write (``services.tables.apply``: tables of one
-    kind in one batch). ``table_steps``: each table's step count before them. ``memory``: the rows
-    the server holds (read from Redis only where it holds none, ``load_rows``)."""
+    kind in one batch). ``table_steps``: each table's step count before them."""
     if not updates:
         return []
     specs = {t.name: t for t in meta.tables}
     named = sorted({t for u, _ in updates for t in u.tables})
     wanted = {t: np.unique(np.concatenate([rows[t].ids for _, rows in updates if t in rows]
                                           or [np.empty(0, np.int64)])) for t in named}
-    loaded = load_rows(client, job, group, specs, wanted, memory)
+    loaded = load_rows(client, job, group, specs, wanted)
     now_ms = int(time.time() * 1000)
     writes = []
     for kind in kinds([specs[t] for t in named]):
@@ -82,13 +78,11 @@ def row_steps(client: redis.Redis, job: str, group: int, meta: ModelMeta, table_
 
 
 def sweep_tables(client: redis.Redis, settings: ServerSettings, tables: Sequence[TableSpec],
-                 cursors: dict[str, tuple[str, str]], metrics: ServerMetrics, memory: RowMemory | None = None
-                 ) -> tuple[int, int]:
+                 cursors: dict[str, tuple[str, str]], metrics: ServerMetrics) -> tuple[int, int]:
     """One step of each bounded table's sweep (``services.tables.store.sweep_rows``) in the group of
     ``settings``: rows not written for the table's expiry time go, and beyond its row cap the least
     recently written are evicted. ``cursors``: table -> where its scans of the rows and seen hashes go
-    on (updated); ``memory``: the rows the server holds (a table's go when a step removed any of its
-    rows). Returns (rows expired, rows evicted)."""
+    on (updated). Returns (rows expired, rows evicted)."""
     expired = evicted = 0
     now_ms = int(time.time() * 1000)
     for spec in tables:
@@ -99,8 +93,6 @@ def sweep_tables(client: redis.Redis, settings: ServerSettings, tables: Sequence
                           cursor=cursor, seen_cursor=seen_cursor, count=settings.table_sweep_count,
                           feed_entries=settings.feed_entries)
         cursors[spec.name] = (done.cursor, done.seen_cursor)
-        if memory is not None and (done.expired or done.evicted):
-            memory.swept(spec.name)
         metrics.table_rows("expired", spec.name, done.expired)
         metrics.table_rows("evicted", spec.name, done.evicted)
         expired, evicted = expired + done.expired, evicted + done.evicted

@@ -36,7 +36,6 @@ from ..settings import ServerSettings
 from ..slots import GroupSlot
 from ..store import ModelMeta, ParameterStore, connect
 from ..tables import RowGrads
-from ..tables.memory import RowMemory
 from .apply import Housekeeping, Outcome, Persist, WriteResult, finish_accounting, write_batch
 from .checkpointer import Checkpointer
 from .core import Checkpoint, Instruction, Policy, Reload, ServerCore, SweepBlobs, SweepTables
@@ -105,8 +104,6 @@ class ParameterServer:
         self._thread: threading.Thread | None = None
         self._table_cursors: dict[str, tuple[str, str]] = {}
         """Table -> where its sweep's scans of the rows and seen hashes go on."""
-        self.row_memory = RowMemory(settings.row_memory_rows)
-        """The group's rows this server loaded or wrote (``--row-memory-rows``): a load reads the others."""
         self.metrics = ServerMetrics(self)
         """This server's Prometheus metrics (served by ``streamtrain ps --metrics-port``)."""
 
@@ -246,7 +243,6 @@ class ParameterServer:
             raise LayoutError(f"job {self.settings.job} is split into {meta.groups} shard groups, "
                               f"this server was started with --groups {self.settings.groups}")
         self._meta = meta
-        self.row_memory.clear()  # a (re)load: whatever was held may be stale
         if finish_accounting(self.client, self.settings.job, self.settings.group):
             logger.info("ps job=%s group=%d: finished the accounting of its last apply (cut off before)",
                         self.settings.job, self.settings.group)
@@ -377,26 +373,20 @@ class ParameterServer:
             return 0
         meta = cast(ModelMeta, self._meta)
         tables = row_steps(self.client, self.settings.job, self.settings.group, meta, st.table_steps, st.version,
-                           row_updates, self.row_memory)
+                           row_updates)
         writes = [shard_write(self.core, st, i, changes) for i, changes in sorted(touched.items())]
         plan = self.core.write_plan(time.monotonic(), updates=len(st.unpersisted) + len(covered),
                                     grad_bytes=st.unpersisted_bytes + grad_bytes, state_bytes=self._state_bytes())
         housekeeping = None if plan.housekeeping is None else Housekeeping(plan.housekeeping.horizon_ms)
         n = len(outcomes)
-        version_read = st.version
-        try:
-            result = write_batch(self.client, self.settings.job, group=self.settings.group,
-                                 groups=self.settings.groups, cursor=st.cursor, outcomes=outcomes, shards=writes,
-                                 persist=self._persist(covered) if plan.persist else None,
-                                 housekeeping=housekeeping, version=st.version, tables=tables, row_blobs=row_blobs,
-                                 feed_entries=self.settings.feed_entries,
-                                 before_exec=lambda: self._fault("kill-before-write", n))
-        except BaseException:  # written or not: what the memory holds may not be what Redis does
-            self.row_memory.clear()
-            raise
+        result = write_batch(self.client, self.settings.job, group=self.settings.group,
+                             groups=self.settings.groups, cursor=st.cursor, outcomes=outcomes, shards=writes,
+                             persist=self._persist(covered) if plan.persist else None, housekeeping=housekeeping,
+                             version=st.version, tables=tables, row_blobs=row_blobs,
+                             feed_entries=self.settings.feed_entries,
+                             before_exec=lambda: self._fault("kill-before-write", n))
         self._fault("kill-after-write", n)
         if not result.ok:
-            self.row_memory.clear()
             logger.warning("ps job=%s group=%d: %d update(s) from %s lost the compare-and-set (%s); reloading",
                            self.settings.job, self.settings.group, n, outcomes[0].update.log_id, result.conflict)
             self._obey([self.core.lost()])
@@ -412,7 +402,6 @@ class ParameterServer:
         st.cursor = outcomes[-1].update.log_id
         for t in tables:
             st.table_steps[t.table] = t.steps
-        self.row_memory.written(version_read, result.version, {t.name: t for t in meta.tables}, tables)
         if housekeeping is not None:
             self._housekept(result)
         if plan.persist:
@@ -480,8 +469,7 @@ class ParameterServer:
         written are evicted. Returns (rows expired, rows evicted)."""
         if self._meta is None:
             return 0, 0
-        return sweep_tables(self.client, self.settings, self._meta.tables, self._table_cursors, self.metrics,
-                            self.row_memory)
+        return sweep_tables(self.client, self.settings, self._meta.tables, self._table_cursors, self.metrics)
 
     def _housekept(self, result: WriteResult) -> None:
         """Schedule the next housekeeping after a write that carried one (at once when entries

@@ -28,9 +28,39 @@ from .rows import (
 )
 from .spec import TableSpec
 from .store import LoadedRows
-from .writes import TableWrites
 
-__all__ = ["RowBatch", "kinds"]
+__all__ = ["RowBatch", "TableWrites", "kinds"]
+
+
+@dataclass(frozen=True)
+class TableWrites:
+    """What one table's batch writes (all IDs int64; records as stored)."""
+
+    table: str
+    """Table name."""
+    record_size: int
+    """Bytes per row record."""
+    row_ids: np.ndarray
+    """IDs of the rows written (changed or born)."""
+    rows: bytes
+    """Their ``row_dtype`` records, concatenated in ``row_ids`` order."""
+    seen_ids: np.ndarray
+    """IDs whose sighting record changed."""
+    seen: bytes
+    """Their ``SEEN_DTYPE`` records."""
+    unseen_ids: np.ndarray
+    """IDs admitted by this batch whose sighting record goes."""
+    steps: int
+    """The table's step count after the batch."""
+    admitted: int
+    """Rows born."""
+    dropped: int
+    """Gradient rows dropped because their ID was not admitted yet."""
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to write but, perhaps, the step count."""
+        return not (self.row_ids.size or self.seen_ids.size or self.unseen_ids.size)
 
 
 def kinds(tables: Sequence[TableSpec]) -> list[tuple[TableSpec, ...]]:

@@ -15,21 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import redis
 
-from common.keys import GroupKeys, JobKeys
+from common.keys import JobKeys
 
 from ..errors import LayoutError
 from ..resp import PackedArgs, id_args
 from ..scripts import DEFAULT_FEED_ENTRIES, RowsSweepCall, execute_with_script
 from .rows import SEEN_DTYPE, decode_values, group_of_ids, initial_rows, row_dtype
 from .spec import TableSpec
-
-if TYPE_CHECKING:
-    from .memory import RowMemory
 
 __all__ = ["PulledRows", "RowPull", "LoadedRows", "pull_rows", "load_rows", "SweepStep", "sweep_rows"]
 
@@ -160,71 +157,29 @@ def _spread(fields: PackedArgs | list[bytes]) -> list[Any]:
 
 
 def load_rows(client: redis.Redis, job: str, group: int, tables: Mapping[str, TableSpec],
-              wanted: Mapping[str, np.ndarray], memory: RowMemory | None = None) -> dict[str, LoadedRows]:
+              wanted: Mapping[str, np.ndarray]) -> dict[str, LoadedRows]:
     """Whole records of ``group``'s rows of ``wanted`` (table -> int64 IDs the group owns), and the
     sighting records of those without a row where the table admits after more than one sighting;
     one round trip of plain HMGETs (a server reads its own group's rows: the compare-and-set of its
     write, not an atomic read, keeps it exactly once; Redis spends a few microseconds a row, a
-    script many times that). Returns table -> rows.
-
-    ``memory``: the rows the server holds (``memory.RowMemory``, enabled): the same round trip reads
-    the group's version and feed head first and only the rows not held; when the memory is not where
-    they are, it drops everything and the rows it held are read too (a second round trip)."""
+    script many times that). Returns table -> rows."""
     gk = JobKeys(job).group(group)
-    if not wanted:
+    asks = [(tables[name], ids, id_args(client, ids)) for name, ids in wanted.items()]
+    if not asks:
         return {}
-    held: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    if memory is not None and memory.enabled:
-        held = {name: memory.lookup(name, ids) for name, ids in wanted.items()}
-    asks = [(tables[name], ids if name not in held else ids[~held[name][0]]) for name, ids in wanted.items()]
-    what = f"job {job} group {group}"
-    anchor, got = _load(client, gk, asks, what, anchored=memory is not None and memory.enabled)
-    if memory is not None and anchor is not None and not memory.anchor(*anchor) and any(
-            h.any() for h, _ in held.values()):
-        held = {}  # what it held is not valid: read everything
-        asks = [(tables[name], ids) for name, ids in wanted.items()]
-        _, got = _load(client, gk, asks, what, anchored=False)
-    out = {}
-    for (spec, ids), (present, records, seen, seen_records) in zip(asks, got, strict=True):
-        hit, kept = held.get(spec.name, (None, None))
-        if hit is not None and kept is not None and hit.any():  # merge what was held and what was read
-            full = wanted[spec.name]
-            both = hit.copy()
-            both[~hit] = present
-            merged = np.empty(int(both.sum()), dtype=row_dtype(spec))
-            from_memory = hit[both]
-            merged[from_memory] = kept
-            merged[~from_memory] = records
-            was_seen = np.zeros(full.size, dtype=bool)
-            was_seen[~hit] = seen
-            out[spec.name] = LoadedRows(full, both, merged, was_seen, seen_records)
-        else:
-            out[spec.name] = LoadedRows(ids, present, records, seen, seen_records)
-    return out
-
-
-def _load(client: redis.Redis, gk: GroupKeys, asks: Sequence[tuple[TableSpec, np.ndarray]], group_what: str, *,
-          anchored: bool) -> tuple[tuple[int, int] | None, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]]:
-    """One round trip of :func:`load_rows`: ((version, feed head) read before the rows when
-    ``anchored``, else None), and per ask (table, IDs) (present, records, seen, seen records)."""
     pipe = client.pipeline(transaction=False)
-    if anchored:
-        pipe.get(gk.version)
-        pipe.get(gk.feed_head)
-    for spec, ids in asks:
+    for spec, ids, fields in asks:
         if ids.size:
-            fields = id_args(client, ids)
             pipe.execute_command("HMGET", gk.table_rows(spec.name), *_spread(fields))
             if spec.admit_after > 1:
                 pipe.execute_command("HMGET", gk.table_seen(spec.name), *_spread(fields))
     replies = iter(pipe.execute())
-    anchor = (int(next(replies) or 0), int(next(replies) or 0)) if anchored else None
-    out = []
-    for spec, ids in asks:
-        what = f"{group_what}: table {spec.name}"
+    out = {}
+    for spec, ids, _ in asks:
+        what = f"job {job} group {group}: table {spec.name}"
         if not ids.size:
             empty = np.zeros(0, dtype=bool)
-            out.append((empty, np.zeros(0, row_dtype(spec)), empty, np.zeros(0, SEEN_DTYPE)))
+            out[spec.name] = LoadedRows(ids, empty, np.zeros(0, row_dtype(spec)), empty, np.zeros(0, SEEN_DTYPE))
             continue
         present, records = _records(next(replies), row_dtype(spec), what)
         seen = np.zeros(ids.size, dtype=bool)
@@ -233,8 +188,8 @@ def _load(client: redis.Redis, gk: GroupKeys, asks: Sequence[tuple[TableSpec, np
             sighted, found = _records(next(replies), SEEN_DTYPE, what)
             seen = sighted & ~present
             seen_records = found[~present[sighted]]
-        out.append((present, records, seen, seen_records))
-    return anchor, out
+        out[spec.name] = LoadedRows(ids, present, records, seen, seen_records)
+    return out
 
 
 @dataclass(frozen=True)
