@@ -242,7 +242,7 @@ def time_to_accuracy(spec: ClusterSpec, source: str, records: int, target: float
         finally:
             client.close()
         entries = [e for e in applied_entries(cluster) if e.batch_size > 0]
-        t0 = min(started_consuming(t.log_path) for t in cluster.trainers)
+        t0 = started_consuming(*(t.log_path for t in cluster.trainers))
     xs, ys = load_source(one_pass(source), split="test").read(limit=2000)
     x, y = torch.from_numpy(xs).float(), torch.from_numpy(ys).long()
     net = build_model(spec.trainer.model)
@@ -262,12 +262,18 @@ def tta_ratio(loop: dict[str, Any], ours: dict[str, Any]) -> float:
     return loop["seconds"] / ours["seconds"] if ours["reached"] and ours["seconds"] > 0 else 0.0
 
 
-def started_consuming(log_path: Path) -> float:
-    """When a trainer first began consuming its partitions (seconds since the epoch): the time of the
-    first ``consuming`` record in its log (:mod:`trainers.events`)."""
-    for record in events.read(log_path, events.CONSUMING):
-        return float(record["time"])
-    raise RuntimeError(f"{log_path} has no 'consuming' record: the trainer never took its partitions")
+def started_consuming(*log_paths: Path) -> float:
+    """When the first of some trainers began consuming its partitions (seconds since the epoch): the time
+    of the first ``consuming`` record in their logs (:mod:`trainers.events`). A trainer that never took
+    partitions (the records were all consumed before it joined) has none.
+
+    Raises:
+        RuntimeError: none of them took partitions.
+    """
+    times = [float(record["time"]) for path in log_paths for record in events.read(path, events.CONSUMING)]
+    if not times:
+        raise RuntimeError(f"no 'consuming' record in {', '.join(map(str, log_paths))}: no trainer took its partitions")
+    return min(times)
 
 
 def recovery_and_freshness(threads: int, workdir: Path, rate: float, kills: int = 5) -> dict[str, Any]:

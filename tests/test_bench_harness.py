@@ -173,6 +173,7 @@ def test_the_harness_reads_a_processs_cpu_with_its_childrens(monkeypatch: pytest
         while harness.cpu_seconds(shell.pid) < 0.2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert harness.cpu_seconds(shell.pid) >= 0.2
+        sampler.sample()  # one reading after that, whenever the thread last read
     finally:
         os.killpg(shell.pid, signal.SIGKILL)
         shell.wait()
@@ -237,6 +238,7 @@ def test_the_benches_read_a_trainers_events_not_its_wording(monkeypatch: pytest.
     silent.write_text("2000-01-01 00:00:00,000 INFO trainers.service: member m3 generation 1: consuming {0: 10}\n")
     with pytest.raises(RuntimeError, match="no 'consuming' record"):
         pipeline.started_consuming(silent)  # the human line alone does not count
+    assert pipeline.started_consuming(silent, logs[0]) == started  # a trainer that never took partitions: the others'
 
 
 def _check_run(name: str, done: subprocess.CompletedProcess[str], tmp_path: Path, last: str) -> dict[str, Any]:
