@@ -173,13 +173,14 @@ def test_the_harness_reads_a_processs_cpu_with_its_childrens(monkeypatch: pytest
         while harness.cpu_seconds(shell.pid) < 0.2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert harness.cpu_seconds(shell.pid) >= 0.2
-        sampler.sample()  # one reading after that, whenever the thread last read
+        sampler.stop()  # (its last reading is now, after the spending was seen) before the kill: a child
+        # killed but not reaped yet is counted by neither the shell nor a walk of its children
     finally:
         os.killpg(shell.pid, signal.SIGKILL)
         shell.wait()
-    sampler.stop()  # after its process is gone: its last reading stays
     with pytest.raises(OSError):
         harness.cpu_seconds(shell.pid)
+    sampler.sample()  # after its process is gone: its last reading stays
     spent = [s["shell"] for s in sampler.samples]
     assert spent == sorted(spent) and spent[-1] >= 0.2
     assert sampler.between(sampler.times[0], sampler.times[-1]) == {"shell": spent[-1] - spent[0]}
