@@ -72,10 +72,11 @@ def drain(group_servers: list[ParameterServer]) -> None:
             pass
 
 
-def tables_state(client: redis_lib.Redis, job: str, specs: tuple[TableSpec, ...] = (USER, ITEM)) -> dict:
+def tables_state(client: redis_lib.Redis, job: str, specs: tuple[TableSpec, ...] = (USER, ITEM),
+                 groups: int = GROUPS) -> dict:
     """Every group's rows, sighting records and table counters, as stored (bytes)."""
     out = {}
-    for g in range(GROUPS):
+    for g in range(groups):
         gk = JobKeys(job).group(g)
         out[g] = {"stats": client.hgetall(gk.table_stats)}
         for spec in specs:

@@ -14,6 +14,7 @@ import redis as redis_lib
 import safetensors
 import safetensors.numpy
 import torch
+from test_services_snapshot_tables import tables_state
 from test_services_tables import batch_rows, expected_rows, setup, stored
 
 from common.keys import JobKeys
@@ -180,25 +181,13 @@ def test_the_apply_of_a_narrow_table_is_the_float32_math_rounded_at_each_step(
 
 # -- float16 tables through checkpoints, exports and the feed --------------------------------------
 
-def raw_tables(client: redis_lib.Redis, job: str, tables: tuple[TableSpec, ...], groups: int) -> dict:
-    """Every group's rows, sighting records and counters, as stored (bytes)."""
-    out = {}
-    for g in range(groups):
-        gk = JobKeys(job).group(g)
-        out[g] = {"stats": client.hgetall(gk.table_stats)}
-        for spec in tables:
-            out[g][spec.name] = client.hgetall(gk.table_rows(spec.name))
-            out[g][f"{spec.name}:seen"] = client.hgetall(gk.table_seen(spec.name))
-    return out
-
-
 def test_float16_tables_round_trip_through_a_checkpoint_an_export_and_the_feed(
         redis: redis_lib.Redis, redis_url: str, fresh: tuple[redis_lib.Redis, str], tmp_path: Path) -> None:
     tables, job, groups = narrow("float16"), "narrowsaved", 2
     setup(redis, job=job, groups=groups, tables=tables)
     push(redis, job, tables, range(1, UPDATES + 1))
     run_servers(redis, redis_url, job, groups, batch=4)
-    before = raw_tables(redis, job, tables, groups)
+    before = tables_state(redis, job, tables, groups)
 
     # checkpoint: the records as stored, restored bit for bit
     path = tmp_path / "narrow.pt"
@@ -212,7 +201,7 @@ def test_float16_tables_round_trip_through_a_checkpoint_an_export_and_the_feed(
             assert f"values <f2[{spec.dim}]" in f.metadata()["streamtrain.record"]
     fresh_client, _ = fresh
     restore_checkpoint(fresh_client, str(path))
-    assert raw_tables(fresh_client, job, tables, groups) == before
+    assert tables_state(fresh_client, job, tables, groups) == before
 
     # export: float32 values, the stored values decoded
     folder = tmp_path / "tables"
