@@ -65,6 +65,9 @@ class Batch:
     """Categorical features (numpy, fresh arrays), in order of first appearance: every feature named by any
     message of the batch, each with ``n`` records; a record whose message lacks a feature has
     zero IDs for it. Empty when no record carries IDs."""
+    w: torch.Tensor | None = None
+    """Sample weights, float32 ``[n]``, row for row with ``x`` (a record without ``w`` weighs 1.0);
+    ``None`` when no record of the batch carries a weight. The trainers weight the loss by them."""
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -106,6 +109,7 @@ class _Builder:
         self.ys: list[np.ndarray] = []
         self.ids: list[tuple[int, dict[str, Jagged]]] = []  # (records, ids) per message
         self.has_ids = False
+        self.ws: list[tuple[int, np.ndarray]] = []  # (first row, weights) of the weighted messages only
         self.rows = 0
         self.offsets: dict[int, tuple[int, int]] = {}
         self.samples: list[tuple[str, int, int]] = []
@@ -130,6 +134,8 @@ class _Builder:
         self.ys.append(rec.y)
         self.ids.append((rec.count, rec.ids))
         self.has_ids = self.has_ids or bool(rec.ids)
+        if rec.w is not None:
+            self.ws.append((self.rows, rec.w))
         self.rows += rec.count
         last = self.samples[-1] if self.samples else None
         if last is not None and last[0] == producer and last[1] + last[2] == seq:
@@ -147,9 +153,14 @@ class _Builder:
             y[row:row + len(ya)] = ya
             row += len(xa)
         ids = concat_features(self.ids) if self.has_ids else {}
+        w = None
+        if self.ws:  # only batches with weighted records pay for weights
+            w = np.ones(self.rows, dtype=np.float32)
+            for first, wa in self.ws:
+                w[first:first + len(wa)] = wa
         return Batch(x=torch.from_numpy(x), y=torch.from_numpy(y), offsets=dict(self.offsets),
                      samples=list(self.samples), produced_ts_ms=int(self.ts_ms or 0), rejected=self.rejected,
-                     ids=ids)
+                     ids=ids, w=None if w is None else torch.from_numpy(w))
 
 
 class ShardConsumer:

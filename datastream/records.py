@@ -110,6 +110,9 @@ class Records:
     ids: dict[str, Jagged] = field(default_factory=dict)
     """Categorical features: name -> the IDs of the ``n`` records (``values`` a read-only view on
     a shard's bytes); empty when the records carry none. Only the features the message names."""
+    w: np.ndarray | None = None
+    """Sample weights, float32 ``[n]``, each finite and > 0 (a single record's ``w``, written for the
+    negatives a joiner kept at rate r as ``1/r``); ``None``: every record weighs 1. Shards carry none."""
 
     @property
     def count(self) -> int:
@@ -232,24 +235,40 @@ def encode_shard(x: np.ndarray, y: np.ndarray, *, producer_id: str, first_seq: i
 
 
 def _single(x: Sequence[float] | np.ndarray | None, y: float | int,
-            ids: Mapping[str, int | str | Sequence[int | str]] | None) -> dict[str, Any]:
+            ids: Mapping[str, int | str | Sequence[int | str]] | None, w: float | None) -> dict[str, Any]:
     record: dict[str, Any] = {} if x is None else {"x": [float(v) for v in x]}
     record["y"] = y
     if ids is not None:
         record["ids"] = {name: v if isinstance(v, int | str) else list(v) for name, v in ids.items()}
+    if w is not None:
+        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w <= 0:
+            raise ValueError(f"a record's weight w must be a finite number > 0, got {w!r}")
+        record["w"] = w
     return record
 
 
 def encode_json_record(x: Sequence[float] | np.ndarray | None, y: float | int, *,
-                       ids: Mapping[str, int | str | Sequence[int | str]] | None = None) -> bytes:
-    """One record in the single-record JSON format (``x=None`` leaves the dense features out)."""
-    return json.dumps(_single(x, y, ids)).encode()
+                       ids: Mapping[str, int | str | Sequence[int | str]] | None = None,
+                       w: float | None = None) -> bytes:
+    """One record in the single-record JSON format (``x=None`` leaves the dense features out; ``w``:
+    its sample weight, left out when ``None``).
+
+    Raises:
+        ValueError: ``w`` is not a finite number > 0.
+    """
+    return json.dumps(_single(x, y, ids, w)).encode()
 
 
 def encode_msgpack_record(x: Sequence[float] | np.ndarray | None, y: float | int, *,
-                          ids: Mapping[str, int | str | Sequence[int | str]] | None = None) -> bytes:
-    """One record in the single-record msgpack format (``x=None`` leaves the dense features out)."""
-    return msgpack.packb(_single(x, y, ids))
+                          ids: Mapping[str, int | str | Sequence[int | str]] | None = None,
+                          w: float | None = None) -> bytes:
+    """One record in the single-record msgpack format (``x=None`` leaves the dense features out; ``w``:
+    its sample weight, left out when ``None``).
+
+    Raises:
+        ValueError: ``w`` is not a finite number > 0.
+    """
+    return msgpack.packb(_single(x, y, ids, w))
 
 
 def _unpacker(value: bytes, max_bytes: int) -> msgpack.Unpacker:
@@ -367,6 +386,11 @@ def _decode_shard(obj: dict[str, Any]) -> Records:
     if version == DENSE_SHARD_VERSION and "ids" in obj:
         raise DecodeError("bad_schema", f"a version-{DENSE_SHARD_VERSION} shard cannot carry ids; "
                                         f"IDs need version {SHARD_VERSION}")
+    if "w" in obj:
+        raise DecodeError("bad_schema", "shards carry no sample weights (w); write weighted records as single records")
+    extra = set(obj) - required - {"v"}
+    if extra:
+        raise DecodeError("bad_schema", f"shard has unknown keys {', '.join(sorted(map(str, extra)))}")
     producer, seq, n, ts = obj["producer"], obj["seq"], obj["n"], obj["ts"]
     if not isinstance(producer, str) or type(seq) is not int or type(n) is not int or type(ts) is not int \
             or seq < 0 or n <= 0:
@@ -399,11 +423,28 @@ def _single_ids(ids: dict[str, list[int]]) -> dict[str, Jagged]:
     return out
 
 
+def _single_weight(w: Any) -> np.ndarray:
+    """A single record's ``w`` as float32 ``[1]``: a finite number > 0 (once in float32)."""
+    if type(w) not in (int, float):
+        raise DecodeError("wrong_dtype", f"w (sample weight) must be a number, got {type(w).__name__}")
+    try:
+        with np.errstate(over="ignore"):
+            value = np.array([w], dtype=np.float32)
+    except OverflowError:  # an integer beyond float range
+        raise DecodeError("non_finite", "w (sample weight) is an integer too large for a float32") from None
+    if not np.isfinite(value[0]):
+        raise DecodeError("non_finite", f"w (sample weight) must be finite in float32, got {w!r}")
+    if value[0] <= 0:
+        raise DecodeError("wrong_dtype", f"w (sample weight) must be > 0 in float32, got {w!r}")
+    return value
+
+
 def _decode_single(obj: Any, kind: str) -> Records:
     keys = set(obj) if isinstance(obj, dict) else set()
-    if not isinstance(obj, dict) or "y" not in keys or not keys & {"x", "ids"} or keys - {"x", "y", "ids"}:
+    if not isinstance(obj, dict) or "y" not in keys or not keys & {"x", "ids"} or keys - {"x", "y", "ids", "w"}:
         shown = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-        raise DecodeError("bad_schema", f"a single record is a map of y and x, ids or both; got {shown}")
+        raise DecodeError("bad_schema", f"a single record is a map of y and x, ids or both (and optionally w); "
+                                        f"got {shown}")
     ids = _single_ids(parse_ids(obj["ids"])) if "ids" in obj else {}
     x, y = obj.get("x", []), obj["y"]
     if not isinstance(x, list) or len(x) > MAX_FEATURES or not (x or ids):
@@ -417,8 +458,9 @@ def _decode_single(obj: Any, kind: str) -> Records:
         y_arr = np.array([y], dtype=np.float64)
     else:
         raise DecodeError("wrong_dtype", f"y must be a number, got {type(y).__name__}")
+    w = _single_weight(obj["w"]) if "w" in obj else None
     return Records(x=np.array([x], dtype=np.float64).reshape(1, len(x)), y=y_arr, producer_id=None,
-                   first_seq=None, ts_ms=None, kind=kind, ids=ids)
+                   first_seq=None, ts_ms=None, kind=kind, ids=ids, w=w)
 
 
 def _check(rec: Records, feature_dim: int | None, label_kind: str | None,

@@ -20,3 +20,5 @@ if TYPE_CHECKING:  # the public names, each from its module: lazy_exports reads 
     from .models import builtin_specs as builtin_specs
     from .models import mlp as mlp
     from .settings import TrainerSettings as TrainerSettings
+    from .weights import LossWeightsError as LossWeightsError
+    from .weights import weighted_loss as weighted_loss

@@ -18,6 +18,7 @@ from services.tables import RowGrads
 from .device import DevicePlan
 from .models import ModelSpec
 from .tables import TableLookup, pool, row_gradients
+from .weights import weighted_loss
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,18 @@ class Replica:
         return {name: p.data for name, p in self.params.items()}
 
     def step(self, x: torch.Tensor, y: torch.Tensor, lookups: Mapping[str, TableLookup] | None = None,
-             rows: Mapping[str, np.ndarray] | None = None, *, inner: torch.optim.Optimizer | None = None
-             ) -> StepResult:
+             rows: Mapping[str, np.ndarray] | None = None, *, inner: torch.optim.Optimizer | None = None,
+             w: torch.Tensor | None = None) -> StepResult:
         """Forward and backward on one batch; the parameters themselves are not changed here, unless
         ``inner`` is given: a local step (:mod:`trainers.local`), where that optimizer steps the
         parameters on the gradient and the result carries no gradients. A model with embedding
         tables also takes the batch's ``lookups`` and their fetched ``rows`` (``trainers.tables``),
-        and returns the gradient rows."""
+        and returns the gradient rows. ``w``: the batch's sample weights (``Batch.w``): the loss is
+        then their weighted mean (:func:`trainers.weights.weighted_loss`).
+
+        Raises:
+            trainers.weights.LossWeightsError: ``w`` is given and the model's loss cannot be weighted.
+        """
         x = x.to(self.plan.device, non_blocking=True)
         y = y.to(self.plan.device, non_blocking=True)
         for p in self.params.values():
@@ -84,7 +90,7 @@ class Replica:
                 out = self.model(x, pooled)
             else:
                 out = self.model(x)
-        loss = self.spec.loss_fn(out.float(), y)
+        loss = weighted_loss(self.spec.loss_fn, out.float(), y, w)
         loss.backward()
         if inner is not None:
             inner.step()

@@ -190,7 +190,8 @@ class Steps(abc.ABC):
             lookups, rows = self.rows.fetch(batch, given.clock, given.bound, wait, upcoming=given.upcoming,
                                             member_id=given.member_id)
         t3 = time.monotonic()
-        result = self.replica.step(batch.x, batch.y, lookups, rows, inner=window.inner if window is not None else None)
+        result = self.replica.step(batch.x, batch.y, lookups, rows, inner=window.inner if window is not None else None,
+                                   w=batch.w)
         seconds = {**phases, "compute": time.monotonic() - t3}
         if lookups is not None:
             seconds["rows"] = t3 - t2
