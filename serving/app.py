@@ -194,7 +194,7 @@ async def status(request: web.Request) -> web.Response:
             "misses": state.misses})
     body.update({"job": replica.settings.job, "model": replica.settings.model, "reloads": replica.reloads,
                  "requests": replica.requests, "records": replica.records, "labelled": replica.scores.seen,
-                 "served_auc": await replica.served_auc()})
+                 "served_auc": await replica.served_auc(), **await replica.served_calibration()})
     return web.json_response(body)
 
 

@@ -40,7 +40,7 @@ from trainers.models import ModelSpec, build_model
 from .loader import ExportFolderError, feed_position, state_from_folder, state_from_redis
 from .metrics import ServeMetrics
 from .protocol import Batch, Signature, join_batches, model_outputs
-from .report import LatencyWindow, ServedScores, served_auc
+from .report import LatencyWindow, ServedScores, served_auc, served_calibration
 from .settings import ServeSettings
 from .state import ModuleFactory, ServedState, score, signature_of
 
@@ -119,6 +119,7 @@ class Replica:
         self._pending: deque[tuple[Batch, asyncio.Future[Prediction]]] = deque()
         self._batcher: asyncio.Task[None] | None = None
         self._auc: float | None = None
+        self._calibration: tuple[float | None, float | None] = (None, None)
         self._auc_seen = 0
         self._auc_at = -1e9
 
@@ -238,12 +239,28 @@ class Replica:
 
     async def served_auc(self) -> float | None:
         """The AUC of the labelled records answered (recomputed, off the event loop, at most every 2 s)."""
+        await self._rescore()
+        return self._auc
+
+    async def served_calibration(self) -> dict[str, float | None]:
+        """The calibration of the labelled records answered, as the replica's status shows it:
+        ``served_mean_predicted`` (mean sigmoid of their logits) and ``served_observed_rate`` (fraction
+        of positives), over the records the served AUC covers (recomputed with it)."""
+        await self._rescore()
+        predicted, observed = self._calibration
+        return {"served_mean_predicted": predicted, "served_observed_rate": observed}
+
+    async def _rescore(self) -> None:
+        """Recompute the served AUC and calibration, off the event loop, at most every 2 s."""
         now = time.monotonic()
         if self.scores.seen != self._auc_seen and now - self._auc_at >= 2.0:
             self._auc_seen, self._auc_at = self.scores.seen, now
             labels, logits = self.scores.arrays()
-            self._auc = await asyncio.get_running_loop().run_in_executor(None, served_auc, labels, logits)
-        return self._auc
+
+            def score() -> tuple[float | None, tuple[float | None, float | None]]:
+                return served_auc(labels, logits), served_calibration(labels, logits)
+
+            self._auc, self._calibration = await asyncio.get_running_loop().run_in_executor(None, score)
 
     def observe_labels(self, labels: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
         """Count labelled records answered toward the served AUC (a binary model's; others ignore them)."""

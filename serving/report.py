@@ -1,4 +1,4 @@
-"""What a replica tells about itself: the served AUC of labelled requests, and the report it sends the
+"""What a replica tells about itself: the served AUC and calibration of labelled requests, and the report it sends the
 coordinator every ``--report-every-s`` (``POST /v1/serving/replicas/<name>``), which the status page and
 ``streamtrain up`` show. See docs/serving.md, *In the topology*.
 """
@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["ServedScores", "LatencyWindow", "served_auc"]
+__all__ = ["ServedScores", "LatencyWindow", "served_auc", "served_calibration"]
 
 MOST_LABELLED = 50_000
-"""Labelled records the served AUC is computed over (the newest)."""
+"""Labelled records the served AUC and calibration are computed over (the newest)."""
 
 
 @dataclass
@@ -38,6 +38,17 @@ class ServedScores:
         """(labels, logits) of the labelled records kept, copied (for :func:`served_auc` on another thread)."""
         return np.fromiter(self.labels, np.int64, len(self.labels)), np.fromiter(self.logits, np.float64,
                                                                                   len(self.logits))
+
+
+def served_calibration(labels: np.ndarray, logits: np.ndarray) -> tuple[float | None, float | None]:
+    """``(mean predicted, observed rate)`` of labelled records: the mean probability the logits predict
+    (their sigmoid) and the fraction of positive labels; a calibrated model's agree up to noise (a model
+    trained on downsampled negatives agrees only when the trainers weighted them, docs/records.md).
+    ``(None, None)`` when there are no records."""
+    if labels.size == 0:
+        return None, None
+    predicted = 0.5 * (1.0 + np.tanh(0.5 * np.asarray(logits, np.float64)))  # the sigmoid, no overflow
+    return float(predicted.mean()), float(np.count_nonzero(labels)) / labels.size
 
 
 def served_auc(labels: np.ndarray, logits: np.ndarray) -> float | None:

@@ -22,7 +22,8 @@ def score_job(redis_url: str, job: str, model: str, eval_source: str, *, limit: 
     It reads one consistent snapshot (``ParameterStore.pull``), loads it into
     ``model``'s module and evaluates it with :func:`trainers.evaluate`; a model with
     embedding tables also reads the rows of the held-out records' IDs (each row as its
-    group last wrote it).
+    group last wrote it). A binary model's result reports its calibration too
+    (:attr:`~trainers.EvalResult.mean_predicted` against :attr:`~trainers.EvalResult.observed_rate`).
     """
     spec = build_model(model)
     held_out = load_source(eval_source, split="test").read(limit=limit)

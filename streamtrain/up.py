@@ -459,7 +459,8 @@ def _score(cluster: LocalCluster, s: UpSettings, outage: Outage | None = None) -
     if outage is not None:
         outage.recovered()
     return {"version": result.version, "accuracy": result.accuracy, "loss": result.loss,
-            "mae": result.mae, "r2": result.r2, "auc": result.auc, "samples": result.samples}
+            "mae": result.mae, "r2": result.r2, "auc": result.auc, "samples": result.samples,
+            "mean_predicted": result.mean_predicted, "observed_rate": result.observed_rate}
 
 
 def _ending(s: UpSettings, outcome: Outcome, task: Task) -> str:
@@ -494,6 +495,11 @@ def _served_auc_line(body: dict[str, Any] | None, paced: bool = True) -> str:
     return line
 
 
+def _calibration_line(predicted: float | None, observed: float | None) -> str:
+    """A binary model's calibration in words: its mean predicted probability against the observed rate."""
+    return f"mean predicted {_fmt(predicted, '.4f')} against observed {_fmt(observed, '.4f')}"
+
+
 def _served_line(url: str, body: dict[str, Any] | None) -> str:
     """A replica's served version and lag at the end, in words."""
     if body is None:
@@ -515,11 +521,15 @@ def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: 
         table.add_row("held-out AUC", _fmt(final.get("auc"), ".4f") + ending)
         table.add_row("held-out log loss", _fmt(final.get("loss"), ".4f"))
         table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%"))
+        table.add_row("calibration", _calibration_line(final.get("mean_predicted"), final.get("observed_rate")))
         if (line := progressive_summary(final.get("progressive"))) is not None:
             table.add_row("progressive AUC", line)
         if replicas:
             paced = cluster.spec.producer is not None and cluster.spec.producer.rate is not None
             table.add_row("served AUC", _served_auc_line(replicas[0][1], paced))
+            if (body := replicas[0][1]) is not None and body.get("labelled"):
+                table.add_row("served calibration", _calibration_line(body.get("served_mean_predicted"),
+                                                                      body.get("served_observed_rate")))
     elif task.classification:
         table.add_row("held-out accuracy", _fmt(final.get("accuracy"), ".2%") + ending)
         table.add_row("held-out loss", _fmt(final.get("loss")))

@@ -13,7 +13,7 @@ from torch import nn
 from common import settings as cfg
 from streamtrain.overload import LagSample, assess
 from streamtrain.settings import FOREVER_RATE, UpSettings
-from streamtrain.up import Outcome, Task, _view, cluster_spec, exit_code, reached_target
+from streamtrain.up import Outcome, Task, _calibration_line, _view, cluster_spec, exit_code, reached_target
 from trainers import build_model, evaluate
 
 
@@ -150,3 +150,8 @@ def test_live_view_shows_the_task_metrics_and_the_keeping_up_line() -> None:
     binary = render(_view(status, {"auc": 0.71234, "loss": 0.61, "accuracy": 0.66}, 5.0, BINARY, None))
     assert binary.index("held-out AUC") < binary.index("log loss") < binary.index("acc ")  # AUC first
     assert "0.7123" in binary and "0.6100" in binary and "66.0%" in binary and "MAE" not in binary
+
+
+def test_the_final_score_of_a_binary_model_states_its_calibration() -> None:
+    assert _calibration_line(0.38123, 0.375) == "mean predicted 0.3812 against observed 0.3750"
+    assert _calibration_line(None, None) == "mean predicted - against observed -"

@@ -41,6 +41,11 @@ class EvalResult:
     then the log loss, also scikit-learn's: ``log_loss`` of the sigmoid of the logits, clipped as it
     clips probabilities — the mean of the model's own loss (``binary_cross_entropy_with_logits``) up to
     that clipping and float rounding (``tests/test_streamtrain_scoring.py`` checks they agree)."""
+    mean_predicted: float | None = None
+    """Binary classification: the mean predicted probability (sigmoid of the logits); a calibrated
+    model's equals :attr:`observed_rate` up to noise. None otherwise."""
+    observed_rate: float | None = None
+    """Binary classification: the fraction of positive held-out labels (the mean label). None otherwise."""
 
     @property
     def classification(self) -> bool:
@@ -103,8 +108,10 @@ def evaluate(model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.
         labels = y.reshape(-1).long().cpu().numpy()
         scores = torch.cat(logits).double().numpy()
         auc = float(roc_auc_score(labels, scores)) if len(set(labels.tolist())) == 2 else None
-        logloss = float(log_loss(labels, 1.0 / (1.0 + np.exp(-scores)), labels=[0, 1]))
-        return EvalResult(version, logloss, correct / n, n, auc=auc)
+        p = 1.0 / (1.0 + np.exp(-scores))
+        logloss = float(log_loss(labels, p, labels=[0, 1]))
+        return EvalResult(version, logloss, correct / n, n, auc=auc, mean_predicted=float(p.mean()),
+                          observed_rate=float(labels.mean()))
     if classification:
         return EvalResult(version, total_loss / n, correct / n, n)
     if not per_target:
