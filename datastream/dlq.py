@@ -17,7 +17,7 @@ from kafka import KafkaProducer
 from .records import DecodeError
 from .topics import dlq_topic, ensure_topic, reliable_producer
 
-__all__ = ["DeadLetterError", "DeadLetterWriter", "DlqEntry", "parse_dlq_headers"]
+__all__ = ["DeadLetterError", "DeadLetterWriter", "DlqEntry", "dlq_headers", "parse_dlq_headers"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,20 @@ def parse_dlq_headers(headers: Sequence[tuple[str, bytes]]) -> DlqEntry:
         raise ValueError(f"not a dead-letter message: header {exc.args[0]} missing") from None
 
 
+def dlq_headers(original: Sequence[tuple[str, bytes]], reason: str, error: str, topic: str, partition: int,
+                offset: int, *, count: int = 1, producer_id: str | None = None,
+                first_seq: int | None = None) -> list[tuple[str, bytes]]:
+    """The headers of a dead-letter message: the original ones (less any ``dlq.*``), then the reason, the
+    error (its first 1,000 characters), where the message came from and what it claimed to hold."""
+    extra = [("dlq.reason", reason), ("dlq.error", error[:1000]), ("dlq.topic", topic),
+             ("dlq.partition", str(partition)), ("dlq.offset", str(offset)), ("dlq.count", str(count))]
+    if producer_id is not None:
+        extra.append(("dlq.producer", producer_id))
+    if first_seq is not None:
+        extra.append(("dlq.seq", str(first_seq)))
+    return [(k, v) for k, v in original if not k.startswith("dlq.")] + [(k, v.encode()) for k, v in extra]
+
+
 class DeadLetterWriter:
     """Writes rejected messages to ``<topic>.dlq``; the topic and producer are made on first use."""
 
@@ -81,17 +95,10 @@ class DeadLetterWriter:
         if self._producer is None:
             ensure_topic(self.bootstrap, self.dlq_topic, 1)
             self._producer = reliable_producer(self.bootstrap, client_id=f"streamtrain-dlq-{self.topic}")
-        extra = [("dlq.reason", error.reason), ("dlq.error", str(error)[:1000]), ("dlq.topic", self.topic),
-                 ("dlq.partition", str(partition)), ("dlq.offset", str(offset)),
-                 ("dlq.count", str(error.count))]
-        if error.producer_id is not None:
-            extra.append(("dlq.producer", error.producer_id))
-        if error.first_seq is not None:
-            extra.append(("dlq.seq", str(error.first_seq)))
-        original = [(k, v) for k, v in headers if not k.startswith("dlq.")]
         self._pending.append(self._producer.send(
             self.dlq_topic, value=value, key=f"{self.topic}/{partition}/{offset}".encode(),
-            headers=original + [(k, v.encode()) for k, v in extra]))
+            headers=dlq_headers(headers, error.reason, str(error), self.topic, partition, offset, count=error.count,
+                                producer_id=error.producer_id, first_seq=error.first_seq)))
         logger.warning("rejected %s[%d]@%d to %s: %s", self.topic, partition, offset, self.dlq_topic, error)
 
     def flush(self, timeout_s: float = 30.0) -> None:

@@ -14,11 +14,12 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import redis
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from common.keys import JobKeys
+from common.metrics_server import MetricsServer
 from common.redis_client import connect
 
 from .push.updates import unapplied_updates
@@ -69,37 +70,6 @@ class MeteredServer(Protocol):
     @property
     def table_names(self) -> Sequence[str]:
         """The model's embedding tables (empty before the model is loaded, or for a dense model)."""
-
-
-class MetricsServer:
-    """prometheus_client's own HTTP server for ``registry`` on a daemon thread (``GET /metrics``;
-    any path answers). ``port`` 0 binds a free port (tests); :attr:`port` is the bound one.
-
-    Raises:
-        OSError: the port cannot be bound (the message names it).
-    """
-
-    def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
-        try:
-            self._httpd, self._thread = start_http_server(port, addr=addr, registry=registry)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror}") from exc
-        self.port: int = self._httpd.server_port
-        """The port it listens on."""
-        logger.info("serving Prometheus metrics on %s:%d", addr, self.port)
-
-    def close(self) -> None:
-        """Stop serving and release the port (idempotent)."""
-        if self._thread.is_alive():
-            self._httpd.shutdown()
-            self._thread.join(5.0)
-        self._httpd.server_close()
-
-    def __enter__(self) -> MetricsServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _Backlog(Collector):

@@ -1,0 +1,2 @@
+"""The joiner: impressions and their delayed feedback become labelled training records, in event time,
+exactly once (Kafka transactions). See docs/join.md."""

@@ -1,0 +1,397 @@
+"""The joiner's Kafka loop: consume a task's inputs in event-time order, join, and commit the records, the
+state's changelog and the input offsets in one Kafka transaction.
+
+Partitions are split between joiners by Kafka's consumer group (the range assignor gives one joiner
+partition ``p`` of every input topic: a *task*). Each joiner has one transactional producer,
+``<app-id>-<instance-id>``: a restarted joiner aborts what its predecessor left open, and a stale one is
+fenced by the group's generation (KIP-447) when it commits. See docs/join.md, *Exactly once*.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer
+from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.coordinator.assignors.range import RangePartitionAssignor
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from ..dlq import dlq_headers
+from ..topics import MAX_MESSAGE_BYTES, dlq_topic, ensure_topic, topic_replication
+from .events import Feedback, Impression, JoinDecodeError, Punctuation, decode_event
+from .settings import JoinSettings
+from .state import JoinRules, Output, Source, TaskState
+
+__all__ = ["JoinError", "JoinStats", "Joiner", "changelog_topic", "rules_of"]
+
+logger = logging.getLogger(__name__)
+
+_RESTORE_WAIT_S = 120.0  # longest wait for a dead joiner's open transaction on a changelog partition to end
+
+
+class JoinError(RuntimeError):
+    """The joiner cannot go on (its inputs disagree, or it was fenced); the message says why."""
+
+
+def changelog_topic(app_id: str) -> str:
+    """The compacted topic of a join's state."""
+    return f"{app_id}.changelog"
+
+
+def rules_of(s: JoinSettings) -> JoinRules:
+    """The event-time rules of ``s``."""
+    window_ms = round(s.window_s * 1000)
+    return JoinRules(window_ms=window_ms, lateness_ms=round(s.allowed_lateness_s * 1000),
+                     retain_ms=window_ms if s.retain_s is None else round(s.retain_s * 1000),
+                     max_pending=s.max_pending, label=s.label, negative_rate=s.negative_rate, fmt=s.format)
+
+
+@dataclass(frozen=True)
+class JoinStats:
+    """What a joiner has done, over the partitions it owns (counters restored with them)."""
+
+    partitions: list[int]
+    counters: dict[str, int]
+    """``joined``, ``positives``, ``negatives``, ``negatives_dropped``, ``decided_early``, ``repeat``,
+    ``ignored``, ``late.<reason>``, ``dead.<reason>``."""
+    pending: int
+    early_feedback: int
+    watermark_ms: int | None
+    """The lowest watermark of its tasks (None before any has one)."""
+    transactions: int
+    """Transactions committed by this process."""
+
+    def report(self) -> dict[str, Any]:
+        """The body of ``POST /v1/join/joiners/<name>`` (less ``url``)."""
+        c = self.counters
+        lag = None if self.watermark_ms is None else max(0.0, time.time() - self.watermark_ms / 1000)
+        return {"partitions": self.partitions, "joined": c.get("joined", 0), "positives": c.get("positives", 0),
+                "negatives": c.get("negatives", 0), "negatives_dropped": c.get("negatives_dropped", 0),
+                "late": {k[5:]: v for k, v in c.items() if k.startswith("late.")},
+                "dead_letters": {k[5:]: v for k, v in c.items() if k.startswith("dead.")},
+                "decided_early": c.get("decided_early", 0), "pending": self.pending,
+                "early_feedback": self.early_feedback, "watermark_ms": self.watermark_ms,
+                "watermark_lag_s": lag, "transactions": self.transactions}
+
+
+@dataclass
+class _Task:
+    """Partition ``p`` of every input topic, and its state."""
+
+    p: int
+    state: TaskState
+    buffers: dict[TopicPartition, deque[tuple[int, Any, Any]]] = field(default_factory=dict)
+    """Per input partition: (sort time, decoded event or error, message), in offset order."""
+    next_offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    last_arrival: dict[TopicPartition, float] = field(default_factory=dict)
+
+
+def _ensure_compacted(bootstrap: str, topic: str, partitions: int) -> int:
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="streamtrain-join")
+    try:
+        if topic not in admin.list_topics():
+            brokers = [b for b in admin.describe_cluster()["brokers"] if not b.get("is_fenced")]
+            copies, configs = topic_replication(max(1, len(brokers)))
+            try:
+                admin.create_topics([NewTopic(topic, partitions, copies, topic_configs={
+                    "cleanup.policy": "compact", "max.message.bytes": str(MAX_MESSAGE_BYTES), **configs})])
+            except TopicAlreadyExistsError:
+                pass
+        return len(admin.describe_topics([topic])[0]["partitions"])
+    finally:
+        admin.close()
+
+
+class Joiner(ConsumerRebalanceListener):
+    """One joiner process: call :meth:`run` until ``stop`` is set."""
+
+    def __init__(self, s: JoinSettings, *, stop: threading.Event | None = None) -> None:
+        self.s = s
+        self.rules = rules_of(s)
+        self.stop = stop or threading.Event()
+        self.inputs = [s.impressions, *s.feedback_topics]
+        self.changelog = changelog_topic(s.app_id)
+        self._tasks: dict[int, _Task] = {}
+        self._suspended: dict[int, TaskState] = {}
+        self._in_txn = False
+        self._last_commit = time.monotonic()
+        self._transactions = 0
+        self._lock = threading.Lock()  # stats() is read from other threads
+        self._stats = JoinStats([], {}, 0, 0, None, 0)
+        counts = {t: ensure_topic(s.bootstrap, t, 1) for t in self.inputs}
+        if len(set(counts.values())) != 1:
+            raise JoinError(f"the input topics must have as many partitions each, so impressions and feedback "
+                            f"partition alike; they have {counts}")
+        self.partitions = counts[s.impressions]
+        ensure_topic(s.bootstrap, s.topic, s.partitions or self.partitions)
+        got = _ensure_compacted(s.bootstrap, self.changelog, self.partitions)
+        if got != self.partitions:
+            raise JoinError(f"changelog {self.changelog} has {got} partitions, the inputs {self.partitions}: it "
+                            f"belongs to another join; choose another --app-id")
+        for t in self.inputs:
+            ensure_topic(s.bootstrap, dlq_topic(t), 1)
+        if s.late:
+            ensure_topic(s.bootstrap, s.late, self.partitions)
+        self.producer = KafkaProducer(
+            bootstrap_servers=s.bootstrap, client_id=f"streamtrain-join-{s.instance_id}",
+            transactional_id=f"{s.app_id}-{s.instance_id}", acks="all", enable_idempotence=True,
+            transaction_timeout_ms=round(s.transaction_timeout_s * 1000), max_request_size=MAX_MESSAGE_BYTES,
+            linger_ms=5, batch_size=256 * 1024)
+        self.producer.init_transactions()  # aborts what a predecessor with our id left open
+        self.consumer = KafkaConsumer(
+            bootstrap_servers=s.bootstrap, group_id=s.app_id, client_id=f"streamtrain-join-{s.instance_id}",
+            enable_auto_commit=False, isolation_level="read_committed", auto_offset_reset="earliest",
+            partition_assignment_strategy=[RangePartitionAssignor], max_poll_records=10_000,
+            session_timeout_ms=round(s.session_timeout_s * 1000),
+            heartbeat_interval_ms=max(1000, round(s.session_timeout_s * 1000) // 4))
+        self.consumer.subscribe(self.inputs, listener=self)
+
+    # -- the group's callbacks (inside poll) ---------------------------------------------------------------
+    def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        """Commit what was joined; keep the states (a task kept needs no restore), drop the buffered events."""
+        self._commit()
+        for task in self._tasks.values():
+            self._suspended[task.p] = task.state
+        self._tasks = {}
+
+    def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        """Resume or restore the tasks of the partitions assigned."""
+        by_p: dict[int, set[str]] = {}
+        for tp in assigned:
+            by_p.setdefault(tp.partition, set()).add(tp.topic)
+        tasks: dict[int, _Task] = {}
+        for p, topics in sorted(by_p.items()):
+            if topics != set(self.inputs):
+                raise JoinError(f"partition {p} of {sorted(topics)} was assigned without the same partition of "
+                                f"{sorted(set(self.inputs) - topics)}: every input needs the same partition count")
+            state = self._suspended.pop(p, None)
+            if state is None:
+                state = self._restore(p)
+            task = _Task(p, state)
+            now = time.monotonic()
+            for t in self.inputs:
+                tp = TopicPartition(t, p)
+                task.buffers[tp] = deque()
+                task.last_arrival[tp] = now
+            tasks[p] = task
+        self._suspended.clear()
+        self._tasks = tasks
+        self._publish()
+        logger.info("joining partitions %s of %s", sorted(tasks), ", ".join(self.inputs))
+
+    def _restore(self, p: int) -> TaskState:
+        """Task ``p``'s state from its changelog partition, once no transaction is open on it."""
+        tp = TopicPartition(self.changelog, p)
+        reader = KafkaConsumer(bootstrap_servers=self.s.bootstrap, isolation_level="read_committed",
+                               enable_auto_commit=False, client_id=f"streamtrain-join-restore-{p}",
+                               max_partition_fetch_bytes=MAX_MESSAGE_BYTES)
+        raw = KafkaConsumer(bootstrap_servers=self.s.bootstrap, enable_auto_commit=False,
+                            client_id=f"streamtrain-join-restore-{p}")
+        try:
+            deadline = time.monotonic() + _RESTORE_WAIT_S
+            while True:  # a dead joiner's open transaction: wait for the broker to end it
+                stable, high = reader.end_offsets([tp])[tp], raw.end_offsets([tp])[tp]
+                if stable >= high:
+                    break
+                if time.monotonic() > deadline:
+                    raise JoinError(f"{self.changelog}[{p}] still has an open transaction after {_RESTORE_WAIT_S} s")
+                time.sleep(0.2)
+            reader.assign([tp])
+            reader.seek_to_beginning(tp)
+            records: dict[bytes, bytes] = {}
+            read = 0
+            while reader.position(tp) < stable:
+                for msgs in reader.poll(timeout_ms=500).values():
+                    for m in msgs:
+                        read += 1
+                        if m.value is None:
+                            records.pop(m.key, None)
+                        else:
+                            records[m.key] = m.value
+        finally:
+            reader.close()
+            raw.close()
+        inputs = tuple(f"{t}/{p}" for t in self.inputs)
+        state = TaskState.restore(self.rules, inputs, records)
+        logger.info("restored partition %d from %d changelog records: %d pending, %d decided, watermark %s",
+                    p, read, len(state.pending), len(state.decided), state.watermark)
+        return state
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Join until :attr:`stop` is set; then commit and close."""
+        interval = self.s.commit_interval_ms / 1000
+        try:
+            while not self.stop.is_set():
+                polled = self.consumer.poll(timeout_ms=min(100, self.s.commit_interval_ms))
+                now = time.monotonic()
+                for tp, msgs in polled.items():
+                    task = self._tasks.get(tp.partition)
+                    if task is None:
+                        continue
+                    buf = task.buffers[tp]
+                    for m in msgs:
+                        buf.append(self._decode(m))
+                    if msgs:
+                        task.last_arrival[tp] = now
+                for task in list(self._tasks.values()):
+                    self._process(task, now)
+                if self._in_txn and time.monotonic() - self._last_commit >= interval:
+                    self._commit()
+            self._commit()
+        finally:
+            self.close()
+
+    def _decode(self, m: Any) -> tuple[int, Any, Any]:
+        try:
+            ev = decode_event(m.value)
+        except JoinDecodeError as exc:
+            return -1, exc, m  # a bad event has no time: handled as soon as it is read
+        return ev.t_ms, ev, m
+
+    def _caught_up(self, tp: TopicPartition) -> bool:
+        high = self.consumer.highwater(tp)  # known once a fetch answered, and then so is the position
+        return high is not None and self.consumer.position(tp) >= high
+
+    def _process(self, task: _Task, now: float) -> None:
+        """Handle the task's buffered events in event-time order, as long as every input that may still
+        hold an earlier event has one buffered."""
+        buffers = task.buffers
+        state = task.state
+        idle_s = self.s.idle_s
+        while True:
+            best: TopicPartition | None = None
+            best_t = 0
+            for tp, buf in buffers.items():
+                if buf:
+                    if best is None or buf[0][0] < best_t:
+                        best, best_t = tp, buf[0][0]
+                elif not self._caught_up(tp):
+                    best = None  # it may hold something earlier: wait for it
+                    break
+            if best is None:
+                break
+            _, ev, m = buffers[best].popleft()
+            self._begin()
+            name = f"{best.topic}/{best.partition}"
+            source = Source(best.topic, best.partition, m.offset)
+            if isinstance(ev, JoinDecodeError):
+                state.count(f"dead.{ev.reason}")
+                self._send(Output("dead", ev.imp or b"", m.value, ev.reason, str(ev), source), m)
+            else:
+                state.observe(name, ev.t_ms)
+                if isinstance(ev, Impression):
+                    if best.topic != self.s.impressions:
+                        out = [self._misplaced(state, ev.imp, source, "an impression on a feedback topic")]
+                    else:
+                        out = state.impression(ev, source)
+                elif isinstance(ev, Feedback):
+                    if best.topic == self.s.impressions:
+                        out = [self._misplaced(state, ev.imp, source, "feedback on the impressions topic")]
+                    else:
+                        out = state.feedback(ev, source)
+                else:
+                    assert isinstance(ev, Punctuation)
+                    out = []
+                for o in out:
+                    self._send(o, m)
+            idle = [f"{tp.topic}/{tp.partition}" for tp, buf in buffers.items()
+                    if not buf and now - task.last_arrival[tp] > idle_s]
+            for o in state.advance(idle):
+                self._send(o, None)
+            task.next_offsets[best] = m.offset + 1
+        if not any(buffers.values()):  # caught up everywhere: idle inputs may still move the watermark
+            idle = [f"{tp.topic}/{tp.partition}" for tp in buffers if now - task.last_arrival[tp] > idle_s]
+            if idle:
+                out = state.advance(idle)
+                if out:
+                    self._begin()
+                    for o in out:
+                        self._send(o, None)
+
+    @staticmethod
+    def _misplaced(state: TaskState, imp: bytes, source: Source, what: str) -> Output:
+        state.count("dead.bad_event")
+        return Output("dead", imp, None, "bad_event", f"{what}: every event belongs on its own topic", source)
+
+    def _begin(self) -> None:
+        if not self._in_txn:
+            self.producer.begin_transaction()
+            self._in_txn = True
+
+    def _send(self, o: Output, m: Any) -> None:
+        if o.kind == "record":
+            self.producer.send(self.s.topic, key=o.key, value=o.value)
+            return
+        src = o.source
+        assert src is not None
+        value = o.value if o.value is not None else (m.value if m is not None else None)
+        original = list(m.headers or []) if m is not None else []
+        if o.kind == "late":
+            if self.s.late:
+                self.producer.send(self.s.late, key=o.key, value=value, headers=[
+                    *original, ("join.reason", o.reason.encode()), ("join.topic", src.topic.encode()),
+                    ("join.partition", str(src.partition).encode()), ("join.offset", str(src.offset).encode())])
+            return
+        self.producer.send(dlq_topic(src.topic), key=f"{src.topic}/{src.partition}/{src.offset}".encode(),
+                           value=value, headers=dlq_headers(original, o.reason, o.error, src.topic, src.partition,
+                                                            src.offset))
+        logger.warning("dead-lettered %s[%d]@%d: %s: %s", src.topic, src.partition, src.offset, o.reason, o.error)
+
+    def _commit(self) -> None:
+        """Commit the open transaction: the records sent, every task's changelog and the input offsets."""
+        if not self._in_txn:
+            self._last_commit = time.monotonic()
+            return
+        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
+        for task in self._tasks.values():
+            for key, value in task.state.changelog():
+                self.producer.send(self.changelog, key=key, value=value, partition=task.p)
+            for tp, off in task.next_offsets.items():
+                offsets[tp] = OffsetAndMetadata(off, "", -1)
+        try:
+            if offsets:
+                self.producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
+            self.producer.commit_transaction()
+        except KafkaError as exc:
+            raise JoinError(f"the join's transaction failed ({type(exc).__name__}: {exc}); a restart resumes "
+                            f"from what was committed") from exc
+        self._in_txn = False
+        self._transactions += 1
+        self._last_commit = time.monotonic()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Take the stats :meth:`stats` returns (on the loop's thread, after a commit: what is committed)."""
+        states = [t.state for t in self._tasks.values()]
+        counters: Counter[str] = Counter()
+        for st in states:
+            counters.update(st.counters)
+        wms = [st.watermark for st in states if st.watermark is not None]
+        stats = JoinStats(partitions=sorted(self._tasks), counters=dict(counters),
+                          pending=sum(len(st.pending) for st in states),
+                          early_feedback=sum(st.held_count for st in states),
+                          watermark_ms=min(wms) if wms else None, transactions=self._transactions)
+        with self._lock:
+            self._stats = stats
+
+    def stats(self) -> JoinStats:
+        """Counters and state sizes as of the last commit (any thread)."""
+        with self._lock:
+            return self._stats
+
+    def close(self) -> None:
+        """Leave the group and close the clients (an open transaction is aborted by the broker's timeout or
+        the next joiner with this id)."""
+        try:
+            self.consumer.close()
+        finally:
+            self.producer.close(timeout=5)
