@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from common import settings as cfg
 
-__all__ = ["ProduceSettings"]
+__all__ = ["EventsSettings", "ProduceSettings"]
 
 
 @dataclass(frozen=True)
@@ -51,3 +51,45 @@ class ProduceSettings:
     score_wait_s: float = cfg.setting(120.0, env="STREAMTRAIN_PRODUCE_SCORE_WAIT_S", min=0.0, max=3600.0,
                                       help="with --score-url, wait up to this long for the replica to be ready "
                                            "before producing, so the first records are scored too (0: do not wait)")
+
+
+@dataclass(frozen=True)
+class EventsSettings:
+    """Settings of ``streamtrain produce-events``: impressions and delayed clicks for ``streamtrain join``
+    (docs/join.md, *The events source*)."""
+
+    bootstrap: str = cfg.setting("127.0.0.1:9092", env="STREAMTRAIN_KAFKA_BOOTSTRAP",
+                                 help="Kafka bootstrap servers")
+    impressions: str = cfg.setting("impressions", env="STREAMTRAIN_EVENTS_IMPRESSIONS", help="impressions topic")
+    feedback: str = cfg.setting("feedback", env="STREAMTRAIN_EVENTS_FEEDBACK", help="feedback (clicks) topic")
+    partitions: int = cfg.setting(4, env="STREAMTRAIN_EVENTS_PARTITIONS", min=1, max=4096,
+                                  help="partitions of both topics when they are created")
+    stream: str = cfg.setting("clicks", env="STREAMTRAIN_EVENTS_STREAM",
+                              help="the click stream the impressions come from: clicks?features=..&dense=..&seed=.. "
+                                   "(its options: docs/records.md, The clicks source)")
+    limit: int | None = cfg.setting(None, env="STREAMTRAIN_EVENTS_LIMIT", min=0,
+                                    help="impressions to write, every click of theirs included (default: until "
+                                         "stopped)")
+    rate_per_s: float = cfg.setting(1000.0, env="STREAMTRAIN_EVENTS_RATE_PER_S", min=0.001, max=1e9,
+                                    help="impressions per second of event time")
+    start_ms: int | None = cfg.setting(None, env="STREAMTRAIN_EVENTS_START_MS", min=0, max=2 ** 52 - 1,
+                                       help="event time of the first impression, ms since the epoch (default: now)")
+    delay_mean_s: float = cfg.setting(3.0, env="STREAMTRAIN_EVENTS_DELAY_MEAN_S", min=0.001, max=1e6,
+                                      help="mean of the exponential delay from an impression to its click, seconds "
+                                           "of event time")
+    disorder_ms: int = cfg.setting(0, env="STREAMTRAIN_EVENTS_DISORDER_MS", min=0, max=86_400_000,
+                                   help="jitter each event's place in the emission order by up to this many ms of "
+                                        "event time (0: in event-time order)")
+    seed: int = cfg.setting(0, env="STREAMTRAIN_EVENTS_SEED", min=0, help="seed of the delays and the jitter")
+    rate: float | None = cfg.setting(None, env="STREAMTRAIN_EVENTS_RATE", min=0.001,
+                                     help="events (impressions and clicks) per second of wall time to stay under "
+                                          "(default: unthrottled)")
+    final_watermark_s: float = cfg.setting(3600.0, env="STREAMTRAIN_EVENTS_FINAL_WATERMARK_S", min=0.0, max=1e7,
+                                           help="the punctuation written to every partition at the end: the last "
+                                                "event time plus this many seconds")
+    truth: str = cfg.setting("", env="STREAMTRAIN_EVENTS_TRUTH",
+                             help="write the ground truth of every label to this JSON-lines file (empty: off)")
+    window_s: float = cfg.setting(30.0, env="STREAMTRAIN_EVENTS_WINDOW_S", min=0.0, max=1e7,
+                                  help="the join window the ground truth's labels are for")
+    format: str = cfg.setting("msgpack", env="STREAMTRAIN_EVENTS_FORMAT", choices=("msgpack", "json"),
+                              help="encoding of the events")
