@@ -21,6 +21,7 @@ from common.tasks import cancel_and_wait
 
 from .channel import channel, close_channels
 from .feed_route import setup_feed_routes
+from .join_route import setup_join_route
 from .kafka_probe import KafkaProbe
 from .membership import RenewLeases
 from .metrics import Metrics
@@ -103,6 +104,7 @@ def create_app(settings: CoordinatorSettings) -> web.Application:
     setup_model_route(app)  # GET /v1/model (imports the parameter plane and torch on first use only)
     setup_feed_routes(app)  # GET /v1/model/updates and /v1/embeddings/{table} (likewise)
     setup_serving_route(app)  # POST /v1/serving/replicas/{name}: the serving replicas' reports (in memory)
+    setup_join_route(app)  # POST /v1/join/joiners/{name}: the joiners' reports (in memory)
     app.router.add_get("/v1/members/{member_id}/channel", channel)
     app.on_shutdown.append(close_channels)
     return app

@@ -23,6 +23,7 @@ from common.outage import REDIS_DOWN
 
 from .assign import capability_weight
 from .errors import ConflictError, MemberGoneError, UnknownMemberError
+from .join_status import JOIN
 from .membership import Drain, Event, Heartbeat, Leave, Membership, Register
 from .runtime import RUNTIME, SAMPLER, Runtime, apply_event, now_ms
 from .state import FIXED_CONFIG, JobConfig
@@ -311,8 +312,8 @@ async def partitions(request: web.Request) -> web.Response:
 @routes.get("/v1/status")
 async def status(request: web.Request) -> web.Response:
     """Everything at once: config, members, partitions, versions, staleness, throughput, loss, the
-    embedding tables (rows, bytes, counters, the trainers' row cache hit rate) and the serving replicas
-    (their last reports, :mod:`coordinator.serving_route`)."""
+    embedding tables (rows, bytes, counters, the trainers' row cache hit rate), the serving replicas
+    (their last reports, :mod:`coordinator.serving_route`) and the joiners (:mod:`coordinator.join_route`)."""
     rt = _rt(request)
     keys = rt.store.keys
     config = await rt.store.config()
@@ -328,7 +329,7 @@ async def status(request: web.Request) -> web.Response:
             "lag": sum(p["lag"] for p in parts if p["lag"] is not None),
             **summary(state, config, versions, clocks, applied),
             "tables": tables_view(tables, {m.member_id: m.stats for m in state.members.values()}),
-            "serving": request.app[SERVING].view()}
+            "serving": request.app[SERVING].view(), "join": request.app[JOIN].view()}
     return web.json_response(body)
 
 

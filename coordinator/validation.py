@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,8 @@ class Field:
 
     kind: str
     """"str", "int" (an integral number: ``3`` or ``3.0``), "number", "bool", "object" (nested
-    schema), "numbers" (list of numbers) or "objects" (list of objects of the nested schema)."""
+    schema), "numbers" (list of numbers), "ints" (list of integers), "objects" (list of objects of the
+    nested schema) or "counts" (an object of names matching :attr:`names` to integers)."""
     required: bool = False
     choices: Sequence[Any] | None = None
     min: float | None = None
@@ -38,6 +40,9 @@ class Field:
     """Schema of a nested object."""
     nullable: bool = False
     """``null`` is allowed too (and returned as None): OpenAPI's ``type: [<kind>, "null"]``."""
+    names: str | None = None
+    """The pattern every name of a "counts" object matches in full (OpenAPI's ``propertyNames``);
+    ``max_len`` bounds how many names it has and ``min``/``max`` each count."""
 
 
 def _check(path: str, spec: Field, value: Any) -> Any:
@@ -71,6 +76,15 @@ def _check(path: str, spec: Field, value: Any) -> Any:
         for i, item in enumerate(value):
             _check(f"{path}[{i}]", Field("number", min=spec.min, max=spec.max), item)
         return list(value)
+    elif kind == "ints":
+        if not isinstance(value, list):
+            raise InvalidBody(f"{path}: expected a list of integers, got {type(value).__name__}")
+        if len(value) > spec.max_len:
+            raise InvalidBody(f"{path}: more than {spec.max_len} items")
+        return [_check(f"{path}[{i}]", Field("int", min=spec.min, max=spec.max), item)
+                for i, item in enumerate(value)]
+    elif kind == "counts":
+        return _counts(path, spec, value)
     elif kind == "object":
         return validate(value, spec.schema or {}, path)
     elif kind == "objects":
@@ -88,6 +102,20 @@ def _check(path: str, spec: Field, value: Any) -> Any:
     if spec.max is not None and value > spec.max:
         raise InvalidBody(f"{path}: must be <= {spec.max}, got {value!r}")
     return value
+
+
+def _counts(path: str, spec: Field, value: Any) -> dict[str, int]:
+    if not isinstance(value, dict):
+        raise InvalidBody(f"{path}: expected an object of counts, got {type(value).__name__}")
+    if len(value) > spec.max_len:
+        raise InvalidBody(f"{path}: more than {spec.max_len} names")
+    pattern = re.compile(spec.names or ".*")
+    out = {}
+    for name, count in value.items():
+        if not pattern.fullmatch(name):
+            raise InvalidBody(f"{path}: name {name[:80]!r} does not match {pattern.pattern}")
+        out[name] = _check(f"{path}.{name}", Field("int", min=spec.min, max=spec.max), count)
+    return out
 
 
 def validate(body: Any, schema: Mapping[str, Field], path: str = "", *,

@@ -22,11 +22,14 @@ from plane_util import push_offsets_only
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.keys import JobKeys
+from coordinator import join_status as join_status_module
 from coordinator import routes
 from coordinator import status as status_module
 from coordinator.app import create_app
 from coordinator.client import CoordinatorClient
 from coordinator.errors import AuthError, BadRequestError, MemberGoneError
+from coordinator.join_route import REPORT as JOIN_REPORT
+from coordinator.join_status import JOIN
 from coordinator.serving_route import REPORT
 from coordinator.settings import CONSISTENCY_MODELS, OPTIMIZERS, CoordinatorSettings
 from coordinator.state import JobConfig, Store, parse_assignment
@@ -564,7 +567,7 @@ def test_tokens_are_compared_with_compare_digest(monkeypatch: pytest.MonkeyPatch
 
 
 _OPENAPI_TYPES = {"str": "string", "int": "integer", "number": "number", "bool": "boolean",
-                  "object": "object", "numbers": "array", "objects": "array"}
+                  "object": "object", "numbers": "array", "ints": "array", "objects": "array", "counts": "object"}
 
 
 def _resolve(doc: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
@@ -606,12 +609,20 @@ def _limit_problems(doc: dict[str, Any], where: str, fields: dict[str, Field],
             problems += _limit_problems(doc, f"{path}[]", dict(field.schema or {}), prop.get("items", {}))
             continue
         bounded = prop
-        if field.kind == "numbers":
+        if field.kind in ("numbers", "ints"):
             if prop.get("maxItems") != field.max_len:
                 problems.append(f"{path}: maxItems {prop.get('maxItems')} != {field.max_len}")
             bounded = prop.get("items", {})
-            if bounded.get("type") != "number":
-                problems.append(f"{path}: items must be numbers")
+            if bounded.get("type") != ("number" if field.kind == "numbers" else "integer"):
+                problems.append(f"{path}: items must be {field.kind}")
+        elif field.kind == "counts":
+            if prop.get("maxProperties") != field.max_len:
+                problems.append(f"{path}: maxProperties {prop.get('maxProperties')} != {field.max_len}")
+            if prop.get("propertyNames") != {"pattern": f"^{field.names}$"}:
+                problems.append(f"{path}: propertyNames {prop.get('propertyNames')} != the pattern ^{field.names}$")
+            bounded = prop.get("additionalProperties") or {}
+            if bounded.get("type") != "integer":
+                problems.append(f"{path}: the counts must be integers")
         elif field.kind == "str" and field.choices is None and prop.get("maxLength") != field.max_len:
             problems.append(f"{path}: maxLength {prop.get('maxLength')} != {field.max_len}")
         choices = None if field.choices is None else [*field.choices, *([None] if field.nullable else [])]
@@ -630,7 +641,8 @@ def test_openapi_declares_the_enforced_limits() -> None:
               ("post", "/v1/admin/members/{member_id}/drain"): {},
               ("post", "/v1/admin/pause"): {},
               ("post", "/v1/admin/resume"): {},
-              ("post", "/v1/serving/replicas/{name}"): REPORT}
+              ("post", "/v1/serving/replicas/{name}"): REPORT,
+              ("post", "/v1/join/joiners/{name}"): JOIN_REPORT}
     problems = []
     for (method, path), fields in bodies.items():
         op = doc["paths"][path][method]
@@ -857,3 +869,122 @@ async def test_the_replicas_kept_are_bounded(settings: CoordinatorSettings, monk
         assert resp.status == 429 and (await resp.json())["error"]["code"] == "too_many_replicas"
         assert [r["name"] for r in (await (await client.get("/v1/status")).json())["serving"]["replicas"]] == \
             ["r1", "r2"]
+
+
+def join_report(**changes: Any) -> dict[str, Any]:
+    """A joiner's report (``streamtrain join``: /tmp's spec, docs/join.md)."""
+    return {"url": "http://join-1:9105/metrics", "partitions": [0, 2], "joined": 1000, "positives": 120,
+            "negatives": 880, "negatives_dropped": 0, "late": {"outside_window": 3, "after_decision": 1},
+            "dead_letters": {"bad_event": 2}, "decided_early": 0, "pending": 40, "early_feedback": 2,
+            "watermark_ms": 1_700_000_000_000, "watermark_lag_s": 1.5, "transactions": 50, **changes}
+
+
+async def test_joiners_reports_show_in_status_summed_with_their_rate_and_are_forgotten(
+        settings: CoordinatorSettings, redis: redis_lib.Redis) -> None:
+    """Each joiner's last report, its age and its join rate from successive reports; the counts summed over the
+    joiners (late and dead letters by reason), the partitions they own, the largest watermark lag; a joiner
+    silent for 10 s is forgotten; nothing goes to Redis."""
+    async with running_coordinator(settings) as client:
+        now = [1000.0]
+        client.server.app[JOIN].clock = lambda: now[0]
+        nobody = {"joiners": [], "partitions": [], "joined": 0, "positives": 0, "negatives": 0,
+                  "negatives_dropped": 0, "decided_early": 0, "pending": 0, "early_feedback": 0, "transactions": 0,
+                  "late": {}, "dead_letters": {}, "watermark_lag_s": None, "joined_per_s": None}
+        assert (await (await client.get("/v1/status")).json())["join"] == nobody
+        before = dump(redis)
+
+        async def post(name: str, **changes: Any) -> None:
+            resp = await client.post(f"/v1/join/joiners/{name}", headers=JOB_AUTH, json=join_report(**changes))
+            assert resp.status == 204, await resp.text()
+            assert await resp.read() == b""
+
+        await post("join-1")
+        await post("b.2_x-Y:0", partitions=[3, 1], joined=10, positives=1, negatives=5, negatives_dropped=4,
+                   late={"outside_window": 2, "decided_early": 5}, dead_letters={}, watermark_ms=None,
+                   watermark_lag_s=None, url="")
+        now[0] += 0.5
+        join = (await (await client.get("/v1/status")).json())["join"]
+        assert [j["name"] for j in join["joiners"]] == ["b.2_x-Y:0", "join-1"]
+        assert join["joiners"][1] == {"name": "join-1", **join_report(), "joined_per_s": None, "age_s": 0.5}
+        assert join["joiners"][0]["watermark_ms"] is None and join["joiners"][0]["partitions"] == [3, 1]
+        assert {k: v for k, v in join.items() if k != "joiners"} == {
+            "partitions": [0, 1, 2, 3], "joined": 1010, "positives": 121, "negatives": 885, "negatives_dropped": 4,
+            "decided_early": 0, "pending": 80, "early_feedback": 4, "transactions": 100,
+            "late": {"after_decision": 1, "decided_early": 5, "outside_window": 5}, "dead_letters": {"bad_event": 2},
+            "watermark_lag_s": 1.5, "joined_per_s": None}  # nobody reported twice yet
+
+        now[0] += 0.5
+        await post("join-1", joined=1400, watermark_lag_s=0.25)  # 400 records in 1 s
+        now[0] += 1.0
+        await post("b.2_x-Y:0", joined=110, watermark_lag_s=4.0)  # 100 in 2 s
+        join = (await (await client.get("/v1/status")).json())["join"]
+        assert {j["name"]: j["joined_per_s"] for j in join["joiners"]} == {
+            "join-1": pytest.approx(400.0), "b.2_x-Y:0": pytest.approx(50.0)}
+        assert join["joined_per_s"] == pytest.approx(450.0) and join["joined"] == 1510
+        assert join["watermark_lag_s"] == 4.0  # the joiner furthest behind
+        assert {j["name"]: j["age_s"] for j in join["joiners"]} == {"join-1": 1.0, "b.2_x-Y:0": 0.0}
+
+        now[0] += 1.0
+        await post("b.2_x-Y:0", joined=5)  # gave partitions away, or started afresh: no rate from a count that fell
+        join = (await (await client.get("/v1/status")).json())["join"]
+        assert {j["name"]: j["joined_per_s"] for j in join["joiners"]}["b.2_x-Y:0"] is None
+        assert join["joined_per_s"] == pytest.approx(400.0)
+
+        now[0] += FORGET_AFTER_S - 0.5  # join-1 is 10.5 s silent, b 9.5 s
+        join = (await (await client.get("/v1/status")).json())["join"]
+        assert [j["name"] for j in join["joiners"]] == ["b.2_x-Y:0"] and join["partitions"] == [0, 2]
+        now[0] += 1.0
+        assert (await (await client.get("/v1/status")).json())["join"] == nobody
+        assert dump(redis) == before  # in memory only
+
+
+@pytest.mark.parametrize(("name", "headers", "body", "status", "code", "needle"), [
+    ("j1", {}, join_report(), 401, "unauthorized", "missing bearer job token"),
+    ("j1", ADMIN_AUTH, join_report(), 401, "unauthorized", "wrong job token"),
+    ("a" * 129, JOB_AUTH, join_report(), 400, "invalid_name", "1-128 characters"),
+    ("j%201", JOB_AUTH, join_report(), 400, "invalid_name", "'j 1'"),
+    ("j1", JOB_AUTH, {k: v for k, v in join_report().items() if k != "pending"}, 400, "invalid_body",
+     "pending: required field is missing"),
+    ("j1", JOB_AUTH, join_report(joined=-1), 400, "invalid_body", "joined: must be >= 0"),
+    ("j1", JOB_AUTH, join_report(positives=1.5), 400, "invalid_body", "positives: expected an integer"),
+    ("j1", JOB_AUTH, join_report(negatives="3"), 400, "invalid_body", "negatives: expected an integer"),
+    ("j1", JOB_AUTH, join_report(transactions=None), 400, "invalid_body", "transactions: expected an integer"),
+    ("j1", JOB_AUTH, join_report(partitions=3), 400, "invalid_body", "partitions: expected a list of integers"),
+    ("j1", JOB_AUTH, join_report(partitions=[0, -1]), 400, "invalid_body", "partitions[1]: must be >= 0"),
+    ("j1", JOB_AUTH, join_report(late=[]), 400, "invalid_body", "late: expected an object of counts"),
+    ("j1", JOB_AUTH, join_report(late={"Outside": 1}), 400, "invalid_body", "late: name 'Outside' does not match"),
+    ("j1", JOB_AUTH, join_report(late={"x" * 65: 1}), 400, "invalid_body", "does not match [a-z_]{1,64}"),
+    ("j1", JOB_AUTH, join_report(late={"": 1}), 400, "invalid_body", "late: name '' does not match"),
+    ("j1", JOB_AUTH, join_report(dead_letters={"bad_event": -2}), 400, "invalid_body",
+     "dead_letters.bad_event: must be >= 0"),
+    ("j1", JOB_AUTH, join_report(dead_letters={"bad_event": True}), 400, "invalid_body",
+     "dead_letters.bad_event: expected an integer"),
+    ("j1", JOB_AUTH, join_report(dead_letters={f"r_{chr(97 + i // 26)}{chr(97 + i % 26)}": 1 for i in range(33)}),
+     400, "invalid_body", "dead_letters: more than 32 names"),
+    ("j1", JOB_AUTH, join_report(watermark_ms=-5), 400, "invalid_body", "watermark_ms: must be >= 0"),
+    ("j1", JOB_AUTH, join_report(watermark_lag_s=-0.5), 400, "invalid_body", "watermark_lag_s: must be >= 0"),
+    ("j1", JOB_AUTH, join_report(watermark_lag_s="1"), 400, "invalid_body", "watermark_lag_s: expected a number"),
+    ("j1", JOB_AUTH, join_report(url=None), 400, "invalid_body", "url: expected a string"),
+    ("j1", JOB_AUTH, join_report(lag=3), 400, "invalid_body", "unknown field(s) 'lag'"),
+    ("j1", JOB_AUTH, [join_report()], 400, "invalid_body", "body: expected a JSON object"),
+])
+async def test_a_refused_join_report_is_not_kept(settings: CoordinatorSettings, name: str,
+                                                 headers: dict[str, str], body: Any, status: int,
+                                                 code: str, needle: str) -> None:
+    async with running_coordinator(settings) as client:
+        resp = await client.post(f"/v1/join/joiners/{name}", headers=headers, json=body)
+        assert resp.status == status
+        error = (await resp.json())["error"]
+        assert error["code"] == code and needle in error["message"], error
+        assert (await (await client.get("/v1/status")).json())["join"]["joiners"] == []
+
+
+async def test_the_joiners_kept_are_bounded(settings: CoordinatorSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(join_status_module, "MOST_JOINERS", 2)
+    async with running_coordinator(settings) as client:
+        for name in ("j1", "j2", "j1"):
+            resp = await client.post(f"/v1/join/joiners/{name}", headers=JOB_AUTH, json=join_report())
+            assert resp.status == 204
+        resp = await client.post("/v1/join/joiners/j3", headers=JOB_AUTH, json=join_report())
+        assert resp.status == 429 and (await resp.json())["error"]["code"] == "too_many_joiners"
+        assert [j["name"] for j in (await (await client.get("/v1/status")).json())["join"]["joiners"]] == ["j1", "j2"]

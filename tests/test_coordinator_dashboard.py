@@ -2,8 +2,8 @@
 
 The browser test drives Debian's headless Chromium over the DevTools protocol
 (``tests/cdp.py``) against a coordinator on the real Redis and Kafka, with two
-members heartbeating through the HTTP API, and then two serving replicas reporting. It writes the screenshot into the
-test's tmp_path, and also to ``docs/img/dashboard.png`` when
+members heartbeating through the HTTP API, then two serving replicas and two joiners reporting. It writes the
+screenshot into the test's tmp_path, and also to ``docs/img/dashboard.png`` when
 ``STREAMTRAIN_DOCS_SCREENSHOT=1``.
 """
 
@@ -272,6 +272,35 @@ async def replicas_reporting(client: TestClient, names: list[str]) -> AsyncItera
             await task
 
 
+@contextlib.asynccontextmanager
+async def joiners_reporting(client: TestClient, names: list[str]) -> AsyncIterator[None]:
+    """Report like joiners (``POST /v1/join/joiners/<name>``), four times a second, until the block ends: each
+    owns two of four partitions and joins 100 records more per report (400/s), one in ten positive; the second
+    counts late feedback and dead letters, and its watermark lags more."""
+
+    async def report() -> None:
+        for step in range(10_000):
+            for i, name in enumerate(names):
+                joined = 100 * step
+                body = {"url": f"http://{name}:9105/metrics", "partitions": [i, i + 2], "joined": joined,
+                        "positives": joined // 10, "negatives": joined - joined // 10, "negatives_dropped": 0,
+                        "late": {"outside_window": 2 * i * step, "after_decision": i}, "dead_letters":
+                        {"bad_event": i * 3} if i else {}, "decided_early": 0, "pending": 500 + 10 * (step % 5),
+                        "early_feedback": 4, "watermark_ms": 1_700_000_000_000 + 250 * step,
+                        "watermark_lag_s": 1.0 + 2 * i + 0.1 * (step % 3), "transactions": 25 * step}
+                resp = await client.post(f"/v1/join/joiners/{name}", headers=JOB_AUTH, json=body)
+                assert resp.status == 204, await resp.text()
+            await asyncio.sleep(0.25)
+
+    task = asyncio.create_task(report())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed "
                                              "(scripts/setup_tests.sh installs it: apt-get install chromium)")
 async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
@@ -387,7 +416,29 @@ async def test_dashboard_plots_the_live_history_in_chromium_without_errors(
             for name, ready, version, lag, per_s, p99, rows, *_ in cells:
                 assert ready == "yes" and int(version) >= 1200 and 0 < float(lag) < 1, (name, ready, version, lag)
                 assert float(per_s) > 0 and 2 < float(p99) < 4 and int(rows.replace(",", "")) >= 5000, cells
-            png = await page.screenshot()
+
+            # the joiners: no section until one reports; a row per joiner and the line above them
+            assert await page.evaluate("document.getElementById('join').hidden") is True
+            joiners = ["join-a", "join-b"]
+            async with joiners_reporting(client, joiners):
+                line = await page.wait_for(
+                    "(t => !document.getElementById('join').hidden && t.startsWith('2 joiners on 4 partitions') && "
+                    "!t.includes('(–/s)') && t)(document.getElementById('join-summary').textContent)", timeout_s=30)
+                rate = re.search(r"joined \(([0-9.,]+)/s\)", line)
+                assert rate and 200 <= float(rate[1].replace(",", "")) <= 1200, line  # ~4 reports/s of +100, twice
+                assert "positive rate 10.0 %" in line and "dead letters: bad_event 3" in line, line
+                assert re.search(r"late: after_decision 1, outside_window [0-9,]+ ·", line), line  # by reason, summed
+                assert re.search(r"watermark lag 3(\.[0-9]+)? s \(furthest behind\)", line), line
+                cells = await page.evaluate("[...document.querySelectorAll('#join-rows tr')]"
+                                            ".map(tr => [...tr.children].map(td => td.textContent))")
+                png = await page.screenshot()
+            assert [c[0] for c in cells] == joiners and [c[1] for c in cells] == ["0,2", "1,3"], cells
+            for _, _, joined, per_s, positives, negatives, pending, lag, *_ in cells:
+                assert int(joined.replace(",", "")) > 0 and float(per_s.replace(",", "")) > 0, cells
+                assert int(positives.replace(",", "")) < int(negatives.replace(",", "")), cells
+                assert 500 <= int(pending) <= 540 and 1 <= float(lag) < 3.3, cells
+            assert cells[0][8:10] == ["none", "none"], cells  # counts of 0 are none
+            assert cells[1][8].startswith("after_decision 1, outside_window ") and cells[1][9] == "bad_event 3", cells
             assert page.errors() == []
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     (tmp_path / "dashboard.png").write_bytes(png)
