@@ -35,6 +35,9 @@ from coordinator.metrics import Metrics as CoordinatorMetrics
 from coordinator.routes import routes as coordinator_routes
 from coordinator.settings import CoordinatorSettings
 from datastream.consumer import ConsumerStats
+from datastream.join.metrics import join_registry
+from datastream.join.service import JoinStats
+from datastream.join.settings import JoinSettings
 from services.metrics import ServerMetrics
 from services.settings import ServerSettings
 from serving.app import create_app as create_serving_app
@@ -48,7 +51,8 @@ from trainers.settings import TrainerSettings
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose" / "docker-compose.yml"
 METRICS_PORT = {"coordinator": (CoordinatorSettings, "port"), "ps": (ServerSettings, "metrics_port"),
-                "trainer": (TrainerSettings, "metrics_port"), "serve": (ServeSettings, "port")}
+                "trainer": (TrainerSettings, "metrics_port"), "serve": (ServeSettings, "port"),
+                "join": (JoinSettings, "metrics_port")}
 """Subcommand -> (its settings, the field naming the port its /metrics is served on)."""
 OUR_PACKAGES = ("streamtrain", "services", "coordinator", "trainers", "datastream", "serving")
 SECRETS = ("STREAMTRAIN_JOB_TOKEN", "STREAMTRAIN_ADMIN_TOKEN", "STREAMTRAIN_REDIS_PASSWORD")
@@ -169,7 +173,7 @@ def test_infrastructure_services(compose: dict) -> None:
 
 def test_every_service_runs_a_real_cli_command(compose: dict) -> None:
     ours = _our_services(compose)
-    assert {"coordinator", "ps-0", "ps-1", "trainer", "producer", "serve"} <= set(ours)
+    assert {"coordinator", "ps-0", "ps-1", "trainer", "producer", "serve", "join"} <= set(ours)
     for name, svc in ours.items():
         command = svc["command"]
         assert command[0] == "streamtrain", f"{name}: command must start with streamtrain"
@@ -328,11 +332,38 @@ def test_kafka_advertises_the_address_our_services_use(compose: dict) -> None:
         assert b in advertised, f"{b} is not among Kafka's advertised listeners {advertised}"
 
 
-@pytest.mark.parametrize("service", ["trainer", "serve"])
+@pytest.mark.parametrize("service", ["trainer", "serve", "join"])
 def test_scaled_services_are_scalable(compose: dict, service: str) -> None:
     svc = compose["services"][service]
     assert "container_name" not in svc and "hostname" not in svc  # fixed names would forbid --scale
     assert "ports" not in svc or all(":" not in str(p) for p in svc["ports"])  # no fixed host port
+
+
+def test_the_joiner_writes_the_topic_the_trainers_read_and_reports_to_the_coordinator(compose: dict) -> None:
+    """``join`` reads the impressions and feedback topics from the job's Kafka and writes the labelled records
+    to the job's topic, which the trainers consume; it reports to the coordinator with the job token and serves its
+    metrics on 9105, and starts once Kafka and the coordinator are up."""
+    services = _our_services(compose)
+    svc = services["join"]
+    assert svc["command"][:2] == ["streamtrain", "join"]
+    settings = from_args(JoinSettings, build_parser("join").parse_args(svc["command"][2:]), environ=_env(svc))
+    trainer = services["trainer"]
+    trained = from_args(TrainerSettings, build_parser("trainer").parse_args(trainer["command"][2:]),
+                        environ=_env(trainer))
+    coordinator = services["coordinator"]
+    coordinating = from_args(CoordinatorSettings, build_parser("coordinator").parse_args(coordinator["command"][2:]),
+                             environ=_env(coordinator))
+    assert (settings.impressions, settings.feedback_topics) == ("impressions", ["feedback"])
+    assert settings.topic == coordinating.topic  # the trainers read the topic the coordinator assigns
+    # should the joiner start first, it creates the training topic with the job's partitions, as the producer would
+    producer = services["producer"]["command"]
+    assert settings.partitions == coordinating.partitions == int(_flag(producer, "--partitions"))
+    assert settings.bootstrap == trained.kafka_bootstrap
+    assert settings.token == coordinating.job_token and settings.metrics_port == 9105
+    url = urlsplit(settings.coordinator_url)
+    assert url.hostname == "coordinator" and url.port == coordinating.port
+    assert {d: c["condition"] for d, c in svc["depends_on"].items()} == {
+        "kafka": "service_healthy", "coordinator": "service_healthy"}
 
 
 def _serving_routes() -> set[tuple[str, str]]:
@@ -477,9 +508,10 @@ def test_prometheus_scrapes_every_metrics_endpoint_on_its_port(compose: dict, pr
             scraped.add(host)
     serving = {name for name, svc in services.items() if _served_metrics_port(svc)}
     assert serving == scraped, f"serving metrics but not scraped: {serving - scraped}"
-    assert {"coordinator", "ps-0", "ps-1", "trainer", "serve"} <= scraped
-    # trainers and serving replicas scale with --scale: they are discovered by DNS, never listed one by one
-    for scaled in ("trainer", "serve"):
+    assert {"coordinator", "ps-0", "ps-1", "trainer", "serve", "join"} <= scraped
+    assert [j["job_name"] for j in prometheus_config["scrape_configs"] if ("join", 9105) in _targets(j)] == ["join"]
+    # trainers, serving replicas and joiners scale with --scale: they are discovered by DNS, never listed one by one
+    for scaled in ("trainer", "serve", "join"):
         jobs = [j for j in prometheus_config["scrape_configs"] if any(h == scaled for h, _ in _targets(j))]
         assert jobs and all(not j.get("static_configs") for j in jobs), scaled
 
@@ -534,6 +566,14 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose: dict)
     for want in ("serving requests/s", "serving latency p50 / p99", "serving lag", "served version", "serving rows",
                  "serving misses", "serving reloads"):
         assert any(want in t.lower() for t in titles), f"no dashboard panel for {want}: {sorted(titles)}"
+    rows = {p["title"].split(" (")[0] for d in dashboards for p in d["panels"] if p["type"] == "row"}
+    assert "Joiner" in rows, rows
+    queries = " ".join(t["expr"] for d in dashboards for p in _queried(d) for t in p["targets"])
+    for series in ("rate(streamtrain_join_joined_total", "rate(streamtrain_join_positives_total",
+                   "rate(streamtrain_join_negatives_total", "sum by (reason) (rate(streamtrain_join_late_total",
+                   "sum by (reason) (increase(streamtrain_join_dead_letters_total", "streamtrain_join_pending",
+                   "streamtrain_join_watermark_lag_seconds"):
+        assert series in queries, f"no dashboard panel queries {series}"
     for d in dashboards:
         assert d["uid"] and d["title"]
         for panel in _queried(d):
@@ -549,8 +589,10 @@ def _exported_series() -> set[str]:
     report = TrainerReport(steps=0, clock=1, staleness=0, loss=0.5, version=1,
                            last_eval=EvalResult(1, 0.5, 0.5, 10), consumer=ConsumerStats(0, 0, 0, 0),
                            row_cache=CacheStats(hits=3, misses=1, rows=2))
+    joined = JoinStats(partitions=[0], counters={"joined": 1, "late.outside_window": 1, "dead.bad_event": 1},
+                       pending=0, early_feedback=0, watermark_ms=0, transactions=1)
     registries = [ServerMetrics(server).registry, TrainerMetrics(lambda: report).registry,
-                  CoordinatorMetrics().registry, ServeMetrics().registry]
+                  CoordinatorMetrics().registry, ServeMetrics().registry, join_registry(lambda: joined)]
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     return {f.name + s for r in registries for f in r.collect() for s in suffixes.get(f.type, ("",))}
 
