@@ -121,13 +121,15 @@ class _Builder:
     def empty(self) -> bool:
         return not self.offsets
 
-    def cover(self, partition: int, first: int, offset: int, ts_ms: int) -> None:
-        """Extend the partition's range to ``offset``; ``first`` is where it starts if new."""
+    def cover(self, partition: int, first: int, offset: int, ts_ms: int | None) -> None:
+        """Extend the partition's range to ``offset``; ``first`` is where it starts if new (``ts_ms``
+        None: offsets that hold no record, which say nothing of when anything was produced)."""
         if not self.offsets:
             self.started = time.monotonic()
         lo = self.offsets[partition][0] if partition in self.offsets else first
         self.offsets[partition] = (lo, offset + 1)
-        self.ts_ms = ts_ms if self.ts_ms is None else min(self.ts_ms, ts_ms)
+        if ts_ms is not None:
+            self.ts_ms = ts_ms if self.ts_ms is None else min(self.ts_ms, ts_ms)
 
     def add(self, rec: Records, producer: str, seq: int) -> None:
         self.xs.append(rec.x)
@@ -210,8 +212,9 @@ class ShardConsumer:
         self._max_wait_s = max_wait_ms / 1000
         self._consumer = KafkaConsumer(
             bootstrap_servers=bootstrap, group_id=group_id, client_id=client_id,
-            # "none": an offset outside the log raises OffsetOutOfRangeError instead of jumping silently
-            enable_auto_commit=False, auto_offset_reset="none",
+            # "none": an offset outside the log raises OffsetOutOfRangeError instead of jumping silently;
+            # read_committed: a transactional writer's (streamtrain join) aborted records are never trained on
+            enable_auto_commit=False, auto_offset_reset="none", isolation_level="read_committed",
             fetch_max_bytes=fetch_max_bytes, max_partition_fetch_bytes=max_partition_fetch_bytes,
             fetch_min_bytes=fetch_min_bytes, fetch_max_wait_ms=fetch_max_wait_ms)
         self._dlq = DeadLetterWriter(bootstrap, topic) if dlq else None
@@ -399,6 +402,8 @@ class ShardConsumer:
                         if self._epoch != epoch:
                             break  # reassigned meanwhile: the rest is from the old assignment
                         self._take(msg)
+                if self._epoch == epoch:
+                    self._skip_gaps()
                 self._note_lag()
                 b = self._builder
                 if not b.empty and (b.rows >= self.max_records_per_batch or not polled
@@ -446,6 +451,17 @@ class ShardConsumer:
                 lag[p] = max(0, end - position)
         with self._stats_lock:
             self._lag = lag
+
+    def _skip_gaps(self) -> None:
+        """Cover the offsets the fetch stepped over that hold no record for us: a transaction's commit or
+        abort marker and an aborted transaction's records (read_committed). They go in the batch being
+        built (an offsets-only batch when it has no record), so a partition's committed offset reaches
+        its end and nothing counts them as lag."""
+        for p, expected in self._positions.items():
+            position = self._consumer.position(TopicPartition(self.topic, p), timeout_ms=0)
+            if position is not None and position > expected:
+                self._builder.cover(p, expected, position - 1, None)
+                self._positions[p] = position
 
     def _take(self, msg: Any) -> None:
         p, offset = msg.partition, msg.offset

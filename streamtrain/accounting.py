@@ -60,8 +60,10 @@ class AuditReport:
 
 
 def _read_topic(bootstrap: str, topic: str, until: dict[int, int] | None) -> list[tuple[int, int, bytes, list]]:
-    """(partition, offset, value, headers) of every message (below ``until`` when given)."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+    """(partition, offset, value, headers) of every committed message (below ``until`` when given): read as
+    the trainers read, so an aborted transaction's records (``streamtrain join`` writes transactionally) are
+    no message of the topic."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed",
                              consumer_timeout_ms=2000)
     try:
         parts = consumer.partitions_for_topic(topic) or set()

@@ -174,6 +174,41 @@ def test_records_of_a_plain_kafka_client_in_json_and_msgpack(kafka) -> None:
     assert len(rows) == 11
 
 
+def test_a_transactional_topic_gives_only_committed_records_and_covers_every_offset(kafka) -> None:
+    """Written as the joiner writes (a transactional producer): the records of an aborted transaction are never
+    in a batch, and the offsets that hold no record (commit and abort markers, aborted records) are covered
+    all the same, so the batches chain to the partition's end (the committed offset a trainer pushes)."""
+    topic = kafka.create_topic(partitions=1)
+    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap, transactional_id=f"txn-{topic}", acks="all")
+    try:
+        producer.init_transactions()
+        for label, commit in ((0, True), (1, False), (2, True)):
+            producer.begin_transaction()
+            for i in range(3):
+                producer.send(topic, json.dumps({"x": [float(i)], "y": label}).encode(), partition=0)
+            producer.flush()
+            if commit:
+                producer.commit_transaction()
+            else:
+                producer.abort_transaction()
+    finally:
+        producer.close()
+    probe = KafkaConsumer(bootstrap_servers=kafka.bootstrap)
+    try:
+        end = probe.end_offsets([TopicPartition(topic, 0)])[TopicPartition(topic, 0)]
+    finally:
+        probe.close()
+    assert end == 12  # 9 records and 3 markers
+    with ShardConsumer(kafka.bootstrap, topic, max_records_per_batch=100, max_wait_ms=50) as consumer:
+        consumer.assign({0: 0})
+        batches = drain(consumer, {0: end})
+        assert consumer.stats().lag == {0: 0}
+    check_chains(batches, {0: 0}, {0: end})
+    labels = [int(y) for b in batches for y in b.y]
+    assert labels == [0, 0, 0, 2, 2, 2]  # the aborted transaction's label-1 records never come
+    assert sorted(seqs(batches)) == [(f"{topic}/0", o) for o in (0, 1, 2, 8, 9, 10)]
+
+
 def _bad_values() -> dict[str, bytes]:
     good = encode_shard(np.ones((2, 2), np.float32), np.zeros(2, np.int64), producer_id="bad", first_seq=0)
     shard = msgpack.unpackb(good)
