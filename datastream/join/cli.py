@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Join until stopped; exit 0, or 1 when the join cannot go on (the error says why)."""
     s = cfg.from_args(JoinSettings, args)
+    # kafka-python warns whenever a rebalance callback (a restore) or a transaction's commit holds its
+    # event loop over 100 ms, which the join does by design
+    logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:

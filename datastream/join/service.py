@@ -3,8 +3,10 @@ state's changelog and the input offsets in one Kafka transaction.
 
 Partitions are split between joiners by Kafka's consumer group (the range assignor gives one joiner
 partition ``p`` of every input topic: a *task*). Each joiner has one transactional producer,
-``<app-id>-<instance-id>``: a restarted joiner aborts what its predecessor left open, and a stale one is
-fenced by the group's generation (KIP-447) when it commits. See docs/join.md, *Exactly once*.
+```<app-id>-<instance-id>``: a restarted joiner aborts what its predecessor left open, and a stale one is
+fenced by the group's generation (KIP-447) when it commits. A Kafka error ends the session: the joiner
+drops what it had not committed and starts afresh from what was (its clients made anew, its tasks
+restored), as a restarted process would, until the outage limit. See docs/join.md, *Exactly once*.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import InvalidProducerEpochError, KafkaError, ProducerFencedError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from common.outage import DependencyUnavailable, Outage
 
 from ..dlq import dlq_headers
 from ..topics import MAX_MESSAGE_BYTES, dlq_topic, ensure_topic, topic_replication
@@ -140,19 +144,31 @@ class Joiner(ConsumerRebalanceListener):
             ensure_topic(s.bootstrap, dlq_topic(t), 1)
         if s.late:
             ensure_topic(s.bootstrap, s.late, self.partitions)
-        self.producer = KafkaProducer(
+        self.outage = Outage(f"Kafka at {s.bootstrap}", s.outage_limit_s, logger)
+        self.producer, self.consumer = self._clients()
+
+    def _clients(self) -> tuple[KafkaProducer, KafkaConsumer]:
+        """A transactional producer (its ``init_transactions`` aborts what a predecessor with our id left
+        open) and a consumer subscribed to the inputs in the join's group."""
+        s = self.s
+        producer = KafkaProducer(
             bootstrap_servers=s.bootstrap, client_id=f"streamtrain-join-{s.instance_id}",
             transactional_id=f"{s.app_id}-{s.instance_id}", acks="all", enable_idempotence=True,
             transaction_timeout_ms=round(s.transaction_timeout_s * 1000), max_request_size=MAX_MESSAGE_BYTES,
             linger_ms=5, batch_size=256 * 1024)
-        self.producer.init_transactions()  # aborts what a predecessor with our id left open
-        self.consumer = KafkaConsumer(
-            bootstrap_servers=s.bootstrap, group_id=s.app_id, client_id=f"streamtrain-join-{s.instance_id}",
-            enable_auto_commit=False, isolation_level="read_committed", auto_offset_reset="earliest",
-            partition_assignment_strategy=[RangePartitionAssignor], max_poll_records=10_000,
-            session_timeout_ms=round(s.session_timeout_s * 1000),
-            heartbeat_interval_ms=max(1000, round(s.session_timeout_s * 1000) // 4))
-        self.consumer.subscribe(self.inputs, listener=self)
+        try:
+            producer.init_transactions()
+            consumer = KafkaConsumer(
+                bootstrap_servers=s.bootstrap, group_id=s.app_id, client_id=f"streamtrain-join-{s.instance_id}",
+                enable_auto_commit=False, isolation_level="read_committed", auto_offset_reset="earliest",
+                partition_assignment_strategy=[RangePartitionAssignor], max_poll_records=10_000,
+                session_timeout_ms=round(s.session_timeout_s * 1000),
+                heartbeat_interval_ms=max(1000, round(s.session_timeout_s * 1000) // 4))
+        except BaseException:
+            producer.close(timeout=0)
+            raise
+        consumer.subscribe(self.inputs, listener=self)
+        return producer, consumer
 
     # -- the group's callbacks (inside poll) ---------------------------------------------------------------
     def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
@@ -161,6 +177,13 @@ class Joiner(ConsumerRebalanceListener):
         for task in self._tasks.values():
             self._suspended[task.p] = task.state
         self._tasks = {}
+
+    def on_partitions_lost(self, lost: Iterable[TopicPartition]) -> None:
+        """Out of the group (a session that expired): what was not committed cannot be, and the states hold
+        it, so abort the transaction and forget them (a task assigned again is restored)."""
+        logger.warning("lost partitions %s: aborting what was not committed", sorted({tp.partition for tp in lost}))
+        self._abort()
+        self._tasks, self._suspended = {}, {}
 
     def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         """Resume or restore the tasks of the partitions assigned."""
@@ -172,9 +195,9 @@ class Joiner(ConsumerRebalanceListener):
             if topics != set(self.inputs):
                 raise JoinError(f"partition {p} of {sorted(topics)} was assigned without the same partition of "
                                 f"{sorted(set(self.inputs) - topics)}: every input needs the same partition count")
-            state = self._suspended.pop(p, None)
-            if state is None:
-                state = self._restore(p)
+        restored = self._restore([p for p in sorted(by_p) if p not in self._suspended])
+        for p in sorted(by_p):
+            state = self._suspended.pop(p, None) or restored[p]
             task = _Task(p, state)
             now = time.monotonic()
             for t in self.inputs:
@@ -187,68 +210,114 @@ class Joiner(ConsumerRebalanceListener):
         self._publish()
         logger.info("joining partitions %s of %s", sorted(tasks), ", ".join(self.inputs))
 
-    def _restore(self, p: int) -> TaskState:
-        """Task ``p``'s state from its changelog partition, once no transaction is open on it."""
-        tp = TopicPartition(self.changelog, p)
+    def _restore(self, partitions: list[int]) -> dict[int, TaskState]:
+        """The tasks' states from their changelog partitions, read once no transaction is open on them."""
+        if not partitions:
+            return {}
+        tps = [TopicPartition(self.changelog, p) for p in partitions]
         reader = KafkaConsumer(bootstrap_servers=self.s.bootstrap, isolation_level="read_committed",
-                               enable_auto_commit=False, client_id=f"streamtrain-join-restore-{p}",
+                               enable_auto_commit=False, client_id="streamtrain-join-restore",
                                max_partition_fetch_bytes=MAX_MESSAGE_BYTES)
         raw = KafkaConsumer(bootstrap_servers=self.s.bootstrap, enable_auto_commit=False,
-                            client_id=f"streamtrain-join-restore-{p}")
+                            client_id="streamtrain-join-restore")
+        records: dict[int, dict[bytes, bytes]] = {p: {} for p in partitions}
+        read = 0
         try:
             deadline = time.monotonic() + _RESTORE_WAIT_S
             while True:  # a dead joiner's open transaction: wait for the broker to end it
-                stable, high = reader.end_offsets([tp])[tp], raw.end_offsets([tp])[tp]
-                if stable >= high:
+                stable, high = reader.end_offsets(tps), raw.end_offsets(tps)
+                if all(stable[tp] >= high[tp] for tp in tps):
                     break
                 if time.monotonic() > deadline:
-                    raise JoinError(f"{self.changelog}[{p}] still has an open transaction after {_RESTORE_WAIT_S} s")
+                    raise JoinError(f"{self.changelog} still has an open transaction after {_RESTORE_WAIT_S} s")
                 time.sleep(0.2)
-            reader.assign([tp])
-            reader.seek_to_beginning(tp)
-            records: dict[bytes, bytes] = {}
-            read = 0
-            while reader.position(tp) < stable:
-                for msgs in reader.poll(timeout_ms=500).values():
+            reader.assign(tps)
+            reader.seek_to_beginning(*tps)
+            while any(reader.position(tp) < stable[tp] for tp in tps):
+                for tp, msgs in reader.poll(timeout_ms=500).items():
+                    kept = records[tp.partition]
                     for m in msgs:
                         read += 1
                         if m.value is None:
-                            records.pop(m.key, None)
+                            kept.pop(m.key, None)
                         else:
-                            records[m.key] = m.value
+                            kept[m.key] = m.value
         finally:
             reader.close()
             raw.close()
-        inputs = tuple(f"{t}/{p}" for t in self.inputs)
-        state = TaskState.restore(self.rules, inputs, records)
-        logger.info("restored partition %d from %d changelog records: %d pending, %d decided, watermark %s",
-                    p, read, len(state.pending), len(state.decided), state.watermark)
-        return state
+        states = {}
+        for p in partitions:
+            states[p] = state = TaskState.restore(self.rules, tuple(f"{t}/{p}" for t in self.inputs), records[p])
+            logger.info("restored partition %d: %d pending, %d decided, watermark %s", p, len(state.pending),
+                        len(state.decided), state.watermark)
+        logger.info("read %d changelog records of partitions %s", read, partitions)
+        return states
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self) -> None:
-        """Join until :attr:`stop` is set; then commit and close."""
-        interval = self.s.commit_interval_ms / 1000
+        """Join until :attr:`stop` is set; then commit and close.
+
+        Raises:
+            JoinError: the join cannot go on: fenced, inputs that disagree, or Kafka unreachable for longer
+                than the outage limit (the message names what).
+        """
         try:
-            while not self.stop.is_set():
-                polled = self.consumer.poll(timeout_ms=min(100, self.s.commit_interval_ms))
-                now = time.monotonic()
-                for tp, msgs in polled.items():
-                    task = self._tasks.get(tp.partition)
-                    if task is None:
-                        continue
-                    buf = task.buffers[tp]
-                    for m in msgs:
-                        buf.append(self._decode(m))
-                    if msgs:
-                        task.last_arrival[tp] = now
-                for task in list(self._tasks.values()):
-                    self._process(task, now)
-                if self._in_txn and time.monotonic() - self._last_commit >= interval:
-                    self._commit()
-            self._commit()
+            while True:
+                try:
+                    self._session()
+                    return
+                except JoinError:
+                    raise
+                except KafkaError as exc:
+                    cause = exc.__cause__
+                    if isinstance(cause, JoinError):  # raised in a rebalance callback, re-raised by poll
+                        raise cause from None
+                    self._restart(exc)
         finally:
             self.close()
+
+    def _restart(self, exc: KafkaError) -> None:
+        """A Kafka error ended the session: forget what was not committed and start over from what was, with
+        new clients (a restarted process's path), once the outage allows."""
+        logger.warning("the join's session ended (%s: %s); starting again from what was committed",
+                       type(exc).__name__, exc)
+        self._tasks, self._suspended, self._in_txn = {}, {}, False
+        self.close()
+        while True:
+            try:
+                wait = self.outage.failed(exc)
+            except DependencyUnavailable as gone:
+                raise JoinError(str(gone)) from exc
+            if self.stop.wait(wait):
+                raise JoinError(f"stopped while Kafka was unreachable ({exc})")
+            try:
+                self.producer, self.consumer = self._clients()
+                return
+            except KafkaError as again:
+                exc = again
+
+    def _session(self) -> None:
+        """Poll, join and commit until :attr:`stop` is set (then commit)."""
+        interval = self.s.commit_interval_ms / 1000
+        while not self.stop.is_set():
+            polled = self.consumer.poll(timeout_ms=min(100, self.s.commit_interval_ms))
+            if polled or self._tasks:
+                self.outage.recovered()
+            now = time.monotonic()
+            for tp, msgs in polled.items():
+                task = self._tasks.get(tp.partition)
+                if task is None:
+                    continue
+                buf = task.buffers[tp]
+                for m in msgs:
+                    buf.append(self._decode(m))
+                if msgs:
+                    task.last_arrival[tp] = now
+            for task in list(self._tasks.values()):
+                self._process(task, now)
+            if self._in_txn and time.monotonic() - self._last_commit >= interval:
+                self._commit()
+        self._commit()
 
     def _decode(self, m: Any) -> tuple[int, Any, Any]:
         try:
@@ -258,8 +327,13 @@ class Joiner(ConsumerRebalanceListener):
         return ev.t_ms, ev, m
 
     def _caught_up(self, tp: TopicPartition) -> bool:
-        high = self.consumer.highwater(tp)  # known once a fetch answered, and then so is the position
-        return high is not None and self.consumer.position(tp) >= high
+        """True when the input partition has nothing more to fetch as of the last poll (a fetch answered, and
+        its position is at the end it reported)."""
+        high = self.consumer.highwater(tp)
+        if high is None:
+            return False
+        position = self.consumer.position(tp, timeout_ms=0)
+        return position is not None and position >= high
 
     def _process(self, task: _Task, now: float) -> None:
         """Handle the task's buffered events in event-time order, as long as every input that may still
@@ -267,6 +341,7 @@ class Joiner(ConsumerRebalanceListener):
         buffers = task.buffers
         state = task.state
         idle_s = self.s.idle_s
+        caught_up = {tp: self._caught_up(tp) for tp in buffers}  # positions move only in poll
         while True:
             best: TopicPartition | None = None
             best_t = 0
@@ -274,7 +349,7 @@ class Joiner(ConsumerRebalanceListener):
                 if buf:
                     if best is None or buf[0][0] < best_t:
                         best, best_t = tp, buf[0][0]
-                elif not self._caught_up(tp):
+                elif not caught_up[tp]:
                     best = None  # it may hold something earlier: wait for it
                     break
             if best is None:
@@ -361,9 +436,9 @@ class Joiner(ConsumerRebalanceListener):
             if offsets:
                 self.producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
             self.producer.commit_transaction()
-        except KafkaError as exc:
-            raise JoinError(f"the join's transaction failed ({type(exc).__name__}: {exc}); a restart resumes "
-                            f"from what was committed") from exc
+        except (ProducerFencedError, InvalidProducerEpochError) as exc:
+            raise JoinError(f"fenced: another joiner runs as {self.s.app_id}-{self.s.instance_id} (give each "
+                            f"joiner its own --instance-id); {type(exc).__name__}: {exc}") from exc
         self._in_txn = False
         self._transactions += 1
         self._last_commit = time.monotonic()
@@ -388,9 +463,19 @@ class Joiner(ConsumerRebalanceListener):
         with self._lock:
             return self._stats
 
+    def _abort(self) -> None:
+        """Abort the open transaction, if any (a failure is left to the broker's timeout or the next joiner
+        with our id: nothing of it is visible to a committed read either way)."""
+        if self._in_txn:
+            self._in_txn = False
+            try:
+                self.producer.abort_transaction()
+            except KafkaError as exc:
+                logger.warning("could not abort the open transaction (%s); the broker aborts it", exc)
+
     def close(self) -> None:
         """Leave the group and close the clients (an open transaction is aborted by the broker's timeout or
-        the next joiner with this id)."""
+        the next joiner with this id); idempotent."""
         try:
             self.consumer.close()
         finally:
