@@ -27,6 +27,7 @@ from common.options import SpecOptions, split_spec
 from .clicks import BLOCK, ClickStream
 from .examples import Examples
 from .join.events import FORMATS, encode_feedback, key_of
+from .sources import TEST_EVERY
 
 __all__ = ["FEEDBACK", "IMPRESSION", "ClickEvents", "EventBlock", "Truth", "TruthRow", "click_stream",
            "imp_id", "partition_of", "partitions_of"]
@@ -249,6 +250,11 @@ class ClickEvents:
     partitions: int = 4
     """Partitions of both topics (an event's partition is its key's, as kafka-python's default partitioner
     picks it)."""
+    train_split: bool = False
+    """Only the records of the stream's train split become impressions: the test split (record ``i`` with
+    ``i % TEST_EVERY == TEST_EVERY - 1``, what ``load_source("clicks", split="test")`` reads) is left out,
+    with its clicks, so a job scored on it is scored on impressions it never trained on. A limit still
+    counts the stream's records."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.rate_per_s) and self.rate_per_s > 0):
@@ -318,10 +324,16 @@ class ClickEvents:
         obj_keys[n:] = [keys[j] for j in clicked.tolist()]
         obj_values[:n] = values
         obj_values[n:] = clicks
-        return _Pending(order=np.concatenate([t + imp_jitter, click_t + click_jitter[clicked]]),
-                        kind=np.repeat(np.array([IMPRESSION, FEEDBACK], np.uint8), [n, m]),
-                        index=np.concatenate([index, index[clicked]]), t_ms=np.concatenate([t, click_t]),
-                        partition=np.concatenate([part, part[clicked]]), keys=obj_keys, values=obj_values)
+        out = _Pending(order=np.concatenate([t + imp_jitter, click_t + click_jitter[clicked]]),
+                       kind=np.repeat(np.array([IMPRESSION, FEEDBACK], np.uint8), [n, m]),
+                       index=np.concatenate([index, index[clicked]]), t_ms=np.concatenate([t, click_t]),
+                       partition=np.concatenate([part, part[clicked]]), keys=obj_keys, values=obj_values)
+        return out.take(self._kept(out.index)) if self.train_split else out
+
+    @staticmethod
+    def _kept(index: np.ndarray) -> np.ndarray:
+        """Where record numbers ``index`` are in the train split."""
+        return index % TEST_EVERY != TEST_EVERY - 1
 
     def blocks(self, limit: int | None = None, *, fmt: Literal["msgpack", "json"] = "msgpack"
                ) -> Iterator[EventBlock]:
@@ -374,6 +386,9 @@ class ClickEvents:
             empty = np.empty(0, np.int64)
             return Truth(empty, empty, empty, np.empty(0, np.uint8))
         index, delay, label = (np.concatenate(p) for p in zip(*parts))
+        if self.train_split:
+            kept = self._kept(index)
+            index, delay, label = index[kept], delay[kept], label[kept]
         t = self.impression_ms(index)
         return Truth(index, t, np.where(delay >= 0, t + delay, -1), label.astype(np.uint8))
 

@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         raise cfg.SettingsError(f"--stream / STREAMTRAIN_EVENTS_STREAM: {exc}") from None
     events = ClickEvents(stream=stream, rate_per_s=s.rate_per_s,
                          start_ms=int(time.time() * 1000) if s.start_ms is None else s.start_ms,
-                         delay_mean_s=s.delay_mean_s, disorder_ms=s.disorder_ms, seed=s.seed, partitions=s.partitions)
+                         delay_mean_s=s.delay_mean_s, disorder_ms=s.disorder_ms, seed=s.seed, partitions=s.partitions,
+                         train_split=s.train_split)
     try:
         report = produce_events(s.bootstrap, s.impressions, s.feedback, events, limit=s.limit,
                                 partitions=s.partitions, rate=s.rate, final_watermark_s=s.final_watermark_s,

@@ -93,3 +93,6 @@ class EventsSettings:
                                   help="the join window the ground truth's labels are for")
     format: str = cfg.setting("msgpack", env="STREAMTRAIN_EVENTS_FORMAT", choices=("msgpack", "json"),
                               help="encoding of the events")
+    train_split: bool = cfg.setting(False, env="STREAMTRAIN_EVENTS_TRAIN_SPLIT",
+                                    help="only the stream's train split becomes impressions: its test split "
+                                         "(every 5th record) is left out, the held-out data a job is scored on")

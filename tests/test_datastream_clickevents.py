@@ -30,6 +30,7 @@ from datastream.clickevents import (
 from datastream.clicks import BLOCK, ClickStream
 from datastream.events_producer import produce_events
 from datastream.join.events import Feedback, Impression, Punctuation, decode_event, encode_impression, key_of
+from datastream.sources import TEST_EVERY
 from streamtrain.cli import main
 
 SMALL = ClickStream(features=4, dense=3, vocab=4000, multi=3, seed=5)
@@ -78,6 +79,20 @@ def test_without_disorder_events_come_in_event_time_order_with_one_click_per_pos
     # a click at the same ms as an impression comes after it
     same = np.flatnonzero(np.diff(ev.t_ms) == 0)
     assert not np.any((ev.kind[same] == FEEDBACK) & (ev.kind[same + 1] == IMPRESSION))
+
+
+def test_the_train_split_leaves_out_the_held_out_records_and_their_clicks() -> None:
+    """With ``train_split`` the test split (what ``load_source("clicks", split="test")`` scores) makes no
+    impression and no click; every other event is the one the whole stream makes, and so is the truth."""
+    events = ClickEvents(stream=SMALL, seed=5)
+    whole, train = collect(events, 5000), collect(replace(events, train_split=True), 5000)
+    held_out = whole.index % TEST_EVERY == TEST_EVERY - 1
+    assert held_out.any() and not np.any(train.index % TEST_EVERY == TEST_EVERY - 1)
+    for name in ("kind", "index", "t_ms", "values"):
+        assert np.array_equal(getattr(train, name), getattr(whole, name)[~held_out]), name
+    truth, kept = events.truth(5.0, 5000), replace(events, train_split=True).truth(5.0, 5000)
+    mask = truth.index % TEST_EVERY != TEST_EVERY - 1
+    assert np.array_equal(kept.index, truth.index[mask]) and np.array_equal(kept.label, truth.label[mask])
 
 
 def test_with_disorder_no_event_is_emitted_after_one_more_than_disorder_ms_later() -> None:
