@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import tempfile
@@ -29,7 +30,7 @@ from common.keys import JobKeys
 from common.outage import REDIS_DOWN
 from common.settings import from_args, to_flags
 from coordinator.settings import CoordinatorSettings
-from datastream.settings import ProduceSettings
+from datastream.settings import EventsSettings, JoinSettings, ProduceSettings
 from services.settings import ServerSettings
 from serving.settings import ServeSettings
 from trainers.settings import TrainerSettings
@@ -94,6 +95,12 @@ class ClusterSpec:
     is in the cluster's folder; a non-zero ``metrics_port`` is group 0's, group g's is that plus g)."""
     producer: ProduceSettings | None = LOCAL_STREAM
     """The producer (None: start no producer; ``partitions`` is the coordinator's)."""
+    events: EventsSettings | None = None
+    """With :attr:`join`: the events producer (``streamtrain produce-events``) writing impressions and their
+    delayed clicks to the joiner's inputs (``partitions`` is the coordinator's)."""
+    join: JoinSettings | None = None
+    """The joiner (``streamtrain join``) labelling the impressions for the training topic, reporting to the
+    coordinator (None: no joiner; its topic, bootstrap and partitions are the cluster's)."""
     redis_aof: bool = True
     """Redis AOF persistence."""
     redis_cluster: bool = False
@@ -150,7 +157,9 @@ class ClusterSpec:
         return replace(self, redis_password=environ.get(REDIS_PASSWORD_ENV, self.redis_password),
                        coordinator=_environment_over(self.coordinator, environ),
                        trainer=_environment_over(self.trainer, environ), ps=_environment_over(self.ps, environ),
-                       producer=None if self.producer is None else _environment_over(self.producer, environ))
+                       producer=None if self.producer is None else _environment_over(self.producer, environ),
+                       events=None if self.events is None else _environment_over(self.events, environ),
+                       join=None if self.join is None else _environment_over(self.join, environ))
 
 
 def _environment_over(settings: S, environ: Mapping[str, str]) -> S:
@@ -198,6 +207,10 @@ class Services(NamedTuple):
     """The producer, if any."""
     serve: ServeSettings
     """Every serving replica (the port is each replica's own: :meth:`LocalCluster.add_replica`)."""
+    events: EventsSettings | None = None
+    """The events producer, if any."""
+    join: JoinSettings | None = None
+    """The joiner, if any."""
 
 
 def service_settings(spec: ClusterSpec, at: Endpoints) -> Services:
@@ -218,7 +231,13 @@ def service_settings(spec: ClusterSpec, at: Endpoints) -> Services:
         score_token=spec.producer.score_token or (at.job_token if spec.producer.score_url else ""))
     serve = replace(spec.serve, job=spec.job, model=spec.trainer.model, coordinator_url=at.coordinator_url,
                     job_token=at.job_token, redis_url=at.redis_url, host=at.host)
-    return Services(coordinator, ps, trainer, producer, serve)
+    join = None if spec.join is None else replace(
+        spec.join, topic=spec.topic, bootstrap=at.bootstrap, partitions=coordinator.partitions,
+        coordinator_url=at.coordinator_url, job_token=at.job_token)
+    events = None if spec.events is None or join is None else replace(
+        spec.events, bootstrap=at.bootstrap, impressions=join.impressions, feedback=join.feedback_topics[0],
+        partitions=coordinator.partitions)
+    return Services(coordinator, ps, trainer, producer, serve, events, join)
 
 
 def command_line(command: str, settings: Any) -> tuple[list[str], dict[str, str]]:
@@ -232,7 +251,8 @@ def command_line(command: str, settings: Any) -> tuple[list[str], dict[str, str]
 def commands(spec: ClusterSpec, at: Endpoints) -> dict[str, tuple[list[str], dict[str, str]]]:
     """What :class:`LocalCluster` runs: ``(args after streamtrain, environment added)`` of the
     ``coordinator``, of ``ps0`` .. one parameter server per shard group, of every ``trainer`` (its
-    settings' flags, then ``spec.extra_trainer_args``) and of the ``producer`` (when there is one)."""
+    settings' flags, then ``spec.extra_trainer_args``), of the ``producer``, the ``join``er and the
+    ``events`` producer (those there are) and of a serving replica (``serve``)."""
     services = service_settings(spec, at)
     out = {"coordinator": command_line("coordinator", services.coordinator)}
     out.update({f"ps{s.group}": command_line("ps", s) for s in services.ps})
@@ -241,6 +261,10 @@ def commands(spec: ClusterSpec, at: Endpoints) -> dict[str, tuple[list[str], dic
     if services.producer is not None:
         out["producer"] = command_line("produce", services.producer)
     out["serve"] = command_line("serve", services.serve)
+    if services.join is not None:
+        out["join"] = command_line("join", services.join)
+    if services.events is not None:
+        out["events"] = command_line("produce-events", services.events)
     return out
 
 
@@ -256,6 +280,10 @@ class LocalCluster:
     ps: list[ServiceProcess] = field(default_factory=list)
     """The parameter servers, group g at index g."""
     producer: ServiceProcess | None = None
+    events: ServiceProcess | None = None
+    """The events producer (``spec.events``)."""
+    joiner: ServiceProcess | None = None
+    """The joiner (``spec.join``)."""
     trainers: list[ServiceProcess] = field(default_factory=list)
     replicas: list[tuple[ServiceProcess, int]] = field(default_factory=list)
     """The serving replicas and their ports."""
@@ -322,9 +350,16 @@ class LocalCluster:
             from datastream import ensure_topic
 
             ensure_topic(self.bootstrap, self.spec.topic, self.spec.partitions)
+            if self.spec.join is not None:  # both partition alike, whichever of its writer and its joiner starts first
+                for topic in (self.spec.join.impressions, *self.spec.join.feedback_topics):
+                    ensure_topic(self.bootstrap, topic, self.spec.partitions)
             self.start_coordinator()
             self.start_ps()
             ports = [free_port(self.spec.host) for _ in range(self.spec.replicas)]  # before the producer scores
+            if self.spec.join is not None:
+                self.start_joiner()
+            if self.spec.events is not None:
+                self.events = self._service("events", "events")
             if self.spec.producer is not None:
                 scoring = self.spec.score_served and ports and not self.spec.producer.score_url
                 self.start_producer(score_url=f"http://{self.spec.host}:{ports[0]}" if scoring else "")
@@ -383,6 +418,19 @@ class LocalCluster:
             self.producer = self._service("producer", "producer")
         return self.producer
 
+    def start_joiner(self) -> ServiceProcess:
+        """Start (or start again: the same instance id, so it aborts what its predecessor left open) the
+        joiner."""
+        self.joiner = self._service("join", f"join-{self._next()}", flags=self._metrics_flags("join"))
+        return self.joiner
+
+    def kill_joiner(self) -> ServiceProcess:
+        """SIGKILL the joiner (fault injection); :meth:`start_joiner` brings it back."""
+        assert self.joiner is not None, "the cluster runs no joiner"
+        self.joiner.kill()
+        self.joiner.stop()
+        return self.joiner
+
     def add_trainer(self, netns: NetNamespace | None = None,
                     env: Mapping[str, str] | None = None) -> ServiceProcess:
         """Start one more trainer; inside ``netns`` (its own host: the cluster's ``spec.host`` must be
@@ -429,6 +477,8 @@ class LocalCluster:
         out += [("ps", f"ps{g}", self.metrics_ports[f"ps{g}"]) for g in range(len(self.ps))
                 if f"ps{g}" in self.metrics_ports]
         out += [("trainer", t.name, self.metrics_ports[t.name]) for t in self.trainers if t.name in self.metrics_ports]
+        if self.joiner is not None and "join" in self.metrics_ports:
+            out.append(("join", self.joiner.name, self.metrics_ports["join"]))
         out += [("serve", proc.name, port) for proc, port in self.replicas]
         return out
 
@@ -449,7 +499,8 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop everything, trainers first (they drain and leave), servers last."""
         replicas = [proc for proc, _ in self.replicas]
-        for proc in [*replicas, *self.trainers, self.producer, *self.ps, self.coordinator, self.kafka, self.redis]:
+        for proc in [*replicas, *self.trainers, self.producer, self.events, self.joiner, *self.ps, self.coordinator,
+                     self.kafka, self.redis]:
             if proc is not None:
                 try:
                     proc.stop()
@@ -516,13 +567,28 @@ class LocalCluster:
 
     def raise_if_crashed(self) -> None:
         """Raise when a service that should run has exited on its own, with its log's tail."""
-        for proc in [self.coordinator, *self.ps, *self.trainers]:
+        for proc in [self.coordinator, *self.ps, *self.trainers, self.joiner, self.events]:
             if proc is not None and proc.pid is not None and proc.returncode not in (None, 0):
                 raise RuntimeError(f"{proc.name} exited with code {proc.returncode}:\n{proc.log_tail(30)}")
 
     def producer_done(self) -> bool:
         """True once the producer has exited (successfully)."""
         return self.producer is not None and self.producer.returncode == 0
+
+    def impressions_produced(self) -> int | None:
+        """Impressions the events producer wrote, once it exited successfully (its last line says);
+        None before."""
+        if self.events is None or self.events.returncode != 0:
+            return None
+        found = re.findall(r"produced (\d+) impressions", self.events.log_tail(20))
+        return int(found[-1]) if found else None
+
+    def joined(self, st: dict[str, Any]) -> bool:
+        """True when the joiner has labelled every impression the events producer wrote (the coordinator's
+        status shows the joiner's last report; negatives dropped by downsampling count too)."""
+        produced = self.impressions_produced()
+        join = st.get("join") or {}
+        return produced is not None and join.get("joined") == produced and not join.get("pending")
 
     def kill_trainer(self, index: int = 0) -> ServiceProcess:
         """SIGKILL trainer ``index`` (fault injection); it is removed from :attr:`trainers`."""
@@ -593,9 +659,9 @@ class LocalCluster:
         os.kill(trainer.pid, signal.SIGCONT)
 
     def quiesce(self, timeout_s: float = 60.0) -> None:
-        """Stop the producer and the trainers (they drain, commit and leave), then wait until
+        """Stop the producers, the joiner and the trainers (they drain, commit and leave), then wait until
         the parameter servers have applied every pushed update: the job then stands still."""
-        for proc in [self.producer, *self.trainers]:
+        for proc in [self.producer, self.events, self.joiner, *self.trainers]:
             if proc is not None:
                 proc.stop()
         self.wait_applied(timeout_s)
@@ -627,8 +693,10 @@ class LocalCluster:
         return bool(parts) and all(p["end"] is not None and p["committed"] == p["end"] for p in parts)
 
     def consumed(self, st: dict[str, Any]) -> bool:
-        """True when our producer (if any) is done and everything it wrote is committed."""
-        return (self.producer is None or self.producer_done()) and self.all_committed(st)
+        """True when our producer (if any) is done, so is our joiner (if any: :meth:`joined`), and
+        everything they wrote is committed."""
+        return ((self.producer is None or self.producer_done()) and (self.joiner is None or self.joined(st))
+                and self.all_committed(st))
 
     def wait_reassigned(self, members: int, timeout_s: float = 30.0, *, what: str = "the partitions to be reassigned"
                         ) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from typing import Any
 
 from .settings import UpSettings
 
-__all__ = ["EXAMPLES", "MOVIELENS_RATE", "MOVIELENS_TARGET_AUC", "with_example"]
+__all__ = ["CLICKS_RATE", "CLICKS_SOURCE", "CLICKS_TARGET_AUC", "EXAMPLES", "MOVIELENS_RATE", "MOVIELENS_TARGET_AUC",
+           "with_example"]
 
 MOVIELENS_TARGET_AUC = 0.70
 """The held-out AUC ``up --example movielens`` stops at."""
@@ -25,6 +26,15 @@ MOVIELENS_RATE = 2500.0
 two trainers take on a 2-core machine, so the replica's served AUC (records scored before any trainer
 trained on them) is of a model that trained on what came before, as online, not of one the producer
 ran ahead of by the whole data set."""
+
+CLICKS_SOURCE = "clicks?features=8&dense=4&vocab=100000"
+"""The click stream ``up --example clicks`` draws its impressions from (docs/join.md)."""
+
+CLICKS_TARGET_AUC = 0.75
+"""The held-out AUC ``up --example clicks`` stops at."""
+
+CLICKS_RATE = 2000.0
+"""Impressions/s of event time (and about that of wall time) ``up --example clicks`` writes."""
 
 EXAMPLES: Mapping[str, Mapping[str, Any]] = {
     "digits": {},
@@ -38,6 +48,15 @@ EXAMPLES: Mapping[str, Mapping[str, Any]] = {
         "table_staleness": 4,
         "target_auc": MOVIELENS_TARGET_AUC,
         "rate": MOVIELENS_RATE,
+    },
+    "clicks": {
+        "source": CLICKS_SOURCE,
+        "model": "dlrm?features=8&dense=4&dim=8",
+        "join": True,
+        "target_auc": CLICKS_TARGET_AUC,
+        "rate": CLICKS_RATE,
+        "table_consistency": "asp",
+        "table_staleness": 4,
     },
 }
 """Example name -> the :class:`UpSettings` fields it sets (``digits``: the defaults themselves)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import settings as cfg
+from datastream.settings import JoinSettings
 
 from .cluster import LOCAL_STREAM, ClusterSpec
 
@@ -42,9 +43,10 @@ class UpSettings:
     """Settings of the local main job. The job's own settings are declared by the service that owns
     them (:func:`_as_in`), so ``up``'s defaults are the services' defaults."""
 
-    example: str = cfg.setting("digits", env="STREAMTRAIN_EXAMPLE", choices=("digits", "movielens"),
-                               help="what to train: digits, or movielens (MovieLens-100K through the ranking model "
-                                    "with embedding tables); flags given beside it win over its settings")
+    example: str = cfg.setting("digits", env="STREAMTRAIN_EXAMPLE", choices=("digits", "movielens", "clicks"),
+                               help="what to train: digits, movielens (MovieLens-100K through the ranking model "
+                                    "with embedding tables) or clicks (impressions and delayed clicks joined into "
+                                    "the training topic, --join); flags given beside it win over its settings")
     trainers: int = cfg.setting(_LOCAL.trainers, env="STREAMTRAIN_TRAINERS", min=1, max=64,
                                 help="trainer processes")
     serve: int = cfg.setting(1, env="STREAMTRAIN_UP_SERVE", min=0, max=16,
@@ -77,6 +79,11 @@ class UpSettings:
                                                 "accuracy target then does not apply)")
     target_loss: float | None = cfg.setting(None, env="STREAMTRAIN_TARGET_LOSS", min=0.0,
                                             help="stop once the held-out loss is at or below this (any task)")
+    join: bool = cfg.setting(False, env="STREAMTRAIN_UP_JOIN",
+                             help="the records arrive as impressions and delayed clicks (streamtrain produce-events "
+                                  "from a clicks --source) and the joiner labels them for the training topic "
+                                  "(streamtrain join); --max-records then counts impressions")
+    negative_rate: float = _as_in(JoinSettings(), "negative_rate")
     max_records: int = cfg.setting(0, env="STREAMTRAIN_MAX_RECORDS", min=0,
                                    help="stop once this many records are produced and trained on (0: no limit)")
     timeout_s: float = cfg.setting(600.0, env="STREAMTRAIN_UP_TIMEOUT_S", min=1.0,

@@ -31,6 +31,8 @@ from rich.text import Text
 from common import settings as cfg
 from common.outage import REDIS_DOWN, Outage
 from coordinator.progressive import mean_auc
+from datastream.clickevents import click_stream
+from datastream.settings import EventsSettings, JoinSettings
 from datastream.sources import one_pass
 from services.local_steps import check_dense_model, check_local_steps
 
@@ -98,7 +100,7 @@ def cluster_spec(s: UpSettings, environ: Mapping[str, str] | None = None) -> Clu
     rate = s.rate if s.rate is not None else (FOREVER_RATE if s.forever else None)
     assert base.producer is not None
     job = base.job if s.example == "digits" else s.example  # the example names its job and topic
-    return replace(
+    spec = replace(
         base, job=job, topic=job if job != base.job else base.topic, trainers=s.trainers,
         kafka_heap_mb=s.kafka_heap_mb, kafka_brokers=s.kafka_brokers,
         redis_cluster=s.redis_cluster, replicas=s.serve, score_served=True, metrics_ports=True,
@@ -110,6 +112,33 @@ def cluster_spec(s: UpSettings, environ: Mapping[str, str] | None = None) -> Clu
         trainer=replace(base.trainer, model=s.model, eval_source=held_out(s), topk_density=s.topk_density,
                         dense_below=s.dense_below, density_warmup_steps=s.density_warmup_steps),
         producer=replace(base.producer, source=source, limit=s.max_records or None, rate=rate or None))
+    if not s.join:
+        return spec
+    return replace(spec, producer=None, events=join_events(s, rate), join=JoinSettings(
+        impressions=f"{job}.impressions", feedback=f"{job}.feedback", window_s=JOIN_WINDOW_S,
+        allowed_lateness_s=JOIN_LATENESS_S, negative_rate=s.negative_rate, app_id=f"{job}-join",
+        instance_id="join"))
+
+
+JOIN_WINDOW_S = 10.0
+"""``up --join``'s window: a click within 10 s of event time of its impression makes it positive."""
+JOIN_LATENESS_S = 1.0
+"""``up --join``'s allowed lateness."""
+JOIN_DELAY_MEAN_S = 2.0
+"""Mean of the exponential delay of ``up --join``'s clicks (0.7 % of them come after the window)."""
+CLICKS_PER_IMPRESSION = 0.4
+"""Clicks an impression brings at most, about (the default clicks stream clicks 38 % of them): ``up --join
+--rate R`` writes R impressions a second of event time and at most ``R * 1.4`` events a second of wall time,
+so event time keeps up with the wall clock."""
+
+
+def join_events(s: UpSettings, rate: float | None) -> EventsSettings:
+    """What ``up --join``'s events producer writes: the impressions of ``--source`` (a clicks stream, its train
+    split: the test split is the held-out data) and their delayed clicks, at ``rate`` impressions/s (None:
+    as fast as it can, event time at 1,000 impressions/s), ``--max-records`` of the stream's records."""
+    return EventsSettings(stream=s.source, limit=s.max_records or None, rate_per_s=rate or 1000.0,
+                          rate=rate * (1 + CLICKS_PER_IMPRESSION) if rate else None, delay_mean_s=JOIN_DELAY_MEAN_S,
+                          window_s=JOIN_WINDOW_S, final_watermark_s=JOIN_WINDOW_S + 60.0, train_split=True)
 
 
 HELD_OUT_LIMIT = 10_000
@@ -203,7 +232,20 @@ def settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None = No
                           optimizer=settings.optimizer, codec=settings.codec)
     except ValueError as exc:
         raise cfg.SettingsError(f"--local-steps / STREAMTRAIN_LOCAL_STEPS: {exc}") from None
-    auc_target(settings, task_of(settings.model, settings.local_steps))
+    task = task_of(settings.model, settings.local_steps)
+    auc_target(settings, task)
+    if settings.join:
+        try:
+            click_stream(settings.source)
+        except ValueError as exc:
+            raise cfg.SettingsError(f"--join / STREAMTRAIN_UP_JOIN: its impressions come from a clicks --source: "
+                                    f"{exc}") from None
+        if not task.binary:
+            raise cfg.SettingsError("--join / STREAMTRAIN_UP_JOIN: joined records are clicked or not; the model "
+                                    "must be binary (one logit per record, such as dlrm)")
+    elif settings.negative_rate != 1.0:
+        raise cfg.SettingsError("--negative-rate / STREAMTRAIN_JOIN_NEGATIVE_RATE: downsampling is the joiner's: "
+                                "add --join")
     return settings
 
 
@@ -219,8 +261,9 @@ def run(args: argparse.Namespace) -> int:
         redis = "a Redis Cluster" if settings.redis_cluster else "Redis"
         kafka = "Kafka (KRaft)" if settings.kafka_brokers == 1 else f"{settings.kafka_brokers} Kafka brokers (KRaft)"
         serving = {0: "", 1: " and a serving replica"}.get(settings.serve, f" and {settings.serve} serving replicas")
+        producing = "the events producer, the joiner" if settings.join else "the producer"
         with console.status(f"starting {kafka}, {redis}, coordinator, {servers}, "
-                            f"{settings.trainers} trainers, the producer{serving}"):
+                            f"{settings.trainers} trainers, {producing}{serving}"):
             cluster.start()
         assert cluster.kafka is not None and cluster.redis is not None  # started
         console.print(f"Kafka {cluster.bootstrap} (ready in {cluster.kafka.ready_after_s:.1f}s) · "
@@ -313,8 +356,10 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
     outage = Outage("Redis of the local job", s.outage_limit_s, logger)
     window = LagWindow(LAG_WINDOW_S)
     verdict: Verdict | None = None
-    producer = cluster.spec.producer
-    paced = producer is not None and producer.rate is not None  # an unpaced producer outruns any trainer: no advice
+    producer, events = cluster.spec.producer, cluster.spec.events
+    # an unpaced producer outruns any trainer: no advice
+    paced = (producer is not None and producer.rate is not None) or (events is not None and events.rate is not None)
+    per_message = producer.shard_size if producer is not None else 1  # the joiner writes one record a message
     try:
         with Live(console=console, refresh_per_second=4) as live:
             while time.monotonic() - t0 < s.timeout_s or s.forever:
@@ -323,10 +368,10 @@ def _watch(console: Console, cluster: LocalCluster, s: UpSettings, latest: dict[
                 if fresh is not None:
                     status = fresh
                     sample = sample_from_status(fresh, time.monotonic())
-                    if paced and producer is not None and sample is not None:
+                    if paced and sample is not None:
                         window.add(sample)
                         verdict = window.verdict(len(fresh.get("members", [])), partitions=s.partitions,
-                                                 records_per_message=producer.shard_size)
+                                                 records_per_message=per_message)
                         latest["keeping_up"] = verdict
                 score = _score(cluster, s, outage)
                 if score is not None:
@@ -389,12 +434,28 @@ def _view(st: dict[str, Any], score: dict[str, Any], elapsed: float, task: Task,
                         f"{stats.get('records_per_s', 0):,.0f}", _fmt(stats.get("loss")), *acc,
                         *((_fmt(auc),) if scored else ()), str(stats.get("clock", "")))
     parts: list[Table | Text] = [job, members]
+    if (line := join_line(st.get("join"))) is not None:
+        parts.append(Text(line))
     if replicas:
         parts.append(_serving_table(replicas, task))
     if verdict is not None:
         style = {Trend.FALLING_BEHIND: "bold red", Trend.CATCHING_UP: "yellow"}.get(verdict.trend, "green")
         parts.append(Text(verdict.line(), style=style))
     return Group(*parts)
+
+
+def join_line(join: Mapping[str, Any] | None) -> str | None:
+    """The joiners' figures in words (``/v1/status``'s ``join``), None while no joiner reports."""
+    if not join or not join.get("joiners"):
+        return None
+    rate = join.get("joined_per_s")
+    late = ", ".join(f"{k} {v:,}" for k, v in join.get("late", {}).items()) or "none"
+    dead = ", ".join(f"{k} {v:,}" for k, v in join.get("dead_letters", {}).items()) or "none"
+    lag = join.get("watermark_lag_s")
+    return (f"joiner: {join['joined']:,} impressions labelled ({'-' if rate is None else f'{rate:,.0f}'}/s: "
+            f"{join['positives']:,} positive, {join['negatives']:,} negative, {join['negatives_dropped']:,} "
+            f"negatives dropped) · {join['pending']:,} pending · late: {late} · dead letters: {dead} · "
+            f"watermark lag {'-' if lag is None else f'{lag:.1f} s'}")
 
 
 def _replica_state(body: dict[str, Any] | None) -> str:
@@ -537,6 +598,8 @@ def _print_final(console: Console, cluster: LocalCluster, s: UpSettings, final: 
         table.add_row("held-out loss", _fmt(final.get("loss")) + ending)
         table.add_row("held-out MAE", _fmt(final.get("mae")))
         table.add_row("held-out R²", _fmt(final.get("r2")))
+    if (line := join_line((final.get("status") or {}).get("join"))) is not None:
+        table.add_row("joined", line.removeprefix("joiner: "))
     table.add_row("model version", str(final.get("version", "-")))
     for i, (url, body) in enumerate(replicas):
         table.add_row("served version" if len(replicas) == 1 else f"served version ({i})", _served_line(url, body))

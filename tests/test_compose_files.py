@@ -37,7 +37,7 @@ from coordinator.settings import CoordinatorSettings
 from datastream.consumer import ConsumerStats
 from datastream.join.metrics import join_registry
 from datastream.join.service import JoinStats
-from datastream.join.settings import JoinSettings
+from datastream.settings import JoinSettings
 from services.metrics import ServerMetrics
 from services.settings import ServerSettings
 from serving.app import create_app as create_serving_app
@@ -359,7 +359,7 @@ def test_the_joiner_writes_the_topic_the_trainers_read_and_reports_to_the_coordi
     producer = services["producer"]["command"]
     assert settings.partitions == coordinating.partitions == int(_flag(producer, "--partitions"))
     assert settings.bootstrap == trained.kafka_bootstrap
-    assert settings.token == coordinating.job_token and settings.metrics_port == 9105
+    assert settings.job_token == coordinating.job_token and settings.metrics_port == 9105
     url = urlsplit(settings.coordinator_url)
     assert url.hostname == "coordinator" and url.port == coordinating.port
     assert {d: c["condition"] for d, c in svc["depends_on"].items()} == {

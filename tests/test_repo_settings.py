@@ -13,14 +13,15 @@ import pytest
 
 from common.settings import _field_types, add_arguments, from_args, setting, to_flags
 from coordinator.settings import CoordinatorSettings
-from datastream.settings import ProduceSettings
+from datastream.settings import EventsSettings, JoinSettings, ProduceSettings
 from services.settings import ExportSettings, ServerSettings
 from streamtrain.cli import COMMANDS, build_parser
 from streamtrain.settings import UpSettings
 from trainers.settings import TrainerSettings
 
 SERVICES = {"coordinator": CoordinatorSettings, "trainer": TrainerSettings, "ps": ServerSettings,
-            "produce": ProduceSettings, "export": ExportSettings, "up": UpSettings}
+            "produce": ProduceSettings, "export": ExportSettings, "up": UpSettings, "join": JoinSettings,
+            "produce-events": EventsSettings}
 """Subcommand -> its settings dataclass."""
 
 TEST_ONLY = {"ps": {"fault", "fault_at"}}
@@ -49,6 +50,11 @@ def changed(settings: object) -> object:
         values["optimizer"] = "adam"
     if "groups" in values:  # group must stay below groups
         values.update(groups=5, group=3)
+    if "negative_rate" in values:  # its maximum (1: keep every negative) is its default
+        values["negative_rate"] = 0.25
+    if isinstance(settings, JoinSettings):  # topics of their own, several feedback topics
+        values.update(impressions="imps with = spaces", feedback="-fb,other fb", topic="", late="late ?x=1",
+                      app_id="-app", instance_id="host 2")
     if isinstance(settings, ExportSettings):  # a valid job name, a file, a version's form
         values.update(job="other-job", out="-starts like a flag.safetensors", version="12.7")
     return type(settings)(**values)

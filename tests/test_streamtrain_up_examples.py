@@ -4,12 +4,14 @@ and variables keep, and which target stops a binary model's run."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from common import settings as cfg
 from streamtrain.cli import build_parser
-from streamtrain.examples import EXAMPLES, MOVIELENS_TARGET_AUC
+from streamtrain.cluster import Endpoints, commands, service_settings
+from streamtrain.examples import CLICKS_SOURCE, CLICKS_TARGET_AUC, EXAMPLES, MOVIELENS_TARGET_AUC
 from streamtrain.settings import UpSettings
 from streamtrain.up import Outcome, Task, _ending, cluster_spec, exit_code, has_target, reached_target, settings_of
 
@@ -107,3 +109,42 @@ def test_serve_starts_replicas_that_score_the_stream_and_every_process_gets_a_me
     assert prometheus_targets("127.0.0.1", [("ps", "ps0", 7), ("serve", "serve-4", 8)]) == [
         {"targets": ["127.0.0.1:7"], "labels": {"job": "streamtrain", "service": "ps", "instance_name": "ps0"}},
         {"targets": ["127.0.0.1:8"], "labels": {"job": "streamtrain", "service": "serve", "instance_name": "serve-4"}}]
+
+
+def test_the_clicks_example_joins_impressions_and_clicks_into_the_training_topic() -> None:
+    """``--example clicks``: no shard producer; the events producer writes the clicks stream's train split as
+    impressions and delayed clicks to the joiner's inputs, the joiner labels them for the job's topic, and the
+    job is scored on the test split the events leave out; ``--max-records``, ``--rate`` and ``--negative-rate``
+    reach them."""
+    s = _up("--example", "clicks", "--max-records", "5000", "--rate", "100", "--negative-rate", "0.25")
+    assert s.join and s.source == CLICKS_SOURCE and s.target_auc == CLICKS_TARGET_AUC
+    spec = cluster_spec(s, environ={})
+    at = Endpoints(redis_url="redis://r:1/0", bootstrap="k:9", coordinator_port=7, admin_token="a", job_token="j",
+                   workdir=Path("/w"))
+    lines = commands(spec, at)
+    assert spec.producer is None and "producer" not in lines and {"join", "events"} <= set(lines)
+    assert spec.events is not None and spec.join is not None
+    assert (spec.events.stream, spec.events.limit, spec.events.rate_per_s, spec.events.train_split) == (
+        CLICKS_SOURCE, 5000, 100.0, True)
+    assert spec.events.rate == pytest.approx(140.0) and spec.events.window_s == spec.join.window_s
+    services = service_settings(spec, at)
+    assert services.join is not None and services.events is not None
+    assert (services.join.topic, services.join.bootstrap, services.join.partitions, services.join.negative_rate) == (
+        "clicks", "k:9", spec.partitions, 0.25)
+    assert (services.join.coordinator_url, services.join.job_token) == ("http://127.0.0.1:7", "j")
+    assert (services.events.impressions, services.events.feedback) == (services.join.impressions,
+                                                                     services.join.feedback_topics[0])
+    args, env = lines["join"]  # the job token travels in the joiner's environment, not on its command line
+    assert env == {"STREAMTRAIN_JOB_TOKEN": "j"} and not any("token" in a for a in args)
+    assert spec.trainer.eval_source == CLICKS_SOURCE  # its test split: what the events leave out
+
+
+def test_join_needs_a_clicks_source_and_a_binary_model_and_downsampling_needs_join() -> None:
+    with pytest.raises(cfg.SettingsError, match="--join / STREAMTRAIN_UP_JOIN: its impressions come from a clicks"):
+        _up("--join", "--model", "dlrm?features=2&dense=1", "--source", "synthetic")
+    with pytest.raises(cfg.SettingsError, match="--join / STREAMTRAIN_UP_JOIN: joined records are clicked or not"):
+        _up("--join", "--source", "clicks")  # digits' MLP: ten classes
+    with pytest.raises(cfg.SettingsError, match="--negative-rate / STREAMTRAIN_JOIN_NEGATIVE_RATE: downsampling"):
+        _up("--negative-rate", "0.5")
+    with pytest.raises(cfg.SettingsError, match="clicks --source"):
+        _up("--example", "clicks", "--source", "clicks?limit=5")  # the events producer's limit is --max-records

@@ -15,9 +15,9 @@ from typing import Any
 from common import settings as cfg
 from common.metrics_server import MetricsServer
 
+from ..settings import JoinSettings
 from .metrics import Reporter, join_registry
 from .service import Joiner, JoinError
-from .settings import JoinSettings
 
 __all__ = ["add_arguments", "run"]
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     reporter = None
     if s.coordinator_url:
         url = f"http://{s.instance_id}:{metrics.port}/metrics" if metrics else ""
-        reporter = Reporter(s.coordinator_url, s.token, s.instance_id, joiner.stats, url=url)
+        reporter = Reporter(s.coordinator_url, s.job_token, s.instance_id, joiner.stats, url=url)
     try:
         joiner.run()
     except JoinError as exc:

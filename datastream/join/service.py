@@ -29,9 +29,9 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from common.outage import DependencyUnavailable, Outage
 
 from ..dlq import dlq_headers
+from ..settings import JoinSettings
 from ..topics import MAX_MESSAGE_BYTES, dlq_topic, ensure_topic, topic_replication
 from .events import Feedback, Impression, JoinDecodeError, Punctuation, decode_event
-from .settings import JoinSettings
 from .state import JoinRules, Output, Source, TaskState
 
 __all__ = ["JoinError", "JoinStats", "Joiner", "changelog_topic", "rules_of"]
