@@ -318,8 +318,15 @@ def test_the_offline_stack_trains_through_kills_and_scaling_and_leaves_nothing_b
         served = sum(int(c) == int(label) for c, label in zip(classes, y, strict=True)) / len(y)
         assert served >= TARGET, (container, served)
 
+    # the joiner (idle: nothing writes impressions here) reports to the coordinator and owns the partitions of
+    # its input topics (the consumer group's assignment of the one joiner)
+    join = wait_until(lambda: (st := status_or_none(coordinator, job_token)) and st["join"]["joiners"]
+                      and st["join"]["partitions"] and st["join"],
+                      300, interval_s=2.0, what="the joiner to report with its partitions")
+    assert len(join["joiners"]) == 1 and join["joined"] == 0, join
+
     # Prometheus scrapes every target, the scaled trainers and serving replicas found by DNS
-    want = {"coordinator": 1, "ps": 2, "trainer": TRAINERS_AFTER_SCALE, "serve": REPLICAS}
+    want = {"coordinator": 1, "ps": 2, "trainer": TRAINERS_AFTER_SCALE, "serve": REPLICAS, "join": 1}
     wait_until(lambda: {job: values.count("1") for job, values in prometheus_up(prometheus).items()} == want
                and all(v == "1" for values in prometheus_up(prometheus).values() for v in values),
                120, interval_s=2.0, what=f"Prometheus to have every target up ({want})")
