@@ -25,8 +25,8 @@ from .jagged import Jagged
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES", "DENSE_SHARD_VERSION", "DTYPES", "DecodeError", "FEATURE_NAME",
     "LABEL_KINDS", "MAX_FEATURES", "MAX_IDS_PER_FEATURE", "MAX_ID_FEATURES", "REASONS", "Records",
-    "SHARD_VERSION", "decode_record", "encode_json_record", "encode_msgpack_record", "encode_shard",
-    "hash_id", "label_kind_of", "parse_ids",
+    "SHARD_VERSION", "check_single_record", "decode_record", "encode_json_record", "encode_msgpack_record",
+    "encode_shard", "hash_id", "label_kind_of", "parse_ids",
 ]
 
 SHARD_VERSION = 2
@@ -148,10 +148,18 @@ def _one_id(feature: str, item: Any) -> int:
                                  f"got {type(item).__name__}")
 
 
+_GOOD_NAMES: set[str] = set()
+"""Feature names found good already (a stream has a few, checked once each; at most 4,096 kept)."""
+
+
 def _check_name(name: Any, ctx: Mapping[str, Any]) -> None:
+    if name in _GOOD_NAMES:  # a map's key: hashable
+        return
     if not isinstance(name, str) or not FEATURE_NAME.fullmatch(name):
         raise DecodeError("bad_ids", f"feature name {name!r} is not 1-64 letters, digits, '_', '.' or '-'",
                           **ctx)
+    if len(_GOOD_NAMES) < 4096:
+        _GOOD_NAMES.add(name)
 
 
 def parse_ids(obj: Any) -> dict[str, list[int]]:
@@ -439,28 +447,53 @@ def _single_weight(w: Any) -> np.ndarray:
     return value
 
 
-def _decode_single(obj: Any, kind: str) -> Records:
+def _single_fields(obj: Any) -> tuple[dict[str, list[int]], list[Any], Any, np.ndarray | None]:
+    """A single record's ``ids``, ``x``, ``y`` and ``w``, checked as :func:`decode_record` checks them (each
+    ID, the features' count, types and finiteness, the label's type, the weight), without their arrays."""
     keys = set(obj) if isinstance(obj, dict) else set()
     if not isinstance(obj, dict) or "y" not in keys or not keys & {"x", "ids"} or keys - {"x", "y", "ids", "w"}:
         shown = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
         raise DecodeError("bad_schema", f"a single record is a map of y and x, ids or both (and optionally w); "
                                         f"got {shown}")
-    ids = _single_ids(parse_ids(obj["ids"])) if "ids" in obj else {}
+    ids = parse_ids(obj["ids"]) if "ids" in obj else {}
     x, y = obj.get("x", []), obj["y"]
     if not isinstance(x, list) or len(x) > MAX_FEATURES or not (x or ids):
         raise DecodeError("wrong_shape", f"x must be a list of at most {MAX_FEATURES} numbers, "
                                          "non-empty unless the record has ids")
     if not all(type(v) in (int, float) for v in x):
         raise DecodeError("wrong_dtype", "x must hold only numbers")
-    if type(y) is int:
-        y_arr = np.array([y], dtype=np.int64)
-    elif type(y) is float:
-        y_arr = np.array([y], dtype=np.float64)
-    else:
+    try:
+        finite = all(math.isfinite(v) for v in x)
+    except OverflowError:  # an integer beyond float range
+        raise DecodeError("non_finite", "features hold an integer too large for a float") from None
+    if not finite:
+        raise DecodeError("non_finite", "features contain NaN or infinity")
+    if type(y) not in (int, float):
         raise DecodeError("wrong_dtype", f"y must be a number, got {type(y).__name__}")
     w = _single_weight(obj["w"]) if "w" in obj else None
+    return ids, x, y, w
+
+
+def check_single_record(obj: Any, *, feature_dim: int | None = None) -> None:
+    """Check a single record already parsed from JSON or msgpack (a map of ``x``, ``ids``, ``y``, ``w``) as
+    :func:`decode_record` would, without building its arrays: what the joiner checks of each impression's
+    features, so that it never writes a record a trainer would refuse.
+
+    Raises:
+        DecodeError: the record is not valid; ``reason`` says why (the reasons of :func:`decode_record`).
+    """
+    _, x, y, _ = _single_fields(obj)
+    if feature_dim is not None and len(x) != feature_dim:
+        raise DecodeError("wrong_shape", f"records have {len(x)} features; this stream has {feature_dim}")
+    if type(y) is float and not math.isfinite(y):
+        raise DecodeError("non_finite", "labels contain NaN or infinity")
+
+
+def _decode_single(obj: Any, kind: str) -> Records:
+    ids, x, y, w = _single_fields(obj)
+    y_arr = np.array([y], dtype=np.int64 if type(y) is int else np.float64)
     return Records(x=np.array([x], dtype=np.float64).reshape(1, len(x)), y=y_arr, producer_id=None,
-                   first_seq=None, ts_ms=None, kind=kind, ids=ids, w=w)
+                   first_seq=None, ts_ms=None, kind=kind, ids=_single_ids(ids) if ids else {}, w=w)
 
 
 def _check(rec: Records, feature_dim: int | None, label_kind: str | None,

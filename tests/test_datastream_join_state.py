@@ -4,6 +4,7 @@ the changelog at every point giving what an uninterrupted run gives."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import msgpack
@@ -17,8 +18,10 @@ from datastream.join.events import (
     encode_feedback,
     encode_impression,
     encode_punctuation,
+    labelled_record,
 )
 from datastream.join.state import JoinRules, Output, Source, TaskState, keep_negative
+from datastream.records import decode_record
 
 IMP, FB = "imps/0", "fb/0"
 RULES = JoinRules(window_ms=1000, lateness_ms=200, retain_ms=1000, max_pending=1000)
@@ -144,6 +147,9 @@ def test_a_repeated_impression_id_is_dead_lettered_and_the_first_one_kept() -> N
     (b"{not json", "bad_event"),
     (msgpack.packb({"imp": "a", "t": 5, "ids": {"bad name!": 1}}), "bad_ids"),
     (msgpack.packb({"wm": 5, "imp": "a"}), "bad_event"),
+    (json.dumps({"imp": "a", "t": 5, "x": [10 ** 400]}).encode(), "non_finite"),
+    (msgpack.packb({"imp": "a", "t": 5, "x": [1.0, "2"]}), "wrong_dtype"),
+    (msgpack.packb({"imp": "a", "t": 5, "x": [1.0], "ids": {"u": 1.5}}), "bad_ids"),
 ])
 def test_bad_events_are_refused_with_their_reason(value: bytes, reason: str) -> None:
     with pytest.raises(JoinDecodeError) as err:
@@ -258,6 +264,20 @@ def test_the_changelog_forgets_what_the_watermark_made_useless() -> None:
     # only batches still in reach of the watermark are kept: a few commits' worth, not fifty
     assert len([k for k in records if k.startswith(b"pend/")]) <= 4
     assert len(d.state.decided) <= 3 * 20
+
+
+@pytest.mark.parametrize("features", [{"x": [1.0, 2.5]}, {"ids": {"a": [1, 2], "b": 3}},
+                                      {"x": [0.1, -4.0, 0.0], "ids": {"f0": 5, "tags": []}}])
+@pytest.mark.parametrize("y, w", [(0, None), (1, None), (0, 10.0), (0, 1 / 0.3)])
+def test_a_labelled_record_is_the_impressions_features_with_y_and_w(features: dict, y: int, w: float | None) -> None:
+    ev = decode_event(msgpack.packb({"imp": "a", "t": 5, **features}))
+    assert isinstance(ev, Impression)
+    want = {**features, "y": y, **({} if w is None else {"w": w})}
+    assert labelled_record(ev.features, y, w) == msgpack.packb(want)
+    assert json.loads(labelled_record(ev.features, y, w, "json")) == want
+    record = decode_record(labelled_record(ev.features, y, w))  # what a trainer reads
+    assert record.count == 1 and int(record.y[0]) == y
+    assert (record.w is None) == (w is None)
 
 
 def test_punctuation_decodes() -> None:

@@ -12,6 +12,7 @@ from datastream.records import (
     REASONS,
     SHARD_VERSION,
     DecodeError,
+    check_single_record,
     decode_record,
     encode_json_record,
     encode_msgpack_record,
@@ -99,7 +100,7 @@ BAD = {
     "non_finite": [b'{"x": [NaN], "y": 1}', b'{"x": [Infinity, 1], "y": 1}',
                    encode_shard(np.array([[1.0], [np.inf]], np.float32), np.zeros(2, np.int64),
                                 producer_id="p", first_seq=0),
-                   b'{"x": [1], "y": NaN}'],
+                   b'{"x": [1], "y": NaN}', b'{"x": [1%s], "y": 1}' % (b"0" * 400)],
     "bad_ids": [b'{"x": [1], "y": 1, "ids": {"u": 1.5}}', b'{"y": 1, "ids": {"no space": 1}}',
                 msgpack.packb({"x": [1.0], "y": 1, "ids": {"u": 1 << 63}})],
     "too_many_ids": [json.dumps({"y": 1, "ids": {"u": list(range(2000))}}).encode(),
@@ -110,6 +111,31 @@ BAD = {
 @pytest.mark.parametrize("reason,value", [(r, v) for r, vs in BAD.items() for v in vs])
 def test_bad_records_are_rejected_with_their_reason(reason: str, value: bytes) -> None:
     assert _reason(value).reason == reason
+
+
+def _single(value: bytes) -> dict | None:
+    """``value`` parsed, when it parses to a single record's map (not a shard)."""
+    try:
+        obj = json.loads(value) if value[:1] == b"{" else msgpack.unpackb(value, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException):
+        return None
+    return obj if isinstance(obj, dict) and "v" not in obj else None
+
+
+@pytest.mark.parametrize("reason,value", [(r, v) for r, vs in BAD.items() for v in vs if _single(v) is not None])
+def test_checking_a_parsed_record_refuses_what_decoding_refuses(reason: str, value: bytes) -> None:
+    with pytest.raises(DecodeError) as err:
+        check_single_record(_single(value))
+    assert err.value.reason == reason
+
+
+def test_checking_a_parsed_record_accepts_what_decoding_accepts() -> None:
+    for value in (b'{"x": [1, 2.5], "y": 1}', b'{"ids": {"u": [1, "a"]}, "y": 0, "w": 2}'):
+        decode_record(value)
+        check_single_record(json.loads(value))
+    check_single_record({"x": [1.0, 2.0], "y": 0}, feature_dim=2)
+    with pytest.raises(DecodeError, match="3 features"):
+        check_single_record({"x": [1.0, 2.0, 3.0], "y": 0}, feature_dim=2)
 
 
 def test_every_reason_is_exercised() -> None:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from ..records import DEFAULT_MAX_RECORD_BYTES, DecodeError, decode_record
+from ..records import DEFAULT_MAX_RECORD_BYTES, DecodeError, check_single_record
 
 __all__ = ["FORMATS", "JOIN_REASONS", "MAX_IMP_BYTES", "Feedback", "Impression", "JoinDecodeError", "Punctuation",
            "decode_event", "encode_feedback", "encode_impression", "encode_punctuation", "imp_key", "key_of",
@@ -109,6 +109,9 @@ def imp_key(imp: Any) -> bytes:
                                    f"got {type(imp).__name__}")
 
 
+_Y, _W = msgpack.packb("y"), msgpack.packb("w")
+
+
 def _pack(obj: dict[str, Any], fmt: str) -> bytes:
     if fmt == "msgpack":
         return msgpack.packb(obj)
@@ -169,7 +172,7 @@ def decode_event(value: bytes | None, *, feature_dim: int | None = None,
     """Decode one message of an impressions or feedback topic.
 
     An impression's features are checked as the training record they will become
-    (:func:`datastream.records.decode_record`), so the joiner never writes what a trainer would reject.
+    (:func:`datastream.records.check_single_record`), so the joiner never writes what a trainer would reject.
 
     Raises:
         JoinDecodeError: not a valid event; ``reason`` says why (a record reason for bad features).
@@ -206,16 +209,21 @@ def decode_event(value: bytes | None, *, feature_dim: int | None = None,
     features = {k: obj[k] for k in ("x", "ids") if k in obj}
     if not features:
         raise JoinDecodeError("bad_event", "an impression carries no features (x, ids or both)", imp)
-    packed = msgpack.packb({**features, "y": 0})
     try:
-        decode_record(packed, feature_dim=feature_dim, max_bytes=max_bytes)
+        check_single_record({**features, "y": 0}, feature_dim=feature_dim)
     except DecodeError as exc:
         raise JoinDecodeError(exc.reason, f"its features are not a valid record: {exc}", imp) from None
     return Impression(imp, t, msgpack.packb(features))
 
 
 def labelled_record(features: bytes, y: int, w: float | None, fmt: str = "msgpack") -> bytes:
-    """The training record of an impression's ``features`` with label ``y`` and weight ``w`` (None: 1)."""
+    """The training record of an impression's ``features`` (a msgpack map of ``x``, ``ids`` or both, as
+    :attr:`Impression.features` holds them) with label ``y`` and weight ``w`` (None: 1)."""
+    if fmt == "msgpack" and features[:1] in (b"\x81", b"\x82"):
+        # the map's entries as they are, after a fixmap header that counts y (and w) too: the bytes
+        # msgpack.packb({**features, "y": y, "w": w}) writes, without decoding the features again
+        extra = _Y + msgpack.packb(y) + (b"" if w is None else _W + msgpack.packb(w))
+        return bytes((features[0] + (1 if w is None else 2),)) + features[1:] + extra
     obj = msgpack.unpackb(features, raw=False)
     obj["y"] = y
     if w is not None:

@@ -135,7 +135,9 @@ class Joiner(ConsumerRebalanceListener):
             raise JoinError(f"the input topics must have as many partitions each, so impressions and feedback "
                             f"partition alike; they have {counts}")
         self.partitions = counts[s.impressions]
-        ensure_topic(s.bootstrap, s.topic, s.partitions or self.partitions)
+        # with as many partitions, a record goes to the partition its impression came from (its key's, when the
+        # inputs were partitioned by key as kafka-python and the Java client do) rather than hashing its key again
+        self._same_partitions = ensure_topic(s.bootstrap, s.topic, s.partitions or self.partitions) == self.partitions
         got = _ensure_compacted(s.bootstrap, self.changelog, self.partitions)
         if got != self.partitions:
             raise JoinError(f"changelog {self.changelog} has {got} partitions, the inputs {self.partitions}: it "
@@ -342,6 +344,8 @@ class Joiner(ConsumerRebalanceListener):
         state = task.state
         idle_s = self.s.idle_s
         caught_up = {tp: self._caught_up(tp) for tp in buffers}  # positions move only in poll
+        names = {tp: f"{tp.topic}/{tp.partition}" for tp in buffers}
+        quiet = [tp for tp in buffers if now - task.last_arrival[tp] > idle_s]  # idle once their buffer empties
         while True:
             best: TopicPartition | None = None
             best_t = 0
@@ -356,11 +360,11 @@ class Joiner(ConsumerRebalanceListener):
                 break
             _, ev, m = buffers[best].popleft()
             self._begin()
-            name = f"{best.topic}/{best.partition}"
+            name = names[best]
             source = Source(best.topic, best.partition, m.offset)
             if isinstance(ev, JoinDecodeError):
                 state.count(f"dead.{ev.reason}")
-                self._send(Output("dead", ev.imp or b"", m.value, ev.reason, str(ev), source), m)
+                self._send(Output("dead", ev.imp or b"", m.value, ev.reason, str(ev), source), m, task.p)
             else:
                 state.observe(name, ev.t_ms)
                 if isinstance(ev, Impression):
@@ -377,20 +381,18 @@ class Joiner(ConsumerRebalanceListener):
                     assert isinstance(ev, Punctuation)
                     out = []
                 for o in out:
-                    self._send(o, m)
-            idle = [f"{tp.topic}/{tp.partition}" for tp, buf in buffers.items()
-                    if not buf and now - task.last_arrival[tp] > idle_s]
-            for o in state.advance(idle):
-                self._send(o, None)
+                    self._send(o, m, task.p)
+            for o in state.advance([names[tp] for tp in quiet if not buffers[tp]]):
+                self._send(o, None, task.p)
             task.next_offsets[best] = m.offset + 1
         if not any(buffers.values()):  # caught up everywhere: idle inputs may still move the watermark
-            idle = [f"{tp.topic}/{tp.partition}" for tp in buffers if now - task.last_arrival[tp] > idle_s]
+            idle = [names[tp] for tp in quiet]
             if idle:
                 out = state.advance(idle)
                 if out:
                     self._begin()
                     for o in out:
-                        self._send(o, None)
+                        self._send(o, None, task.p)
 
     @staticmethod
     def _misplaced(state: TaskState, imp: bytes, source: Source, what: str) -> Output:
@@ -402,9 +404,10 @@ class Joiner(ConsumerRebalanceListener):
             self.producer.begin_transaction()
             self._in_txn = True
 
-    def _send(self, o: Output, m: Any) -> None:
+    def _send(self, o: Output, m: Any, p: int) -> None:
+        """Send ``o`` (of task ``p``; ``m`` the input message it answers, if any) in the open transaction."""
         if o.kind == "record":
-            self.producer.send(self.s.topic, key=o.key, value=o.value)
+            self.producer.send(self.s.topic, key=o.key, value=o.value, partition=p if self._same_partitions else None)
             return
         src = o.source
         assert src is not None

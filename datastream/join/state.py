@@ -229,11 +229,11 @@ class TaskState:
     def advance(self, idle: Iterable[str] = ()) -> list[Output]:
         """Recompute the watermark from the inputs' event times (leaving out ``idle`` ones, unless all are),
         then decide the impressions whose window it passed and drop what it made useless."""
-        idle = set(idle)  # an input never seen does not hold it back either
-        seen = [t for name, t in self.maxima.items() if name not in idle] or list(self.maxima.values())
-        if not seen:
+        if not self.maxima:
             return []
-        candidate = min(seen) - self.rules.lateness_ms
+        idle = set(idle)  # an input never seen does not hold it back either
+        low = min((t for name, t in self.maxima.items() if name not in idle), default=None) if idle else None
+        candidate = (min(self.maxima.values()) if low is None else low) - self.rules.lateness_ms
         if self.watermark is not None and candidate <= self.watermark:
             return []
         self.watermark = wm = candidate
