@@ -277,6 +277,19 @@ def test_the_datastream_bench_runs(kafka: Any, tmp_path: Path) -> None:
     assert results["records"] == 2000
 
 
+@pytest.mark.timeout(420)
+def test_the_join_bench_runs(kafka: Any, tmp_path: Path) -> None:
+    done = _run([str(BENCH / "join.py"), "--impressions", "3000", "--rounds", "1", "--latency-s", "13",
+                 "--latency-rate", "200", "--memory", "500,1000", "--max-pending", "100", "--calibration-records", "0",
+                 "--bootstrap", kafka.bootstrap], tmp_path, _fresh_environment(tmp_path), timeout=380)
+    results = _check_run("join", done, tmp_path, "ratio joined records/s / raw consume+produce records/s")
+    assert results["throughput"]["impressions"] == 3000 and results["ratio"] > 0
+    latency = results["latency"]
+    assert latency["impressions"] == 2600 and latency["negatives"]["count"] > 0 and latency["positives"]["count"] > 0
+    runs = results["memory"]["runs"]
+    assert [(r["pending"], r["decided_early"]) for r in runs] == [(500, 0), (1000, 0), (400, 600)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_compression_bench_trains_its_plugin_model_on_a_cluster(tmp_path: Path) -> None:
