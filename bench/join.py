@@ -440,14 +440,23 @@ def memory(bootstrap: str, sizes: list[int], max_pending: int | None, workdir: P
 
 # -- (d) calibration ----------------------------------------------------------------------------------------
 
-def calibration(records: int, negative_rate: float, workdir: Path) -> dict[str, Any]:
-    """``up --example clicks --negative-rate R --max-records N`` as a LocalCluster: once every joined record is
-    applied, the held-out impressions scored from Redis, and sent (labelled) to the replica, whose status says
-    what it served."""
-    from datastream.producer import ScoreSampler
-    from datastream.sources import load_source
-    from streamtrain.cluster import LocalCluster
+def _score(redis_url: str, job: str, model: str, source: str) -> dict[str, Any]:
     from streamtrain.scoring import score_job
+    from streamtrain.up import HELD_OUT_LIMIT
+
+    score = score_job(redis_url, job, model, source, limit=HELD_OUT_LIMIT)
+    return {"auc": score.auc, "mean_predicted": score.mean_predicted, "observed_rate": score.observed_rate,
+            "held_out": score.samples, "version": score.version}
+
+
+def calibration(records: int, negative_rate: float, workdir: Path) -> dict[str, Any]:
+    """``up --example clicks --negative-rate R --max-records N`` as a LocalCluster. Mid-stream (once 70 % of the
+    impressions are joined) the held-out impressions are scored from Redis and sent, labelled, to the replica,
+    whose status says what it served; once every joined record is applied, scored from Redis again (after the
+    end's punctuation decided the last window's impressions, negatives all, at once)."""
+    from datastream.producer import ScoreSampler
+    from datastream.sources import TEST_EVERY, load_source
+    from streamtrain.cluster import LocalCluster
     from streamtrain.up import HELD_OUT_LIMIT, add_arguments, cluster_spec, held_out, replica_status, settings_of
 
     parser = argparse.ArgumentParser()
@@ -455,25 +464,17 @@ def calibration(records: int, negative_rate: float, workdir: Path) -> dict[str, 
     s = settings_of(parser.parse_args(["--example", "clicks", "--negative-rate", str(negative_rate),
                                        "--max-records", str(records)]), {})
     spec = cluster_spec(s, {})
+    impressions = records - records // TEST_EVERY  # the train split
     cluster = LocalCluster(spec, workdir=workdir / f"calibration-{negative_rate:g}")
     with contextlib.ExitStack() as stack:
         stack.callback(cluster.cleanup)
         stack.callback(cluster.stop)
         started = time.monotonic()
         cluster.start()
-        st = cluster.wait_consumed(timeout_s=900)
-        join = st["join"]
-        score = score_job(cluster.redis_url, spec.job, s.model, held_out(s), limit=HELD_OUT_LIMIT)
-        seconds = time.monotonic() - started
+        cluster.wait_for(lambda st: (st.get("join") or {}).get("joined", 0) >= 0.7 * impressions, timeout_s=900,
+                         what="70 % of the impressions to be joined")
+        mid = _score(cluster.redis_url, spec.job, s.model, held_out(s))
         url = cluster.replica_url(0)
-
-        def settled() -> str | None:  # the replica has the plane's last version: two reads 3 s apart agree
-            first = (replica_status(url, cluster.job_token) or {}).get("model_version")
-            time.sleep(3)
-            second = (replica_status(url, cluster.job_token) or {}).get("model_version")
-            return second if first is not None and first == second else None
-
-        wait_until(settled, 120, what="the replica to follow the plane's last version")
         test = load_source(held_out(s), split="test").read(limit=HELD_OUT_LIMIT)
         sampler = ScoreSampler(url, cluster.job_token, every=1, time_share=1.0)
         try:
@@ -485,16 +486,19 @@ def calibration(records: int, negative_rate: float, workdir: Path) -> dict[str, 
             raise RuntimeError(f"the replica refused {sampler.failed} held-out records: {sampler.last_error}")
         time.sleep(2.5)  # the replica recomputes its served scores at most every 2 s
         served = replica_status(url, cluster.job_token) or {}
+        mid.update({"served": sampler.scored, "served_model_version": served.get("model_version"),
+                    **{k: served.get(k) for k in ("served_mean_predicted", "served_observed_rate", "served_auc")}})
+        st = cluster.wait_consumed(timeout_s=900)
+        join = st["join"]
+        end = _score(cluster.redis_url, spec.job, s.model, held_out(s))
+        seconds = time.monotonic() - started
     out = {"negative_rate": negative_rate, "records": records, "seconds": seconds, "joined": join["joined"],
            "positives": join["positives"], "negatives_dropped": join["negatives_dropped"],
-           "written": join["joined"] - join["negatives_dropped"], "auc": score.auc,
-           "mean_predicted": score.mean_predicted, "observed_rate": score.observed_rate, "held_out": score.samples,
-           "served": sampler.scored, "served_mean_predicted": served.get("served_mean_predicted"),
-           "served_observed_rate": served.get("served_observed_rate"), "served_auc": served.get("served_auc")}
-    print(f"calibration, negative rate {negative_rate:g}: {out['written']:,} of {out['joined']:,} joined "
-          f"impressions written; held-out AUC {score.auc:.4f}, mean predicted {score.mean_predicted:.4f} against "
-          f"observed {score.observed_rate:.4f}; served {out['served_mean_predicted']} against "
-          f"{out['served_observed_rate']}")
+           "written": join["joined"] - join["negatives_dropped"], "mid_stream": mid, "end": end}
+    print(f"calibration, negative rate {negative_rate:g}: {out['written']:,} of {out['joined']:,} joined impressions "
+          f"written; mid-stream: AUC {mid['auc']:.4f}, mean predicted {mid['mean_predicted']:.4f} against observed "
+          f"{mid['observed_rate']:.4f} (served: {mid['served_mean_predicted']} against {mid['served_observed_rate']}); "
+          f"at the end: AUC {end['auc']:.4f}, mean predicted {end['mean_predicted']:.4f}")
     return out
 
 
