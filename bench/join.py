@@ -543,6 +543,10 @@ def main() -> None:
     print(f"transactional copy (peer): {t['peer_events_per_s']:>10,.0f} input events/s")
     print(f"streamtrain join (ours)  : {t['ours_events_per_s']:>10,.0f} input events/s "
           f"({t['ours_joined_per_s']:,.0f} impressions joined/s)")
+    for run in results.get("memory", {}).get("runs", []):
+        bound = f" (--max-pending {run['max_pending']}, {run['decided_early']:,} decided early)" \
+            if run["max_pending"] else ""
+        print(f"joiner peak RSS: {run['peak_rss_mb']:.1f} MB at {run['pending']:,} pending impressions{bound}")
     if results.get("memory", {}).get("mb_per_1000_pending") is not None:
         print(f"memory: {results['memory']['mb_per_1000_pending']:.2f} MB per 1,000 pending impressions")
     results["ratio"] = t["ratio"]
