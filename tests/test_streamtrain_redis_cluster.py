@@ -485,6 +485,11 @@ def test_the_job_rides_out_a_failover_of_its_master_and_accounts_exactly(tmp_pat
         assert report.applied == report.expected == 5000
         for proc in [cluster.coordinator, *cluster.ps]:
             assert proc is not None and proc.returncode is None
-            assert "reachable again" in proc.log_path.read_text(), proc.log_tail(40)  # it saw the failover
+            # it felt the failover: it logged the killed master unreachable. redis-py 8.2's asyncio cluster
+            # client may ride the whole failover out inside one command (retries, a topology refresh),
+            # so the coordinator's lease checker need not see an outage; its sampler logs the dead node
+            log = proc.log_path.read_text()
+            assert any("unreachable" in line and f"connecting to {killed}" in line for line in log.splitlines()), \
+                proc.log_tail(40)
     finally:
         cluster.stop()
