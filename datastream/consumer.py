@@ -16,10 +16,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
@@ -29,6 +28,9 @@ from .dlq import DeadLetterWriter
 from .jagged import Jagged, concat_features
 from .records import DEFAULT_MAX_RECORD_BYTES, LABEL_KINDS, DecodeError, Records, decode_record, label_kind_of
 from .topics import broker_reachable
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Batch", "ConsumerClosedError", "ConsumerStats", "ShardConsumer"]
 
@@ -160,6 +162,8 @@ class _Builder:
             w = np.ones(self.rows, dtype=np.float32)
             for first, wa in self.ws:
                 w[first:first + len(wa)] = wa
+        import torch  # here, not at the top: the package's other users (the joiner, the producer) never load it
+
         return Batch(x=torch.from_numpy(x), y=torch.from_numpy(y), offsets=dict(self.offsets),
                      samples=list(self.samples), produced_ts_ms=int(self.ts_ms or 0), rejected=self.rejected,
                      ids=ids, w=None if w is None else torch.from_numpy(w))
