@@ -9,6 +9,7 @@ may die without losing an acknowledged record, stopping writes, or duplicating a
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from kafka import KafkaProducer
@@ -46,31 +47,39 @@ def reliable_producer(bootstrap: str, *, client_id: str, **config: Any) -> Kafka
                          max_request_size=MAX_MESSAGE_BYTES, client_id=client_id, **config)
 
 
-def ensure_topic(bootstrap: str, topic: str, partitions: int, *, timeout_s: float = 30.0) -> int:
+def ensure_topic(bootstrap: str, topic: str, partitions: int, *, configs: dict[str, str] | None = None,
+                 timeout_s: float = 30.0) -> int:
     """Create ``topic`` with ``partitions`` partitions unless it exists; return its partition count.
 
-    A new topic is replicated as :func:`topic_replication` says for the brokers that are up. An
-    existing topic keeps its partition count (logged when it differs) and replication.
+    A new topic is replicated as :func:`topic_replication` says for the brokers that are up, with ``configs``
+    (such as ``cleanup.policy``) beside our own. An existing topic keeps its partition count (logged when it
+    differs), replication and configs. A topic the broker lists before its partitions are in the metadata (just
+    created by someone else) is read again until they are, within ``timeout_s``.
     """
     if partitions < 1:
         raise ValueError(f"partitions must be >= 1, got {partitions}")
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="streamtrain-datastream",
                              request_timeout_ms=int(timeout_s * 1000))
+    deadline = time.monotonic() + timeout_s
     try:
-        existing = admin.describe_topics([topic]) if topic in admin.list_topics() else []
-        if not existing:
+        if topic not in admin.list_topics():
             brokers = [b for b in admin.describe_cluster()["brokers"] if not b.get("is_fenced")]
-            copies, configs = topic_replication(max(1, len(brokers)))
+            copies, replication = topic_replication(max(1, len(brokers)))
             try:
                 admin.create_topics(
                     {topic: {"num_partitions": partitions, "replication_factor": copies,
-                             "configs": {"max.message.bytes": str(MAX_MESSAGE_BYTES), **configs}}},
+                             "configs": {"max.message.bytes": str(MAX_MESSAGE_BYTES), **replication,
+                                         **(configs or {})}}},
                     timeout_ms=int(timeout_s * 1000), wait_for_metadata=True)
                 logger.info("created topic %s with %d partitions, %d copies each", topic, partitions, copies)
                 return partitions
-            except TopicAlreadyExistsError:  # created concurrently by another producer
-                existing = admin.describe_topics([topic])
-        count = len(existing[0]["partitions"])
+            except TopicAlreadyExistsError:  # created concurrently by another process
+                pass
+        while not (count := len(admin.describe_topics([topic])[0]["partitions"])):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"topic {topic} is listed but has no partitions in the metadata after "
+                                   f"{timeout_s:g} s")
+            time.sleep(0.1)
         if count != partitions:
             logger.info("topic %s exists with %d partitions (asked for %d); keeping it", topic, count, partitions)
         return count

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from datastream import (
     MAX_IDS_PER_FEATURE,
@@ -31,6 +32,7 @@ from datastream import (
     encode_json_record,
     encode_msgpack_record,
     encode_shard,
+    ensure_topic,
     hash_id,
     load_source,
     parse_dlq_headers,
@@ -115,6 +117,24 @@ def test_a_shard_larger_than_a_partition_fetch_comes_whole(kafka) -> None:
     assert PARTITION_FETCH_BYTES < 784 * 4 * 2000  # each shard is larger than one fetch asks for
     assert [len(b) for b in batches] == [2000, 2000] and all(b.x.shape == (2000, 784) for b in batches)
     check_chains(batches, {0: 0}, ends)
+
+
+def test_ensure_topic_creates_with_configs_keeps_what_exists_and_waits_for_a_new_topic_s_partitions(kafka) -> None:
+    tag = time.monotonic_ns()
+    compacted, racing = f"compacted-{tag}", f"racing-{tag}"
+    assert ensure_topic(kafka.bootstrap, compacted, 2, configs={"cleanup.policy": "compact"}) == 2
+    assert ensure_topic(kafka.bootstrap, compacted, 5) == 2  # an existing topic keeps its partitions
+    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap, client_id="tests")
+    try:
+        configs = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, compacted)])
+        assert configs["topic"][compacted]["cleanup.policy"]["value"] == "compact"
+        # another process creates a topic and does not wait for its metadata: our call still sees its partitions
+        admin.create_topics({racing: {"num_partitions": 3, "replication_factor": 1}}, wait_for_metadata=False)
+        assert ensure_topic(kafka.bootstrap, racing, 1) == 3
+    finally:
+        admin.close()
+    with pytest.raises(ValueError, match="partitions must be >= 1"):
+        ensure_topic(kafka.bootstrap, compacted, 0)
 
 
 def test_offsets_after_seek_and_reassignment(kafka) -> None:

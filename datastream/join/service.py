@@ -20,17 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
-from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import InvalidProducerEpochError, KafkaError, ProducerFencedError, TopicAlreadyExistsError
+from kafka.errors import InvalidProducerEpochError, KafkaError, ProducerFencedError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from common.outage import DependencyUnavailable, Outage
 
 from ..dlq import dlq_headers
 from ..settings import JoinSettings
-from ..topics import MAX_MESSAGE_BYTES, dlq_topic, ensure_topic, topic_replication
+from ..topics import MAX_MESSAGE_BYTES, dlq_topic, ensure_topic
 from .events import Feedback, Impression, JoinDecodeError, Punctuation, decode_event
 from .state import JoinRules, Output, Source, TaskState
 
@@ -98,22 +97,6 @@ class _Task:
     last_arrival: dict[TopicPartition, float] = field(default_factory=dict)
 
 
-def _ensure_compacted(bootstrap: str, topic: str, partitions: int) -> int:
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="streamtrain-join")
-    try:
-        if topic not in admin.list_topics():
-            brokers = [b for b in admin.describe_cluster()["brokers"] if not b.get("is_fenced")]
-            copies, configs = topic_replication(max(1, len(brokers)))
-            try:
-                admin.create_topics([NewTopic(topic, partitions, copies, topic_configs={
-                    "cleanup.policy": "compact", "max.message.bytes": str(MAX_MESSAGE_BYTES), **configs})])
-            except TopicAlreadyExistsError:
-                pass
-        return len(admin.describe_topics([topic])[0]["partitions"])
-    finally:
-        admin.close()
-
-
 class Joiner(ConsumerRebalanceListener):
     """One joiner process: call :meth:`run` until ``stop`` is set."""
 
@@ -138,7 +121,7 @@ class Joiner(ConsumerRebalanceListener):
         # with as many partitions, a record goes to the partition its impression came from (its key's, when the
         # inputs were partitioned by key as kafka-python and the Java client do) rather than hashing its key again
         self._same_partitions = ensure_topic(s.bootstrap, s.topic, s.partitions or self.partitions) == self.partitions
-        got = _ensure_compacted(s.bootstrap, self.changelog, self.partitions)
+        got = ensure_topic(s.bootstrap, self.changelog, self.partitions, configs={"cleanup.policy": "compact"})
         if got != self.partitions:
             raise JoinError(f"changelog {self.changelog} has {got} partitions, the inputs {self.partitions}: it "
                             f"belongs to another join; choose another --app-id")
