@@ -97,9 +97,10 @@ class Joiner:
         return None if not found else [int(p) for p in found[-1].split(",") if p.strip()]
 
     def cleanup(self) -> None:
-        """Kill it if it still runs (a failed test)."""
+        """Kill it if it still runs (a failed test); its output file closed either way."""
         if self.proc.poll() is None:
             self.kill()
+        self._out.close()
 
 
 def read(bootstrap: str, topic: str, *, committed: bool = True) -> list[Any]:

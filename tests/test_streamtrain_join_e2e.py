@@ -53,7 +53,7 @@ def test_impressions_and_clicks_train_exactly_once_through_a_joiner_kill(tmp_pat
                                         table_staleness=4),
         trainer=replace(LOCAL_TRAINER, model=MODEL, eval_source=STREAM, batch_size=128, eval_every=1000),
         producer=None,
-        events=EventsSettings(stream=STREAM, limit=15_000, rate_per_s=1000.0, rate=3000.0, delay_mean_s=2.0,
+        events=EventsSettings(stream=STREAM, limit=15_000, rate_per_s=1000.0, rate=1000.0, delay_mean_s=2.0,
                               window_s=5.0, final_watermark_s=60.0, truth=str(truth_path), train_split=True),
         join=JoinSettings(impressions="clicks.impressions", feedback="clicks.feedback", window_s=5.0,
                           allowed_lateness_s=0.5, retain_s=120.0, negative_rate=negative_rate, instance_id="join",
