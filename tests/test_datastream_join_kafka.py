@@ -91,6 +91,13 @@ class Joiner:
         assert code == 0, text[-4000:]
         return [line for line in text.splitlines() if line.startswith("joined ")][-1]
 
+    def stacks(self) -> str:
+        """Its log with every thread's stack at its end (``kill -USR1``): what a joiner that hangs is doing."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        return self.log()[-12000:]
+
     def partitions(self) -> list[int] | None:
         """The partitions it said it joins last, or None before it said so."""
         found = re.findall(r"joining partitions \[([0-9, ]*)\]", self.log())
@@ -317,7 +324,10 @@ def test_two_joiners_split_the_partitions_and_one_killed_hands_its_own_over(kafk
             pa, pb = a.partitions(), b.partitions()
             return bool(pa) and bool(pb) and sorted((pa or []) + (pb or [])) == [0, 1, 2, 3]
 
-        wait_until(split, 90, interval_s=0.5, what="the joiners to split the partitions")
+        try:
+            wait_until(split, 90, interval_s=0.5, what="the joiners to split the partitions")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n--- a:\n{a.stacks()}\n--- b:\n{b.stacks()}") from exc
         mine = b.partitions()
         before = stable_end(kafka.bootstrap, t.train)
         wait_until(lambda: stable_end(kafka.bootstrap, t.train) > before + 200, 60, interval_s=0.2,

@@ -7,6 +7,7 @@ exactly once. Runs until SIGTERM or Ctrl-C, then commits what it joined and prin
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import signal
 import threading
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack on stderr
     try:
         joiner = Joiner(s, stop=stop)
     except JoinError as exc:

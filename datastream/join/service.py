@@ -22,7 +22,7 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.range import RangePartitionAssignor
-from kafka.errors import InvalidProducerEpochError, KafkaError, ProducerFencedError
+from kafka.errors import InvalidProducerEpochError, KafkaError, KafkaTimeoutError, ProducerFencedError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from common.outage import DependencyUnavailable, Outage
@@ -38,6 +38,15 @@ __all__ = ["JoinError", "JoinStats", "Joiner", "changelog_topic", "rules_of"]
 logger = logging.getLogger(__name__)
 
 _RESTORE_WAIT_S = 120.0  # longest wait for a dead joiner's open transaction on a changelog partition to end
+_RESTORE_CALL_MS = 15_000  # longest a restore's offset lookup may block (kafka-python's own defaults never end)
+
+
+def _position(consumer: KafkaConsumer, tp: TopicPartition) -> int:
+    """``tp``'s position, looked up for at most :data:`_RESTORE_CALL_MS`."""
+    position = consumer.position(tp, timeout_ms=_RESTORE_CALL_MS)
+    if position is None:
+        raise KafkaTimeoutError(f"no position of {tp.topic}[{tp.partition}] in {_RESTORE_CALL_MS} ms")
+    return int(position)
 
 
 class JoinError(RuntimeError):
@@ -210,7 +219,8 @@ class Joiner(ConsumerRebalanceListener):
         try:
             deadline = time.monotonic() + _RESTORE_WAIT_S
             while True:  # a dead joiner's open transaction: wait for the broker to end it
-                stable, high = reader.end_offsets(tps), raw.end_offsets(tps)
+                stable = reader.end_offsets(tps, timeout_ms=_RESTORE_CALL_MS)
+                high = raw.end_offsets(tps, timeout_ms=_RESTORE_CALL_MS)
                 if all(stable[tp] >= high[tp] for tp in tps):
                     break
                 if time.monotonic() > deadline:
@@ -218,7 +228,11 @@ class Joiner(ConsumerRebalanceListener):
                 time.sleep(0.2)
             reader.assign(tps)
             reader.seek_to_beginning(*tps)
-            while any(reader.position(tp) < stable[tp] for tp in tps):
+            deadline = time.monotonic() + _RESTORE_WAIT_S
+            while any(_position(reader, tp) < stable[tp] for tp in tps):
+                if time.monotonic() > deadline:
+                    raise KafkaTimeoutError(f"{self.changelog} {partitions} not read to {stable} in "
+                                            f"{_RESTORE_WAIT_S} s")
                 for tp, msgs in reader.poll(timeout_ms=500).items():
                     kept = records[tp.partition]
                     for m in msgs:
