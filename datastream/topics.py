@@ -14,7 +14,7 @@ from typing import Any
 
 from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError
 
 __all__ = ["MAX_MESSAGE_BYTES", "dlq_topic", "ensure_topic", "broker_reachable", "reliable_producer",
            "topic_replication"]
@@ -77,7 +77,7 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int, *, configs: dict[s
                 pass
         while not (count := len(admin.describe_topics([topic])[0]["partitions"])):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"topic {topic} is listed but has no partitions in the metadata after "
+                raise KafkaTimeoutError(f"topic {topic} is listed but has no partitions in the metadata after "
                                    f"{timeout_s:g} s")
             time.sleep(0.1)
         if count != partitions:

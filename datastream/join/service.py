@@ -37,7 +37,7 @@ __all__ = ["JoinError", "JoinStats", "Joiner", "changelog_topic", "rules_of"]
 
 logger = logging.getLogger(__name__)
 
-_RESTORE_WAIT_S = 120.0  # longest wait for a dead joiner's open transaction on a changelog partition to end
+_RESTORE_WAIT_S = 120.0  # longest a restore waits for a dead joiner's open transaction to end, then to read
 _RESTORE_CALL_MS = 15_000  # longest a restore's offset lookup may block (kafka-python's own defaults never end)
 
 
