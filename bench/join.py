@@ -449,6 +449,11 @@ def _score(redis_url: str, job: str, model: str, source: str) -> dict[str, Any]:
             "held_out": score.samples, "version": score.version}
 
 
+def _rate(value: float | None) -> str:
+    """A rate as the calibration lines print it; ``none`` when the replica had scored nothing."""
+    return "none" if value is None else f"{value:.4f}"
+
+
 def calibration(records: int, negative_rate: float, workdir: Path) -> dict[str, Any]:
     """``up --example clicks --negative-rate R --max-records N`` as a LocalCluster. Mid-stream (once 70 % of the
     impressions are joined) the held-out impressions are scored from Redis and sent, labelled, to the replica,
@@ -497,7 +502,8 @@ def calibration(records: int, negative_rate: float, workdir: Path) -> dict[str, 
            "written": join["joined"] - join["negatives_dropped"], "mid_stream": mid, "end": end}
     print(f"calibration, negative rate {negative_rate:g}: {out['written']:,} of {out['joined']:,} joined impressions "
           f"written; mid-stream: AUC {mid['auc']:.4f}, mean predicted {mid['mean_predicted']:.4f} against observed "
-          f"{mid['observed_rate']:.4f} (served: {mid['served_mean_predicted']} against {mid['served_observed_rate']}); "
+          f"{mid['observed_rate']:.4f} (served: {_rate(mid['served_mean_predicted'])} against "
+          f"{_rate(mid['served_observed_rate'])}); "
           f"at the end: AUC {end['auc']:.4f}, mean predicted {end['mean_predicted']:.4f}")
     return out
 
